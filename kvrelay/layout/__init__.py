@@ -1,0 +1,32 @@
+"""The unified page layout (DESIGN.md section 3): specs, rectangles, page keys."""
+
+from kvrelay.layout.keys import page_keys, tokens_as_uint32
+from kvrelay.layout.parallel import (
+    ParallelConfig,
+    Rectangle,
+    page_writers,
+    rank_rectangle,
+    stage_layers,
+)
+from kvrelay.layout.spec import (
+    ATTENTION_KINDS,
+    KV_DTYPE_ITEMSIZE,
+    LAYOUT_VERSION,
+    LayoutError,
+    ModelKVSpec,
+)
+
+__all__ = [
+    "ATTENTION_KINDS",
+    "KV_DTYPE_ITEMSIZE",
+    "LAYOUT_VERSION",
+    "LayoutError",
+    "ModelKVSpec",
+    "ParallelConfig",
+    "Rectangle",
+    "page_keys",
+    "page_writers",
+    "rank_rectangle",
+    "stage_layers",
+    "tokens_as_uint32",
+]

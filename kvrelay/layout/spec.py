@@ -1,0 +1,187 @@
+"""What a model's KV cache looks like, independent of how it is parallelised.
+
+A `ModelKVSpec` fixes the unified page layout of DESIGN.md section 3:
+
+    page[head][layer] = K[token][k_head_dim] ++ V[token][v_head_dim]
+
+in C order and the KV cache dtype, heads outermost so that a TP rank's share of
+a page is one contiguous byte run. Everything that changes those bytes is part
+of the spec and of its namespace digest; nothing about parallelism is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import msgpack
+
+# Bumped whenever the byte layout of a page object changes; part of every
+# namespace, so pages of an older layout are misses, never misread.
+LAYOUT_VERSION = 1
+
+# KV cache dtype name -> bytes per element. fp8 formats are stored and moved as
+# raw bytes; the layout never interprets them.
+KV_DTYPE_ITEMSIZE: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "uint8": 1,
+}
+
+ATTENTION_KINDS = ("mha", "mla")
+
+DIGEST_BYTES = 32
+
+
+class LayoutError(ValueError):
+    """A spec, parallel config or rectangle that cannot describe a valid layout."""
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise LayoutError(f"{name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelKVSpec:
+    """Identity and geometry of one model's KV cache pages.
+
+    `num_kv_heads` is the model's global KV head count (GQA: fewer than the
+    query heads). MLA models have one latent "head" whose block holds the latent
+    and rope parts concatenated in `k_head_dim`, and no V (`v_head_dim == 0`).
+    A draft (MTP) model's spec carries `target_namespace`, the namespace of the
+    target it drafts for, since its KV depends on the target's hidden states.
+    """
+
+    model_id: str
+    weights_fingerprint: str
+    num_layers: int
+    num_kv_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    kv_dtype: str
+    attention_kind: str = "mha"
+    page_size: int = 64
+    salt: str = ""
+    target_namespace: bytes | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_id, str) or not self.model_id:
+            raise LayoutError("model_id must be a non-empty string")
+        if not isinstance(self.weights_fingerprint, str):
+            raise LayoutError("weights_fingerprint must be a string")
+        if not isinstance(self.salt, str):
+            raise LayoutError("salt must be a string")
+        for name in ("num_layers", "num_kv_heads", "k_head_dim", "page_size"):
+            _positive(name, getattr(self, name))
+        if self.kv_dtype not in KV_DTYPE_ITEMSIZE:
+            raise LayoutError(
+                f"kv_dtype {self.kv_dtype!r} is not one of {sorted(KV_DTYPE_ITEMSIZE)}"
+            )
+        if self.attention_kind not in ATTENTION_KINDS:
+            raise LayoutError(f"attention_kind must be one of {ATTENTION_KINDS}")
+        if self.attention_kind == "mla":
+            if self.num_kv_heads != 1 or self.v_head_dim != 0:
+                raise LayoutError("an MLA spec has num_kv_heads == 1 and v_head_dim == 0")
+        else:
+            _positive("v_head_dim", self.v_head_dim)
+        if self.target_namespace is not None and (
+            not isinstance(self.target_namespace, bytes)
+            or len(self.target_namespace) != DIGEST_BYTES
+        ):
+            raise LayoutError("target_namespace must be a 32-byte digest")
+
+    # -- geometry ---------------------------------------------------------
+    @property
+    def itemsize(self) -> int:
+        return KV_DTYPE_ITEMSIZE[self.kv_dtype]
+
+    @property
+    def k_row_bytes(self) -> int:
+        """Bytes of one token's K (or MLA latent) for one head."""
+        return self.k_head_dim * self.itemsize
+
+    @property
+    def v_row_bytes(self) -> int:
+        return self.v_head_dim * self.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one (head, layer) block: all tokens' K then all tokens' V."""
+        return self.page_size * (self.k_row_bytes + self.v_row_bytes)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.num_kv_heads * self.num_layers * self.block_bytes
+
+    def block_offset(self, head: int, layer: int) -> int:
+        """Byte offset of block (head, layer) inside a page object."""
+        if not (0 <= head < self.num_kv_heads and 0 <= layer < self.num_layers):
+            raise LayoutError(f"block ({head}, {layer}) outside the page")
+        return (head * self.num_layers + layer) * self.block_bytes
+
+    # -- identity ---------------------------------------------------------
+    def identity_fields(self) -> dict[str, object]:
+        """The fields hashed into the namespace, in a fixed order."""
+        fields: dict[str, object] = {
+            "layout_version": LAYOUT_VERSION,
+            "model_id": self.model_id,
+            "weights_fingerprint": self.weights_fingerprint,
+            "kv_dtype": self.kv_dtype,
+            "page_size": self.page_size,
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "k_head_dim": self.k_head_dim,
+            "v_head_dim": self.v_head_dim,
+            "attention_kind": self.attention_kind,
+            "salt": self.salt,
+        }
+        if self.target_namespace is not None:
+            fields["target_namespace"] = self.target_namespace
+        return fields
+
+    def namespace(self) -> bytes:
+        """sha256 of the msgpack of the identity fields: the root of every key chain."""
+        packed = msgpack.packb(self.identity_fields(), use_bin_type=True)
+        return hashlib.sha256(packed).digest()
+
+    def page_keys(self, tokens, parent: bytes | None = None) -> list[bytes]:
+        """Keys of the full pages of `tokens` (see `kvrelay.layout.keys.page_keys`)."""
+        from kvrelay.layout.keys import page_keys
+
+        return page_keys(self.namespace() if parent is None else parent, tokens, self.page_size)
+
+    def draft_spec(
+        self,
+        *,
+        model_id: str,
+        weights_fingerprint: str,
+        num_layers: int,
+        num_kv_heads: int,
+        k_head_dim: int,
+        v_head_dim: int,
+        kv_dtype: str | None = None,
+        attention_kind: str = "mha",
+    ) -> ModelKVSpec:
+        """Spec of a draft (MTP) model whose pages ride beside this target's.
+
+        Page size and tenant salt are the target's: draft pages are keyed by
+        the same token chain, rooted at a namespace derived from the target's.
+        """
+        return ModelKVSpec(
+            model_id=model_id,
+            weights_fingerprint=weights_fingerprint,
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            k_head_dim=k_head_dim,
+            v_head_dim=v_head_dim,
+            kv_dtype=self.kv_dtype if kv_dtype is None else kv_dtype,
+            attention_kind=attention_kind,
+            page_size=self.page_size,
+            salt=self.salt,
+            target_namespace=self.namespace(),
+        )

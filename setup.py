@@ -1,0 +1,74 @@
+"""Builds kvrelay and its compiled module kvrelay._C.
+
+Install with `pip install --no-build-isolation -e .` so the build uses the torch
+already installed (an isolated build would fetch another torch). The CUDA
+sources are compiled when torch has CUDA and a CUDA toolkit is found; set
+KVRELAY_NO_CUDA=1 to build the CPU ops only.
+"""
+
+import os
+from pathlib import Path
+
+from setuptools import find_packages, setup
+from torch.utils import cpp_extension
+
+ROOT = Path(__file__).parent
+CSRC = Path("kvrelay/cuda_ext/csrc")
+
+
+class IncrementalBuildExt(cpp_extension.BuildExtension):
+    """Keeps ninja's objects in build/temp, also under `pip install -e`, whose
+    own temporary build folder would otherwise recompile every source on every
+    install; a re-install then recompiles only the sources that changed."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, use_ninja=True, **kwargs)
+
+    def finalize_options(self):
+        super().finalize_options()
+        self.build_temp = str(ROOT / "build" / "temp")
+
+
+def want_cuda() -> bool:
+    if os.environ.get("KVRELAY_NO_CUDA") == "1":
+        return False
+    import torch
+
+    return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+
+
+def extensions():
+    sources = [str(CSRC / "bindings.cpp"), str(CSRC / "page_copy_cpu.cpp")]
+    cxx_flags = ["-O3", "-std=c++20", "-Wall", "-Wno-unused-function"]
+    kwargs = {"include_dirs": [str(ROOT / CSRC)]}
+    if want_cuda():
+        sources.append(str(CSRC / "page_copy_cuda.cu"))
+        return [
+            cpp_extension.CUDAExtension(
+                "kvrelay._C",
+                sources,
+                define_macros=[("KVRELAY_WITH_CUDA", None)],
+                extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17"]},
+                **kwargs,
+            )
+        ]
+    return [
+        cpp_extension.CppExtension(
+            "kvrelay._C", sources, extra_compile_args={"cxx": cxx_flags}, **kwargs
+        )
+    ]
+
+
+setup(
+    name="kvrelay",
+    version="0.1.0",
+    description="Move and reuse LLM KV cache across prefill, decode and a shared cache tier",
+    long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["kvrelay", "kvrelay.*"]),
+    install_requires=["torch>=2.4", "numpy", "numba", "msgpack"],
+    ext_modules=extensions(),
+    cmdclass={"build_ext": IncrementalBuildExt},
+    entry_points={"console_scripts": ["kvrelay=kvrelay.cli:main"]},
+)
