@@ -1,0 +1,56 @@
+# Two commands: `make test` sets everything up (venv, torch, dependencies,
+# the compiled module) and runs the suite; a second run reuses the venv and
+# rebuilds only what changed.
+PYTHON ?= python3
+VENV ?= .venv
+# CPU torch by default; GPU users pass e.g. TORCH_SPEC='torch==2.13.0' with a CUDA index.
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip -q --disable-pip-version-check
+EXT_SOURCES := $(wildcard kvrelay/cuda_ext/csrc/*)
+NVCC ?= nvcc
+
+.PHONY: setup test test-numba lint cuda-check bench clean
+
+setup: $(VENV)/.ext-stamp
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.deps-stamp: requirements-dev.txt | $(PY)
+	$(PIP) install "$(TORCH_SPEC)"
+	$(PIP) install -r requirements-dev.txt
+	touch $@
+
+# pip's editable install compiles kvrelay._C; setup.py keeps ninja's objects in
+# build/temp, so only changed sources are recompiled.
+$(VENV)/.ext-stamp: $(VENV)/.deps-stamp setup.py pyproject.toml $(EXT_SOURCES)
+	$(PIP) install --no-build-isolation -e .
+	touch $@
+
+lint: $(VENV)/.deps-stamp
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: setup lint
+	$(PY) -m pytest
+	$(MAKE) --no-print-directory test-numba
+
+# The same op tests through the numba fallback, as when the extension is absent.
+test-numba: setup
+	KVRELAY_NO_EXT=1 $(PY) -m pytest -q tests/cuda_ext
+
+# Compiles the CUDA source alone, so it cannot rot on machines without a GPU.
+cuda-check:
+	@if command -v $(NVCC) >/dev/null 2>&1; then \
+	  $(NVCC) -c -std=c++17 -O3 -DKVRELAY_WITH_CUDA -Ikvrelay/cuda_ext/csrc \
+	    -gencode arch=compute_90,code=sm_90 \
+	    kvrelay/cuda_ext/csrc/page_copy_cuda.cu -o build/page_copy_cuda.o && \
+	  echo "cuda-check: page_copy_cuda.cu compiles with $$($(NVCC) --version | tail -1)"; \
+	else echo "cuda-check: no nvcc on PATH, skipped"; fi
+
+bench: setup
+	$(VENV)/bin/kvrelay bench layout --json bench-layout.json
+
+clean:
+	rm -rf build kvrelay/*.so .pytest_cache .hypothesis

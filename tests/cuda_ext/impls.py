@@ -1,0 +1,59 @@
+"""The implementations of gather/scatter_pages under test, and pool builders."""
+
+import os
+
+import pytest
+import torch
+
+import kvrelay.cuda_ext as ops
+from kvrelay.cuda_ext import numba_ref, torch_ref
+from kvrelay.cuda_ext.backend import compiled_module
+
+NO_EXT = os.environ.get("KVRELAY_NO_EXT") == "1"
+
+
+def compiled():
+    if NO_EXT:
+        pytest.skip("KVRELAY_NO_EXT=1: the compiled module is not under test")
+    module = compiled_module()
+    assert module is not None, "kvrelay._C is not built: run `make setup`"
+    return module
+
+
+class Dispatch:
+    """kvrelay.cuda_ext's public functions, positional like the others."""
+
+    @staticmethod
+    def gather_pages(k, v, pages, ids, slots, ph, pl, phs, pls, poolh, nh):
+        ops.gather_pages(k, v, pages, ids, slots, page_heads=ph, page_layers=pl,
+                         page_head_start=phs, page_layer_start=pls, pool_head_start=poolh,
+                         num_heads=nh)  # fmt: skip
+
+    @staticmethod
+    def scatter_pages(k, v, pages, ids, slots, ph, pl, phs, pls, poolh, nh):
+        ops.scatter_pages(k, v, pages, ids, slots, page_heads=ph, page_layers=pl,
+                          page_head_start=phs, page_layer_start=pls, pool_head_start=poolh,
+                          num_heads=nh)  # fmt: skip
+
+
+IMPLS = {
+    "cpp": compiled,
+    "numba": lambda: numba_ref,
+    "dispatch": lambda: Dispatch,
+    "torch": lambda: torch_ref,
+}
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp8-as-uint8": torch.uint8,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
+
+
+def random_pool(gen, num_slots, heads, dim, dtype, layers):
+    """Per-layer [num_slots, heads, dim] tensors of random bits (any dtype, NaNs included)."""
+    shape = (num_slots, heads, dim * dtype.itemsize)
+    return [torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).view(dtype)
+            for _ in range(layers)]  # fmt: skip

@@ -1,0 +1,215 @@
+"""gather/scatter_pages: every implementation against the torch-indexing oracle, bit for bit."""
+
+import zlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kvrelay.cuda_ext import slot_mapping_from_block_table, torch_ref
+from tests.cuda_ext.impls import DTYPES, IMPLS, random_pool
+
+IMPL_NAMES = ["cpp", "numba", "dispatch"]
+PAGE_SIZES = [(1, 16), (16, 16), (64, 16), (1, 64), (16, 64), (64, 64)]  # (engine, unified)
+
+
+@dataclass
+class Case:
+    """A request's pages in a randomly fragmented engine pool, and a rectangle to move."""
+
+    k: list
+    v: list
+    slots: torch.Tensor
+    page_ids: torch.Tensor
+    arena_pages: int
+    page_heads: int
+    page_layers: int
+    page_head_start: int
+    page_layer_start: int
+    pool_head_start: int
+    num_heads: int
+
+    def args(self, pages):
+        return (self.k, self.v, pages, self.page_ids, self.slots, self.page_heads,
+                self.page_layers, self.page_head_start, self.page_layer_start,
+                self.pool_head_start, self.num_heads)  # fmt: skip
+
+    def page_bytes(self):
+        rows = self.k[0].size(2) * self.k[0].element_size()
+        if self.v:
+            rows += self.v[0].size(2) * self.v[0].element_size()
+        return self.page_heads * self.page_layers * self.slots.size(1) * rows
+
+    def new_pages(self, gen):
+        return torch.randint(0, 256, (self.arena_pages, self.page_bytes()), dtype=torch.uint8,
+                             generator=gen)  # fmt: skip
+
+
+def make_case(seed, dtype=torch.bfloat16, engine_page=16, page_size=16, num_tokens=None,
+              pool_heads=4, k_dim=8, v_dim=8, layers=3, rect="full"):  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens = num_tokens or 3 * page_size - 5  # a partial last page
+    engine_pages = -(-num_tokens // engine_page) + 7
+    num_slots = engine_pages * engine_page
+    block_table = torch.randperm(engine_pages, generator=gen)
+    slots = slot_mapping_from_block_table(block_table, engine_page, num_tokens, page_size)
+    k = random_pool(gen, num_slots, pool_heads, k_dim, dtype, layers)
+    v = random_pool(gen, num_slots, pool_heads, v_dim, dtype, layers) if v_dim else []
+    num_pages = slots.size(0)
+    arena_pages = num_pages + 4
+    page_ids = torch.randperm(arena_pages, generator=gen)[:num_pages]
+    if rect == "full":
+        geometry = (pool_heads, layers, 0, 0, 0, pool_heads)
+    else:
+        # This pool is one TP shard: heads [1, 3) of its 4 go to heads [5, 7) of
+        # an 8-head page, layers to [2, 5) of a 6-layer page.
+        geometry = (8, layers + 3, 5, 2, 1, 2)
+    return Case(k, v, slots, page_ids, arena_pages, *geometry)
+
+
+def check_gather(impl_name, case, seed=0):
+    impl = IMPLS[impl_name]()
+    gen = torch.Generator().manual_seed(seed)
+    start = case.new_pages(gen)
+    want, got = start.clone(), start.clone()
+    torch_ref.gather_pages(*case.args(want))
+    impl.gather_pages(*case.args(got))
+    assert torch.equal(got, want)
+    assert not torch.equal(want, start)  # the oracle did move bytes
+
+
+def check_scatter(impl_name, case, seed=0):
+    impl = IMPLS[impl_name]()
+    gen = torch.Generator().manual_seed(seed)
+    pages = case.new_pages(gen)
+    base_k = [t.clone() for t in case.k]
+    base_v = [t.clone() for t in case.v]
+
+    def run(fn):
+        case.k[:] = [t.clone() for t in base_k]
+        case.v[:] = [t.clone() for t in base_v]
+        fn(*case.args(pages))
+        return [t.view(torch.uint8).clone() for t in case.k + case.v]
+
+    want = run(torch_ref.scatter_pages)
+    got = run(impl.scatter_pages)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert not all(torch.equal(a, b.view(torch.uint8)) for a, b in zip(want, base_k + base_v,
+                                                                        strict=True))  # fmt: skip
+
+
+@pytest.mark.parametrize("impl", IMPL_NAMES)
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize(("engine_page", "page_size"), PAGE_SIZES)
+def test_gather_and_scatter_match_the_oracle(impl, dtype, engine_page, page_size):
+    seed = zlib.crc32(f"{dtype}/{engine_page}/{page_size}".encode())
+    case = make_case(seed, DTYPES[dtype], engine_page, page_size)
+    check_gather(impl, case, seed)
+    check_scatter(impl, case, seed)
+
+
+@pytest.mark.parametrize("impl", IMPL_NAMES)
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8-as-uint8"])
+@pytest.mark.parametrize(("engine_page", "page_size"), [(1, 16), (16, 64)])
+def test_partial_rectangle(impl, dtype, engine_page, page_size):
+    case = make_case(7, DTYPES[dtype], engine_page, page_size, rect="partial")
+    check_gather(impl, case)
+    check_scatter(impl, case)
+
+
+@pytest.mark.parametrize("impl", IMPL_NAMES)
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8-as-uint8"])
+@pytest.mark.parametrize(("engine_page", "page_size"), [(1, 64), (64, 16)])
+def test_mla_has_one_head_and_no_v(impl, dtype, engine_page, page_size):
+    # DeepSeek-style latent: 512 + 64 rope dims in one row, no V tensor.
+    case = make_case(11, DTYPES[dtype], engine_page, page_size, pool_heads=1, k_dim=576,
+                     v_dim=0)  # fmt: skip
+    check_gather(impl, case)
+    check_scatter(impl, case)
+
+
+@pytest.mark.parametrize("impl", IMPL_NAMES)
+def test_k_and_v_head_dims_may_differ_and_rows_of_odd_size(impl):
+    case = make_case(3, torch.float16, 16, 16, k_dim=24, v_dim=5)
+    check_gather(impl, case)
+    check_scatter(impl, case)
+
+
+@pytest.mark.parametrize("impl", ["cpp", "dispatch"])
+def test_more_layers_than_one_launch(impl):
+    # kMaxLayersPerLaunch is 128: the compiled op splits the call in chunks.
+    case = make_case(5, torch.float16, 16, 16, pool_heads=1, k_dim=2, v_dim=2, layers=131)
+    check_gather(impl, case)
+    check_scatter(impl, case)
+
+
+@pytest.mark.parametrize("impl", IMPL_NAMES)
+def test_strided_pools_and_padded_arena_rows(impl):
+    """Head-major pools (slot stride = head_dim) and arena rows with padding."""
+    gen = torch.Generator().manual_seed(9)
+    heads, slots_n, dim, layers, page_size = 3, 80, 4, 2, 16
+    # Stored [heads, slots, dim]; viewed [slots, heads, dim] with non-standard strides.
+    k = [torch.randn(heads, slots_n, dim, generator=gen).transpose(0, 1) for _ in range(layers)]
+    v = [torch.randn(heads, slots_n, dim, generator=gen).transpose(0, 1) for _ in range(layers)]
+    slots = torch.randperm(slots_n, generator=gen)[: 2 * page_size].view(2, page_size).clone()
+    page_bytes = heads * layers * page_size * 2 * dim * 4
+    wide = torch.zeros(3, page_bytes + 40, dtype=torch.uint8)
+    want, got = wide.clone(), wide.clone()
+    ids = torch.tensor([2, 0])
+    args = (k, v, None, ids, slots, heads, layers, 0, 0, 0, heads)
+
+    def with_pages(pages):
+        return (*args[:2], pages[:, :page_bytes], *args[3:])
+
+    torch_ref.gather_pages(*with_pages(want))
+    IMPLS[impl]().gather_pages(*with_pages(got))
+    assert torch.equal(got, want) and want[:, page_bytes:].eq(0).all()
+    k2 = [torch.zeros(heads, slots_n, dim).transpose(0, 1) for _ in range(layers)]
+    v2 = [torch.zeros(heads, slots_n, dim).transpose(0, 1) for _ in range(layers)]
+    IMPLS[impl]().scatter_pages(k2, v2, got[:, :page_bytes], *args[3:])
+    used = slots.flatten()
+    assert all(torch.equal(a[used], b[used]) for a, b in zip(k + v, k2 + v2, strict=True))
+
+
+@pytest.mark.parametrize("impl", IMPL_NAMES)
+def test_empty_request_is_a_no_op(impl):
+    case = make_case(1)
+    case.page_ids = case.page_ids[:0]
+    case.slots = case.slots[:0]
+    pages = case.new_pages(torch.Generator().manual_seed(0))
+    before = pages.clone()
+    IMPLS[impl]().gather_pages(*case.args(pages))
+    assert torch.equal(pages, before)
+
+
+def test_slot_mapping_from_block_table():
+    table = torch.tensor([5, 2, 7])
+    got = slot_mapping_from_block_table(table, 4, 10, 8)
+    expect = [table[i // 4].item() * 4 + i % 4 for i in range(10)] + [-1] * 6
+    assert got.tolist() == [expect[:8], expect[8:]]
+    with pytest.raises(ValueError, match="need 3"):
+        slot_mapping_from_block_table(table[:2], 4, 10, 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8-as-uint8", "float32"])
+@pytest.mark.parametrize("rect", ["full", "partial"])
+def test_cuda_matches_the_oracle(dtype, rect):
+    case = make_case(2, DTYPES[dtype], 16, 64, rect=rect)
+    gen = torch.Generator().manual_seed(0)
+    pages = case.new_pages(gen)
+    want = pages.clone()
+    torch_ref.gather_pages(*case.args(want))
+    cuda = Case(**{f: getattr(case, f) for f in case.__dataclass_fields__})
+    cuda.k = [t.cuda() for t in case.k]
+    cuda.v = [t.cuda() for t in case.v]
+    cuda.slots, cuda.page_ids = case.slots.cuda(), case.page_ids.cuda()
+    got = pages.cuda()
+    IMPLS["cpp"]().gather_pages(*cuda.args(got))
+    assert torch.equal(got.cpu(), want)
+    for t in cuda.k + cuda.v:
+        t.zero_()
+    IMPLS["cpp"]().scatter_pages(*cuda.args(got))
+    used = case.slots[case.slots >= 0]
+    for a, b in zip(case.k + case.v, cuda.k + cuda.v, strict=True):
+        assert torch.equal(a[used].view(torch.uint8), b.cpu()[used].view(torch.uint8))
