@@ -19,6 +19,8 @@ def _load() -> tuple[str, ModuleType]:
         reason = "KVRELAY_NO_EXT=1"
     else:
         try:
+            import torch  # noqa: F401  (loads libc10/libtorch, which _C links against)
+
             from kvrelay import _C
 
             return "cpp", _C
@@ -36,6 +38,8 @@ BACKEND_NAME, BACKEND = _load()
 def compiled_module() -> ModuleType | None:
     """kvrelay._C when it can be imported, whatever the selected backend."""
     try:
+        import torch  # noqa: F401
+
         from kvrelay import _C
     except ImportError:
         return None

@@ -25,15 +25,35 @@ class Dispatch:
 
     @staticmethod
     def gather_pages(k, v, pages, ids, slots, ph, pl, phs, pls, poolh, nh):
-        ops.gather_pages(k, v, pages, ids, slots, page_heads=ph, page_layers=pl,
-                         page_head_start=phs, page_layer_start=pls, pool_head_start=poolh,
-                         num_heads=nh)  # fmt: skip
+        ops.gather_pages(
+            k,
+            v,
+            pages,
+            ids,
+            slots,
+            page_heads=ph,
+            page_layers=pl,
+            page_head_start=phs,
+            page_layer_start=pls,
+            pool_head_start=poolh,
+            num_heads=nh,
+        )
 
     @staticmethod
     def scatter_pages(k, v, pages, ids, slots, ph, pl, phs, pls, poolh, nh):
-        ops.scatter_pages(k, v, pages, ids, slots, page_heads=ph, page_layers=pl,
-                          page_head_start=phs, page_layer_start=pls, pool_head_start=poolh,
-                          num_heads=nh)  # fmt: skip
+        ops.scatter_pages(
+            k,
+            v,
+            pages,
+            ids,
+            slots,
+            page_heads=ph,
+            page_layers=pl,
+            page_head_start=phs,
+            page_layer_start=pls,
+            pool_head_start=poolh,
+            num_heads=nh,
+        )
 
 
 IMPLS = {
@@ -55,5 +75,7 @@ DTYPES = {
 def random_pool(gen, num_slots, heads, dim, dtype, layers):
     """Per-layer [num_slots, heads, dim] tensors of random bits (any dtype, NaNs included)."""
     shape = (num_slots, heads, dim * dtype.itemsize)
-    return [torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).view(dtype)
-            for _ in range(layers)]  # fmt: skip
+    return [
+        torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).view(dtype)
+        for _ in range(layers)
+    ]

@@ -15,8 +15,9 @@ def good_call():
     pages = torch.zeros(3, H * L * PS * (KD + VD) * 4, dtype=torch.uint8)
     ids = torch.tensor([2, 0])
     slots = torch.arange(8).view(2, PS)
-    return dict(k=k, v=v, pages=pages, ids=ids, slots=slots, ph=H, pl=L, phs=0, pls=0,
-                poolh=0, nh=H)  # fmt: skip
+    return dict(
+        k=k, v=v, pages=pages, ids=ids, slots=slots, ph=H, pl=L, phs=0, pls=0, poolh=0, nh=H
+    )
 
 
 def set_(key, value):
@@ -28,22 +29,33 @@ BAD = {
     "pages 1-D": (set_("pages", lambda c: c["pages"].flatten()), ValueError, "page_bytes"),
     "pages row size": (set_("pages", lambda c: c["pages"][:, :-4]), ValueError, "bytes"),
     "slot past pool": (set_("slots", lambda c: c["slots"] + SLOTS - 4), IndexError, "slot_mapping"),
-    "slot below -1": (set_("slots", torch.tensor([[0, 1, 2, -2], [3, 4, 5, 6]])), IndexError,
-                      "slot_mapping"),  # fmt: skip
+    "slot below -1": (
+        set_("slots", torch.tensor([[0, 1, 2, -2], [3, 4, 5, 6]])),
+        IndexError,
+        "slot_mapping",
+    ),
     "page id past arena": (set_("ids", torch.tensor([3, 0])), IndexError, "page_ids"),
     "negative page id": (set_("ids", torch.tensor([-1, 0])), IndexError, "page_ids"),
     "slots int32": (set_("slots", lambda c: c["slots"].int()), TypeError, "int64"),
     "page ids int32": (set_("ids", lambda c: c["ids"].int()), TypeError, "int64"),
-    "slots not contiguous": (set_("slots", torch.arange(16).view(4, 4).t()[:2]), ValueError,
-                             "contiguous"),  # fmt: skip
+    "slots not contiguous": (
+        set_("slots", torch.arange(16).view(4, 4).t()[:2]),
+        ValueError,
+        "contiguous",
+    ),
     "slots rows != pages": (set_("slots", torch.arange(12).view(3, PS)), ValueError, "pages"),
     "layer 2-D": (set_("k", lambda c: [t.flatten(1) for t in c["k"]]), ValueError, "head_dim"),
     "K/V dtypes differ": (set_("v", lambda c: [t.double() for t in c["v"]]), TypeError, "dtype"),
     "head_dim not contiguous": (
         set_("k", lambda c: [torch.randn(SLOTS, KD, H).transpose(1, 2) for _ in range(L)]),
-        ValueError, "contiguous"),  # fmt: skip
-    "layers differ": (set_("k", lambda c: [c["k"][0], torch.randn(SLOTS + 1, H, KD)]),
-                      ValueError, "unlike"),  # fmt: skip
+        ValueError,
+        "contiguous",
+    ),
+    "layers differ": (
+        set_("k", lambda c: [c["k"][0], torch.randn(SLOTS + 1, H, KD)]),
+        ValueError,
+        "unlike",
+    ),
     "V layer count": (set_("v", lambda c: c["v"][:1]), ValueError, "layers"),
     "no layers": (lambda c: c.update(k=[], v=[]), ValueError, "empty"),
     "heads outside page": (set_("phs", 1), IndexError, "heads"),
@@ -56,8 +68,19 @@ BAD = {
 
 def call(impl, c, op):
     fn = getattr(impl, op)
-    fn(c["k"], c["v"], c["pages"], c["ids"], c["slots"], c["ph"], c["pl"], c["phs"], c["pls"],
-       c["poolh"], c["nh"])  # fmt: skip
+    fn(
+        c["k"],
+        c["v"],
+        c["pages"],
+        c["ids"],
+        c["slots"],
+        c["ph"],
+        c["pl"],
+        c["phs"],
+        c["pls"],
+        c["poolh"],
+        c["nh"],
+    )
 
 
 @pytest.mark.parametrize("impl", sorted(IMPLS))

@@ -30,9 +30,19 @@ class Case:
     num_heads: int
 
     def args(self, pages):
-        return (self.k, self.v, pages, self.page_ids, self.slots, self.page_heads,
-                self.page_layers, self.page_head_start, self.page_layer_start,
-                self.pool_head_start, self.num_heads)  # fmt: skip
+        return (
+            self.k,
+            self.v,
+            pages,
+            self.page_ids,
+            self.slots,
+            self.page_heads,
+            self.page_layers,
+            self.page_head_start,
+            self.page_layer_start,
+            self.pool_head_start,
+            self.num_heads,
+        )
 
     def page_bytes(self):
         rows = self.k[0].size(2) * self.k[0].element_size()
@@ -41,12 +51,23 @@ class Case:
         return self.page_heads * self.page_layers * self.slots.size(1) * rows
 
     def new_pages(self, gen):
-        return torch.randint(0, 256, (self.arena_pages, self.page_bytes()), dtype=torch.uint8,
-                             generator=gen)  # fmt: skip
+        return torch.randint(
+            0, 256, (self.arena_pages, self.page_bytes()), dtype=torch.uint8, generator=gen
+        )
 
 
-def make_case(seed, dtype=torch.bfloat16, engine_page=16, page_size=16, num_tokens=None,
-              pool_heads=4, k_dim=8, v_dim=8, layers=3, rect="full"):  # fmt: skip
+def make_case(
+    seed,
+    dtype=torch.bfloat16,
+    engine_page=16,
+    page_size=16,
+    num_tokens=None,
+    pool_heads=4,
+    k_dim=8,
+    v_dim=8,
+    layers=3,
+    rect="full",
+):
     gen = torch.Generator().manual_seed(seed)
     num_tokens = num_tokens or 3 * page_size - 5  # a partial last page
     engine_pages = -(-num_tokens // engine_page) + 7
@@ -94,8 +115,9 @@ def check_scatter(impl_name, case, seed=0):
     want = run(torch_ref.scatter_pages)
     got = run(impl.scatter_pages)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    assert not all(torch.equal(a, b.view(torch.uint8)) for a, b in zip(want, base_k + base_v,
-                                                                        strict=True))  # fmt: skip
+    assert not all(
+        torch.equal(a, b.view(torch.uint8)) for a, b in zip(want, base_k + base_v, strict=True)
+    )
 
 
 @pytest.mark.parametrize("impl", IMPL_NAMES)
@@ -122,8 +144,7 @@ def test_partial_rectangle(impl, dtype, engine_page, page_size):
 @pytest.mark.parametrize(("engine_page", "page_size"), [(1, 64), (64, 16)])
 def test_mla_has_one_head_and_no_v(impl, dtype, engine_page, page_size):
     # DeepSeek-style latent: 512 + 64 rope dims in one row, no V tensor.
-    case = make_case(11, DTYPES[dtype], engine_page, page_size, pool_heads=1, k_dim=576,
-                     v_dim=0)  # fmt: skip
+    case = make_case(11, DTYPES[dtype], engine_page, page_size, pool_heads=1, k_dim=576, v_dim=0)
     check_gather(impl, case)
     check_scatter(impl, case)
 
@@ -213,3 +234,27 @@ def test_cuda_matches_the_oracle(dtype, rect):
     used = case.slots[case.slots >= 0]
     for a, b in zip(case.k + case.v, cuda.k + cuda.v, strict=True):
         assert torch.equal(a[used].view(torch.uint8), b.cpu()[used].view(torch.uint8))
+
+
+@pytest.mark.parametrize("k_dim", [128, 100])  # 100 bf16 = 200-byte rows: no streaming stores
+def test_large_call_takes_the_threaded_and_streaming_paths(k_dim):
+    """Over 16 MiB the compiled op splits pages over threads and streams its stores."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        case = make_case(
+            13,
+            torch.bfloat16,
+            16,
+            64,
+            num_tokens=2048 - 7,
+            pool_heads=8,
+            k_dim=k_dim,
+            v_dim=128,
+            layers=4,
+        )
+        assert case.page_bytes() * case.slots.size(0) > 16 << 20
+        check_gather("dispatch", case)
+        check_scatter("dispatch", case)
+    finally:
+        torch.set_num_threads(previous)

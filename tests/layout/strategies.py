@@ -1,5 +1,7 @@
 """Hypothesis strategies for model KV specs and parallel configs that can run them."""
 
+import itertools
+
 from hypothesis import strategies as st
 
 from kvrelay.layout import KV_DTYPE_ITEMSIZE, ModelKVSpec, ParallelConfig
@@ -34,9 +36,10 @@ def parallel_configs(draw, spec: ModelKVSpec):
     split = None
     if pp > 1 and draw(st.booleans()):
         # A random uneven split: pp - 1 distinct cut points among the layers.
-        cuts = sorted(draw(st.sets(st.integers(1, spec.num_layers - 1), min_size=pp - 1,
-                                   max_size=pp - 1)))  # fmt: skip
+        cuts = sorted(
+            draw(st.sets(st.integers(1, spec.num_layers - 1), min_size=pp - 1, max_size=pp - 1))
+        )
         bounds = [0, *cuts, spec.num_layers]
-        split = tuple(b - a for a, b in zip(bounds, bounds[1:], strict=False))
+        split = tuple(b - a for a, b in itertools.pairwise(bounds))
     cp = draw(st.integers(1, 3))
     return ParallelConfig(tp=tp, pp=pp, cp=cp, pp_layer_split=split)

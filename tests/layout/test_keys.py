@@ -10,8 +10,16 @@ from hypothesis import strategies as st
 from kvrelay.layout import LayoutError, ModelKVSpec, ParallelConfig, page_keys, rank_rectangle
 from tests.layout.strategies import kv_specs, parallel_configs
 
-BASE = ModelKVSpec(model_id="llama-tiny", weights_fingerprint="w0", num_layers=4, num_kv_heads=2,
-                   k_head_dim=8, v_head_dim=8, kv_dtype="float32", page_size=4)  # fmt: skip
+BASE = ModelKVSpec(
+    model_id="llama-tiny",
+    weights_fingerprint="w0",
+    num_layers=4,
+    num_kv_heads=2,
+    k_head_dim=8,
+    v_head_dim=8,
+    kv_dtype="float32",
+    page_size=4,
+)
 
 token_lists = st.lists(st.integers(0, 2**32 - 1), min_size=0, max_size=40)
 
@@ -30,9 +38,19 @@ def test_namespace_is_sha256_of_the_identity_fields():
     import msgpack
 
     fields = BASE.identity_fields()
-    assert list(fields) == ["layout_version", "model_id", "weights_fingerprint", "kv_dtype",
-                            "page_size", "num_layers", "num_kv_heads", "k_head_dim",
-                            "v_head_dim", "attention_kind", "salt"]  # fmt: skip
+    assert list(fields) == [
+        "layout_version",
+        "model_id",
+        "weights_fingerprint",
+        "kv_dtype",
+        "page_size",
+        "num_layers",
+        "num_kv_heads",
+        "k_head_dim",
+        "v_head_dim",
+        "attention_kind",
+        "salt",
+    ]
     assert BASE.namespace() == hashlib.sha256(msgpack.packb(fields, use_bin_type=True)).digest()
 
 
@@ -65,8 +83,14 @@ def test_attention_kind_changes_the_namespace():
 
 
 def test_draft_namespace_derives_from_the_target():
-    draft_args = dict(model_id="mtp", weights_fingerprint="d", num_layers=1, num_kv_heads=2,
-                      k_head_dim=8, v_head_dim=8)  # fmt: skip
+    draft_args = dict(
+        model_id="mtp",
+        weights_fingerprint="d",
+        num_layers=1,
+        num_kv_heads=2,
+        k_head_dim=8,
+        v_head_dim=8,
+    )
     draft = BASE.draft_spec(**draft_args)
     assert draft.target_namespace == BASE.namespace()
     assert draft.page_size == BASE.page_size and draft.salt == BASE.salt

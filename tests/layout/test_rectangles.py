@@ -1,3 +1,5 @@
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -52,10 +54,10 @@ def test_every_reader_reads_inside_the_page_and_readers_cover_it(case):
         ]
         for rect in readers:
             runs = rect.byte_runs(spec)
-            assert all(0 <= off and off + length <= spec.page_bytes for off, length in runs)
+            assert all(off >= 0 and off + length <= spec.page_bytes for off, length in runs)
             assert sum(length for _, length in runs) == rect.num_bytes(spec)
             # Runs are sorted, disjoint and merged where they touch.
-            for (a, alen), (b, _) in zip(runs, runs[1:], strict=False):
+            for (a, alen), (b, _) in itertools.pairwise(runs):
                 assert a + alen < b
         # Every replica reads: each byte is read by exactly `replicas` ranks.
         assert (coverage(spec, readers) == replicas).all()
@@ -67,14 +69,22 @@ def test_stages_partition_the_layers_in_order(case):
     spec, config = case
     bounds = [stage_layers(spec, config.with_rank(pp_rank=s)) for s in range(config.pp)]
     assert bounds[0][0] == 0 and bounds[-1][1] == spec.num_layers
-    for (_, end), (start, _) in zip(bounds, bounds[1:], strict=False):
+    for (_, end), (start, _) in itertools.pairwise(bounds):
         assert end == start
     assert all(start < end for start, end in bounds)
 
 
 def spec(**overrides) -> ModelKVSpec:
-    fields = dict(model_id="m", weights_fingerprint="w", num_layers=4, num_kv_heads=8,
-                  k_head_dim=128, v_head_dim=128, kv_dtype="bfloat16", page_size=64)  # fmt: skip
+    fields = dict(
+        model_id="m",
+        weights_fingerprint="w",
+        num_layers=4,
+        num_kv_heads=8,
+        k_head_dim=128,
+        v_head_dim=128,
+        kv_dtype="bfloat16",
+        page_size=64,
+    )
     fields.update(overrides)
     return ModelKVSpec(**fields)
 
@@ -121,7 +131,10 @@ def test_explicit_pp_split():
     s = spec(num_layers=10)
     config = ParallelConfig(pp=3, pp_layer_split=(2, 5, 3))
     assert [stage_layers(s, config.with_rank(pp_rank=i)) for i in range(3)] == [
-        (0, 2), (2, 7), (7, 10)]  # fmt: skip
+        (0, 2),
+        (2, 7),
+        (7, 10),
+    ]
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@
 // Every argument is checked before a byte moves: a bad call raises a Python
 // TypeError / ValueError / IndexError, never a crash or a write outside a
 // tensor. Errors name the argument and what was expected.
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -19,6 +20,9 @@
 
 namespace kvrelay {
 namespace {
+
+constexpr int64_t kBytesPerThread = 2 << 20;
+constexpr int64_t kStreamingBytes = 16 << 20;
 
 struct PoolGeometry {
   int64_t num_slots = 0;
@@ -168,6 +172,12 @@ CopyCall prepare(const std::vector<at::Tensor>& k_layers, const std::vector<at::
   p.page_head_start = page_head_start;
   p.page_layer_start = page_layer_start;
   p.num_heads = num_heads;
+  // CPU heuristics. A thread per ~2 MiB moved (up to torch's intra-op thread
+  // count): below that, starting a thread costs more than it saves. Streaming
+  // stores once the destination outgrows what the caches would keep anyway.
+  const int64_t bytes = num_pages * num_heads * layers * page_size * (k.row_bytes + v.row_bytes);
+  p.cpu_threads = std::clamp<int64_t>(bytes / kBytesPerThread, 1, at::get_num_threads());
+  p.streaming_stores = bytes >= kStreamingBytes;
   for (const auto& t : k_layers) call.k_ptrs.push_back(static_cast<uint8_t*>(t.data_ptr()));
   for (const auto& t : v_layers) call.v_ptrs.push_back(static_cast<uint8_t*>(t.data_ptr()));
   return call;

@@ -49,6 +49,13 @@ struct PageCopyParams {
   int64_t page_head_start;    // rectangle's first head inside the page object
   int64_t page_layer_start;   // first layer of this launch inside the page object
   int64_t num_heads;          // heads in the rectangle
+
+  // CPU only: threads to split the pages over, and whether to write the
+  // destination with non-temporal stores (large copies, whose destination
+  // will not be read again soon: it skips the read-for-ownership of every
+  // destination line, a third of the memory traffic of a cached copy).
+  int64_t cpu_threads;
+  bool streaming_stores;
 };
 
 // Byte offset of block (head, layer) inside a page object.

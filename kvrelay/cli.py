@@ -1,0 +1,47 @@
+"""The `kvrelay` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _info(_: argparse.Namespace) -> None:
+    from kvrelay.bench.stats import machine_info
+    from kvrelay.cuda_ext import compiled_module
+
+    module = compiled_module()
+    info = machine_info() | {
+        "compiled_module": getattr(module, "__file__", None),
+        "compiled_with_cuda": bool(getattr(module, "with_cuda", False)),
+    }
+    print(json.dumps(info, indent=2))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvrelay", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    info = commands.add_parser("info", help="show the build: backends, versions")
+    info.set_defaults(func=_info)
+
+    bench = commands.add_parser("bench", help="benchmarks: print a table, write JSON")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    from kvrelay.bench import layout
+
+    layout_parser = benches.add_parser(
+        "layout", help="gather/scatter between a paged pool and unified pages vs memcpy"
+    )
+    layout.add_arguments(layout_parser)
+    layout_parser.set_defaults(func=layout.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.func(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+import json
+import subprocess
+import sys
+
+from kvrelay.cli import main
+
+
+def test_bench_layout_writes_ratios_to_memcpy(tmp_path, capsys):
+    out = tmp_path / "layout.json"
+    main(
+        [
+            "bench",
+            "layout",
+            "--tokens",
+            "300",
+            "--layers",
+            "3",
+            "--kv-heads",
+            "4",
+            "--head-dim",
+            "16",
+            "--page-size",
+            "16",
+            "--engine-page-size",
+            "8",
+            "--tp",
+            "2",
+            "--runs",
+            "2",
+            "--threads",
+            "1,2",
+            "--json",
+            str(out),
+        ]
+    )
+    table = capsys.readouterr().out
+    assert "x memcpy" in table and "TP=2 rank 0" in table
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "layout"
+    assert [(r["case"], r["threads"]) for r in data["results"]] == [
+        ("full (TP=1)", 1),
+        ("full (TP=1)", 2),
+        ("TP=2 rank 0", 1),
+        ("TP=2 rank 0", 2),
+    ]
+    for result in data["results"]:
+        for key in ("gather_vs_memcpy", "scatter_vs_memcpy", "memcpy", "gather", "scatter"):
+            summary = result[key]
+            assert len(summary["runs"]) == 2
+            assert summary["min"] <= summary["median"] <= summary["max"]
+            assert summary["median"] > 0
+    full, tp = data["results"][0]["bytes"], data["results"][2]["bytes"]
+    assert full == 2 * tp  # a TP=2 rank moves half of every page
+
+
+def test_info_reports_the_backend():
+    out = subprocess.run(
+        [sys.executable, "-m", "kvrelay.cli", "info"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    info = json.loads(out.stdout)
+    assert info["page_copy_backend"] in ("cpp", "numba")
+    assert "torch" in info
