@@ -42,6 +42,8 @@ inline void stream_row(uint8_t* dst, const uint8_t* src, int64_t row) {
 constexpr bool kHaveStreaming = false;
 #endif
 
+constexpr int64_t kPrefetchTokens = 4;
+
 // One layer of one page for one tensor (K or V): page_size tokens x num_heads
 // rows. Token-major, so each token's heads are read (gather) or written
 // (scatter) as one sequential run of the pool, while the page side advances
@@ -51,7 +53,17 @@ template <bool kGather, bool kStream, int64_t kRow>
 void copy_layer_rows(uint8_t* page_rows, int64_t head_block_step, uint8_t* pool_base,
                      int64_t head_stride, int64_t slot_stride, const int64_t* slots,
                      int64_t page_size, int64_t num_heads, int64_t row) {
+  // Gather reads the pool, which jumps at every engine page boundary, where
+  // the hardware prefetcher loses the stream: fetch the pool rows of a token a
+  // few steps ahead (its heads are usually one contiguous span). Scatter
+  // writes the pool, often with streaming stores: prefetching there would
+  // pull the destination into cache for nothing.
+  const int64_t span = (num_heads - 1) * head_stride + row;
   for (int64_t t = 0; t < page_size; ++t) {
+    if (kGather && t + kPrefetchTokens < page_size && slots[t + kPrefetchTokens] >= 0) {
+      const uint8_t* ahead = pool_base + slots[t + kPrefetchTokens] * slot_stride;
+      for (int64_t off = 0; off < span; off += 64) __builtin_prefetch(ahead + off, 0);
+    }
     const int64_t slot = slots[t];
     uint8_t* page_row = page_rows + t * row;
     if (slot < 0) {
