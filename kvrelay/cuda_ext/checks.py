@@ -8,6 +8,7 @@ Without them the numba path would read and write outside its arrays.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -153,3 +154,68 @@ def check_copy_args(
                     "slot_mapping has duplicate slots: two tokens would be written to one slot"
                 )
     return CopyGeometry(num_slots, pool_heads, page_size, k_row, v_row)
+
+
+def copy_ops(run: Callable[..., None]) -> tuple[Callable[..., None], Callable[..., None]]:
+    """gather_pages and scatter_pages with kvrelay._C's signature, around
+    `run(gather: bool, *arguments)` of a Python implementation."""
+
+    def gather_pages(
+        k_layers,
+        v_layers,
+        pages,
+        page_ids,
+        slot_mapping,
+        page_heads,
+        page_layers,
+        page_head_start,
+        page_layer_start,
+        pool_head_start,
+        num_heads,
+    ) -> None:
+        """Pool -> page objects (see kvrelay.cuda_ext.gather_pages)."""
+        run(
+            True,
+            k_layers,
+            v_layers,
+            pages,
+            page_ids,
+            slot_mapping,
+            page_heads,
+            page_layers,
+            page_head_start,
+            page_layer_start,
+            pool_head_start,
+            num_heads,
+        )
+
+    def scatter_pages(
+        k_layers,
+        v_layers,
+        pages,
+        page_ids,
+        slot_mapping,
+        page_heads,
+        page_layers,
+        page_head_start,
+        page_layer_start,
+        pool_head_start,
+        num_heads,
+    ) -> None:
+        """Page objects -> pool (see kvrelay.cuda_ext.scatter_pages)."""
+        run(
+            False,
+            k_layers,
+            v_layers,
+            pages,
+            page_ids,
+            slot_mapping,
+            page_heads,
+            page_layers,
+            page_head_start,
+            page_layer_start,
+            pool_head_start,
+            num_heads,
+        )
+
+    return gather_pages, scatter_pages

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from numba.typed import List
 
-from kvrelay.cuda_ext.checks import check_copy_args
+from kvrelay.cuda_ext.checks import check_copy_args, copy_ops
 
 
 @numba.njit(cache=True, nogil=True)
@@ -124,61 +124,4 @@ def _run(
     )
 
 
-def gather_pages(
-    k_layers,
-    v_layers,
-    pages,
-    page_ids,
-    slot_mapping,
-    page_heads,
-    page_layers,
-    page_head_start,
-    page_layer_start,
-    pool_head_start,
-    num_heads,
-) -> None:
-    """Pool -> page objects (see kvrelay.cuda_ext.gather_pages)."""
-    _run(
-        True,
-        k_layers,
-        v_layers,
-        pages,
-        page_ids,
-        slot_mapping,
-        page_heads,
-        page_layers,
-        page_head_start,
-        page_layer_start,
-        pool_head_start,
-        num_heads,
-    )
-
-
-def scatter_pages(
-    k_layers,
-    v_layers,
-    pages,
-    page_ids,
-    slot_mapping,
-    page_heads,
-    page_layers,
-    page_head_start,
-    page_layer_start,
-    pool_head_start,
-    num_heads,
-) -> None:
-    """Page objects -> pool (see kvrelay.cuda_ext.scatter_pages)."""
-    _run(
-        False,
-        k_layers,
-        v_layers,
-        pages,
-        page_ids,
-        slot_mapping,
-        page_heads,
-        page_layers,
-        page_head_start,
-        page_layer_start,
-        pool_head_start,
-        num_heads,
-    )
+gather_pages, scatter_pages = copy_ops(_run)

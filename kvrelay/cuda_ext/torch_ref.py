@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kvrelay.cuda_ext.checks import check_copy_args
+from kvrelay.cuda_ext.checks import check_copy_args, copy_ops
 
 
 def _run(
@@ -69,59 +69,4 @@ def _run(
                     head_rows[slot_mapping[valid]] = window[valid]
 
 
-def gather_pages(
-    k_layers,
-    v_layers,
-    pages,
-    page_ids,
-    slot_mapping,
-    page_heads,
-    page_layers,
-    page_head_start,
-    page_layer_start,
-    pool_head_start,
-    num_heads,
-) -> None:
-    _run(
-        True,
-        k_layers,
-        v_layers,
-        pages,
-        page_ids,
-        slot_mapping,
-        page_heads,
-        page_layers,
-        page_head_start,
-        page_layer_start,
-        pool_head_start,
-        num_heads,
-    )
-
-
-def scatter_pages(
-    k_layers,
-    v_layers,
-    pages,
-    page_ids,
-    slot_mapping,
-    page_heads,
-    page_layers,
-    page_head_start,
-    page_layer_start,
-    pool_head_start,
-    num_heads,
-) -> None:
-    _run(
-        False,
-        k_layers,
-        v_layers,
-        pages,
-        page_ids,
-        slot_mapping,
-        page_heads,
-        page_layers,
-        page_head_start,
-        page_layer_start,
-        pool_head_start,
-        num_heads,
-    )
+gather_pages, scatter_pages = copy_ops(_run)

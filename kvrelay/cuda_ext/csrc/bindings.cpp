@@ -214,15 +214,15 @@ void run(CopyCall& call, bool gather) {
   }
 }
 
-void copy_entry(bool gather, const std::vector<at::Tensor>& k_layers,
-                const std::vector<at::Tensor>& v_layers, const at::Tensor& pages,
-                const at::Tensor& page_ids, const at::Tensor& slot_mapping, int64_t page_heads,
-                int64_t page_layers, int64_t page_head_start, int64_t page_layer_start,
-                int64_t pool_head_start, int64_t num_heads) {
+template <bool kGather>
+void copy_entry(const std::vector<at::Tensor>& k_layers, const std::vector<at::Tensor>& v_layers,
+                const at::Tensor& pages, const at::Tensor& page_ids, const at::Tensor& slot_mapping,
+                int64_t page_heads, int64_t page_layers, int64_t page_head_start,
+                int64_t page_layer_start, int64_t pool_head_start, int64_t num_heads) {
   CopyCall call = prepare(k_layers, v_layers, pages, page_ids, slot_mapping, page_heads,
                           page_layers, page_head_start, page_layer_start, pool_head_start,
-                          num_heads, gather);
-  run(call, gather);
+                          num_heads, kGather);
+  run(call, kGather);
 }
 
 }  // namespace
@@ -231,32 +231,17 @@ void copy_entry(bool gather, const std::vector<at::Tensor>& k_layers,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.doc() = "kvrelay compiled ops: gather/scatter between paged KV pools and unified pages";
-  const char* gather_doc =
-      "Copy the KV of each page's token slots from per-layer pool tensors into the\n"
-      "rectangle (heads x layers) of unified page objects (rows of `pages`).";
-  const char* scatter_doc = "Inverse of gather_pages: copy page-object rectangles into the pool.";
-  m.def(
-      "gather_pages",
-      [](const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v, const at::Tensor& pages,
-         const at::Tensor& ids, const at::Tensor& slots, int64_t ph, int64_t pl, int64_t phs,
-         int64_t pls, int64_t poolh, int64_t nh) {
-        kvrelay::copy_entry(true, k, v, pages, ids, slots, ph, pl, phs, pls, poolh, nh);
-      },
-      gather_doc, py::arg("k_layers"), py::arg("v_layers"), py::arg("pages"), py::arg("page_ids"),
-      py::arg("slot_mapping"), py::arg("page_heads"), py::arg("page_layers"),
-      py::arg("page_head_start"), py::arg("page_layer_start"), py::arg("pool_head_start"),
-      py::arg("num_heads"));
-  m.def(
-      "scatter_pages",
-      [](const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v, const at::Tensor& pages,
-         const at::Tensor& ids, const at::Tensor& slots, int64_t ph, int64_t pl, int64_t phs,
-         int64_t pls, int64_t poolh, int64_t nh) {
-        kvrelay::copy_entry(false, k, v, pages, ids, slots, ph, pl, phs, pls, poolh, nh);
-      },
-      scatter_doc, py::arg("k_layers"), py::arg("v_layers"), py::arg("pages"), py::arg("page_ids"),
-      py::arg("slot_mapping"), py::arg("page_heads"), py::arg("page_layers"),
-      py::arg("page_head_start"), py::arg("page_layer_start"), py::arg("pool_head_start"),
-      py::arg("num_heads"));
+  auto def_copy = [&m](const char* name, auto fn, const char* doc) {
+    m.def(name, fn, doc, py::arg("k_layers"), py::arg("v_layers"), py::arg("pages"),
+          py::arg("page_ids"), py::arg("slot_mapping"), py::arg("page_heads"),
+          py::arg("page_layers"), py::arg("page_head_start"), py::arg("page_layer_start"),
+          py::arg("pool_head_start"), py::arg("num_heads"));
+  };
+  def_copy("gather_pages", &kvrelay::copy_entry<true>,
+           "Copy the KV of each page's token slots from per-layer pool tensors into the\n"
+           "rectangle (heads x layers) of unified page objects (rows of `pages`).");
+  def_copy("scatter_pages", &kvrelay::copy_entry<false>,
+           "Inverse of gather_pages: copy page-object rectangles into the pool.");
 #ifdef KVRELAY_WITH_CUDA
   m.attr("with_cuda") = true;
 #else
