@@ -43,8 +43,8 @@ class Workload:
     slots: torch.Tensor
     geometry: dict[str, int]
     bytes_moved: int
-    flat_src: torch.Tensor  # pool bytes, for the memcpy baseline
-    flat_dst: torch.Tensor  # page bytes, same count
+    flat_src: torch.Tensor  # memcpy baseline source: as many bytes as the op moves
+    flat_dst: torch.Tensor  # memcpy baseline destination: the page arena
 
 
 def build_workload(
