@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvrelay.layout import ModelKVSpec, page_keys
+from kvrelay.layout import ModelKVSpec, ParallelConfig, page_keys
 from kvrelay.model.attention import AttentionBatch
 from kvrelay.model.decoder import DecoderShard, ForwardBatch
 from kvrelay.model.errors import PoolExhausted, RequestError
@@ -53,7 +53,9 @@ class _Sequence:
 
 
 class Engine:
-    def __init__(self, shard: DecoderShard, spec: ModelKVSpec) -> None:
+    def __init__(
+        self, shard: DecoderShard, spec: ModelKVSpec, parallel: ParallelConfig | None = None
+    ) -> None:
         if spec.page_size != shard.pool.page_size:
             raise ValueError("the pool's page size must be the unified page size")
         self.shard = shard
@@ -61,6 +63,7 @@ class Engine:
         self.spec = spec
         self.comm = shard.comm
         self.namespace = spec.namespace()
+        self.parallel = parallel or ParallelConfig()
 
     @property
     def page_size(self) -> int:

@@ -21,6 +21,14 @@ class PoolExhausted(RuntimeError):
         self.needed = needed
         self.available = available
 
+    def __reduce__(self):
+        # Rebuilt from its fields when it crosses a process boundary (spawned ranks).
+        return (type(self), (self.needed, self.available))
+
+
+class PrefixNotCached(LookupError):
+    """An export asked for pages that are not (all) in this worker's pool."""
+
 
 class RequestError(ValueError):
     """A request the engine cannot run as given (empty prompt, bad sampling values)."""

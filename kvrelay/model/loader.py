@@ -84,6 +84,4 @@ def load_engine(
         head_dim=config.head_dim,
         dtype=torch_dtype,
     )
-    engine = Engine(DecoderShard(config, plan, weights, pool, comm), spec)
-    engine.parallel = parallel
-    return engine
+    return Engine(DecoderShard(config, plan, weights, pool, comm), spec, parallel)

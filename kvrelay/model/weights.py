@@ -108,7 +108,7 @@ def weight_files(model_dir: str | Path) -> dict[str, Path]:
         raise ModelLoadError(f"{root}: no *.safetensors files in the model directory")
     located = {}
     for file in files:
-        for name in _open(file).keys():
+        for name in _open(file).keys():  # noqa: SIM118 (a safe_open handle, not a dict)
             located[name] = file
     return located
 
@@ -188,6 +188,10 @@ def load_weights(
     for layer in range(plan.layer_start, plan.layer_end):
         p = f"model.layers.{layer}."
         attn, mlp = p + "self_attn.", p + "mlp."
+
+        def mlp_bias(name: str, size: int, rows, mlp=mlp) -> torch.Tensor | None:
+            return bias(mlp + name, size, rows) if config.mlp_bias else None
+
         layers.append(
             LayerWeights(
                 input_norm=reader.read(p + "input_layernorm.weight", (hidden,)),
