@@ -99,6 +99,8 @@ def _worker(rank, tp, pp, port, model_dir, options, timeout_s, commands, results
         "export": lambda tokens, arena: export_prefix(engine, tokens, arena),
         "import": lambda tokens, arena: import_prefix(engine, tokens, arena),
         "free_pages": lambda: engine.pool.free_pages,
+        "clear_cache": engine.pool.clear_cache,
+        "describe": lambda: _describe(engine),
     }
     while True:
         name, args = commands.get()
@@ -109,6 +111,19 @@ def _worker(rank, tp, pp, port, model_dir, options, timeout_s, commands, results
         except Exception as error:
             results.put((rank, "error", _portable(error)))
     dist.destroy_process_group()
+
+
+def _describe(engine) -> dict:
+    """What this rank holds: its config, its pool's layers and heads."""
+    plan = engine.shard.plan
+    return {
+        "parallel": engine.parallel,
+        "layers": (plan.layer_start, plan.layer_end),
+        "kv_heads": (plan.kv_head_start, plan.kv_head_start + plan.num_kv_heads),
+        "q_heads": (plan.q_head_start, plan.q_head_start + plan.num_q_heads),
+        "pool_layers": engine.pool.num_layers,
+        "pool_heads": engine.pool.num_heads,
+    }
 
 
 def _portable(error: Exception) -> Exception:
@@ -177,7 +192,15 @@ class ParallelEngine:
         return self._call("import", list(tokens), arena)[0]
 
     def free_pages(self) -> list[int]:
+        """Each rank's free pages."""
         return self._call("free_pages")
+
+    def clear_cache(self) -> None:
+        self._call("clear_cache")
+
+    def describe(self) -> list[dict]:
+        """Each rank's share of the model and its pool."""
+        return self._call("describe")
 
     def _call(self, name: str, *args) -> list:
         if not self._procs:

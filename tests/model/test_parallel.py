@@ -1,0 +1,90 @@
+"""TP x PP over spawned gloo ranks: the same greedy tokens as TP=1 PP=1 in
+float64, each rank's pool holding only its rectangle, and prefixes exported
+under one config imported under another (both directions)."""
+
+import pytest
+import torch
+
+from kvrelay.layout import ParallelConfig, rank_rectangle
+from kvrelay.model import PoolExhausted, Request, SamplingParams, load_engine
+from kvrelay.model.parallel import ParallelEngine
+from kvrelay.model.transfer import export_prefix, import_prefix
+from tests.model.conftest import prompt_tokens
+
+PAGE = 16
+PREFIX = 4 * PAGE
+NEW = 32
+
+
+@pytest.fixture(scope="module")
+def baseline(model_dirs):
+    """TP=1 PP=1: the greedy tokens and the prefix's unified pages."""
+    model_dir = model_dirs("parallel")
+    prompt = prompt_tokens(PREFIX + 9, seed=21)
+    engine = load_engine(model_dir, dtype="float64", page_size=PAGE, num_pages=64)
+    tokens = engine.generate([Request(prompt, SamplingParams(NEW))])[0].tokens
+    assert len(set(tokens)) >= 16
+    arena = torch.zeros(PREFIX // PAGE, engine.spec.page_bytes, dtype=torch.uint8)
+    export_prefix(engine, prompt[:PREFIX], arena)
+    return model_dir, prompt, tokens, arena
+
+
+def as_kv(arena: torch.Tensor) -> torch.Tensor:
+    return arena.view(torch.float64)
+
+
+# (4, x): TP above the model's 2 KV heads, each head replicated on 2 ranks.
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (4, 1), (1, 2), (2, 2), (4, 2)])
+def test_parallel_config_matches_tp1_and_exchanges_pages(baseline, tp, pp):
+    model_dir, prompt, want, tp1_pages = baseline
+    with ParallelEngine(
+        model_dir, tp=tp, pp=pp, dtype="float64", page_size=PAGE, num_pages=64, timeout_s=240
+    ) as group:
+        for rank, info in enumerate(group.describe()):
+            rect = rank_rectangle(
+                group.spec, ParallelConfig(tp=tp, pp=pp).with_rank(rank % tp, rank // tp)
+            )
+            assert info["layers"] == (rect.layer_start, rect.layer_end)
+            assert info["kv_heads"] == (rect.head_start, rect.head_end)
+            assert (info["pool_layers"], info["pool_heads"]) == (rect.num_layers, rect.num_heads)
+
+        got = group.generate([Request(prompt, SamplingParams(NEW))])[0]
+        assert got.tokens == want
+
+        exported = group.export_prefix(prompt[:PREFIX])
+        # Every byte written (replicas included) and equal to TP=1's KV up to
+        # the order of the TP all-reduce sums.
+        torch.testing.assert_close(as_kv(exported), as_kv(tp1_pages), rtol=0, atol=1e-12)
+
+        # Written by TP=1 PP=1, read by this config.
+        group.clear_cache()
+        assert group.import_prefix(prompt[:PREFIX], tp1_pages) == PREFIX // PAGE
+        again = group.generate([Request(prompt, SamplingParams(NEW))])[0]
+        assert again.cached_tokens == PREFIX
+        assert again.tokens == want
+        assert set(group.free_pages()) == {64}
+
+    # Written by this config, read by TP=1 PP=1.
+    reader = load_engine(model_dir, dtype="float64", page_size=PAGE, num_pages=64)
+    import_prefix(reader, prompt[:PREFIX], exported)
+    out = reader.generate([Request(prompt, SamplingParams(NEW))])[0]
+    assert out.cached_tokens == PREFIX
+    assert out.tokens == want
+
+
+def test_pool_exhaustion_crosses_processes_and_the_group_goes_on(baseline):
+    model_dir, prompt, want, _ = baseline
+    with ParallelEngine(
+        model_dir, tp=2, pp=2, dtype="float64", page_size=PAGE, num_pages=8, timeout_s=240
+    ) as group:
+        with pytest.raises(PoolExhausted) as caught:
+            group.generate([Request(prompt_tokens(200), SamplingParams(4))])
+        assert caught.value.needed == 13
+        assert set(group.free_pages()) == {8}
+        assert group.generate([Request(prompt, SamplingParams(NEW))])[0].tokens == want
+
+
+def test_a_rank_that_cannot_load_fails_the_start(tmp_path, baseline):
+    model_dir = baseline[0]
+    with pytest.raises(Exception, match="tp=3 does not divide"):
+        ParallelEngine(model_dir, tp=3, dtype="float64", timeout_s=120)
