@@ -8,6 +8,7 @@ sampled tokens from the sampling rank to all others.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +36,9 @@ class Result:
     cached_tokens: int  # prompt tokens whose KV came from the prefix index
     prompt_logits: torch.Tensor | None = None  # [prompt - cached, vocab]
     step_logits: list[torch.Tensor] = field(default_factory=list)  # one per token
+    # Wall time of the batch's prefill and of its decode steps (what benchmarks read).
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
 
 
 @dataclass(slots=True)
@@ -74,13 +78,16 @@ class Engine:
         when the batch does not fit, with every page returned to the pool."""
         sequences: list[_Sequence] = []
         try:
+            start = time.perf_counter()
             for request in requests:
                 sequences.append(self._admit(request))
             self._prefill(sequences)
+            prefilled = time.perf_counter()
             active = [s for s in sequences if s.finish_reason is None]
             while active:
                 self._decode_step(active)
                 active = [s for s in active if s.finish_reason is None]
+            done = time.perf_counter()
         finally:
             for seq in sequences:
                 self.pool.release(seq.pages)
@@ -91,6 +98,8 @@ class Engine:
                 cached_tokens=s.cached,
                 prompt_logits=s.prompt_logits,
                 step_logits=s.step_logits,
+                prefill_seconds=prefilled - start,
+                decode_seconds=done - prefilled,
             )
             for s in sequences
         ]
