@@ -76,6 +76,8 @@ class Engine:
     def generate(self, requests: list[Request]) -> list[Result]:
         """Runs a batch to completion. All-or-nothing admission: PoolExhausted
         when the batch does not fit, with every page returned to the pool."""
+        if not requests:
+            return []
         sequences: list[_Sequence] = []
         try:
             start = time.perf_counter()
