@@ -38,15 +38,35 @@ def test_generate_prints_the_engines_tokens(cli_model, capsys):
     prompt = prompt_tokens(40, vocab=300, seed=1)
     ids = ",".join(map(str, prompt))
     out = generate(
-        capsys, "--model", str(cli_model), "--prompt-ids", ids, "--max-new-tokens", "12",
-        "--dtype", "float64", "--page-size", "16",
+        capsys,
+        "--model",
+        str(cli_model),
+        "--prompt-ids",
+        ids,
+        "--max-new-tokens",
+        "12",
+        "--dtype",
+        "float64",
+        "--page-size",
+        "16",
     )
     engine = load_engine(cli_model, dtype="float64", page_size=16)
     want = engine.generate([Request(prompt, SamplingParams(12))])[0].tokens
     assert out == {"tokens": want}
     reused = generate(
-        capsys, "--model", str(cli_model), "--prompt-ids", ids, "--max-new-tokens", "12",
-        "--dtype", "float64", "--page-size", "16", "--reuse-prefix", "35",
+        capsys,
+        "--model",
+        str(cli_model),
+        "--prompt-ids",
+        ids,
+        "--max-new-tokens",
+        "12",
+        "--dtype",
+        "float64",
+        "--page-size",
+        "16",
+        "--reuse-prefix",
+        "35",
     )
     assert reused == {"tokens": want}
 
@@ -54,8 +74,16 @@ def test_generate_prints_the_engines_tokens(cli_model, capsys):
 def test_generate_under_tp_and_pp_in_a_fresh_process(cli_model):
     prompt = prompt_tokens(20, vocab=300, seed=2)
     args = [
-        "--model", str(cli_model), "--prompt-ids", ",".join(map(str, prompt)),
-        "--max-new-tokens", "8", "--dtype", "float64", "--page-size", "16",
+        "--model",
+        str(cli_model),
+        "--prompt-ids",
+        ",".join(map(str, prompt)),
+        "--max-new-tokens",
+        "8",
+        "--dtype",
+        "float64",
+        "--page-size",
+        "16",
     ]
     command = [sys.executable, "-m", "kvrelay.cli", "generate", *args, "--json"]
     single = subprocess.run(command, capture_output=True, text=True, timeout=300, check=True)
@@ -85,10 +113,30 @@ def test_bench_model_reports_ratios_to_hf(tmp_path, capsys):
     out = tmp_path / "model.json"
     main(
         [
-            "bench", "model", "--layers", "2", "--hidden", "64", "--heads", "4",
-            "--kv-heads", "2", "--intermediate", "128", "--vocab", "256",
-            "--contexts", "64,160", "--decode-tokens", "3", "--page-size", "16",
-            "--runs", "2", "--json", str(out),
+            "bench",
+            "model",
+            "--layers",
+            "2",
+            "--hidden",
+            "64",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--intermediate",
+            "128",
+            "--vocab",
+            "256",
+            "--contexts",
+            "64,160",
+            "--decode-tokens",
+            "3",
+            "--page-size",
+            "16",
+            "--runs",
+            "2",
+            "--json",
+            str(out),
         ]
     )
     table = capsys.readouterr().out
