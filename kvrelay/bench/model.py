@@ -17,6 +17,7 @@ summarised as median [min-max], so slow phases of a noisy machine hit both.
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -88,8 +89,11 @@ def measure(model_dir, args, context: int) -> dict:
     times: dict[str, list[float]] = {
         k: [] for k in ("hf_prefill", "hf_decode", "prefill", "decode", "prefill_hit")
     }
+    # Warm-up on a short prompt: first calls, allocator, kernel selection.
+    hf.run(prompt[:256], 2)
+    engine.generate([Request(prompt[:256], SamplingParams(3))])
     hit_tokens = same_tokens = None
-    for run in range(args.runs + 1):  # run 0 warms up (allocations, first calls)
+    for _ in range(args.runs):
         hf_prefill, hf_decode, hf_tokens = hf.run(prompt, args.decode_tokens)
         engine.pool.clear_cache()
         cold = engine.generate([Request(prompt, greedy)])[0]
@@ -98,8 +102,12 @@ def measure(model_dir, args, context: int) -> dict:
         warm = engine.generate([Request(prompt, SamplingParams(1))])[0]
         hit_tokens = warm.cached_tokens
         same_tokens = cold.tokens == hf_tokens
-        if run == 0:
-            continue
+        print(
+            f"context {context}: HF prefill {hf_prefill:.2f} s, decode {hf_decode:.2f} s; "
+            f"kvrelay prefill {cold.prefill_seconds:.2f} s, decode {cold.decode_seconds:.2f} s, "
+            f"prefill with {warm.cached_tokens} cached {warm.prefill_seconds:.2f} s",
+            file=sys.stderr,
+        )
         times["hf_prefill"].append(hf_prefill)
         times["hf_decode"].append(hf_decode)
         times["prefill"].append(cold.prefill_seconds)

@@ -167,23 +167,28 @@ class Engine:
     def _forward(self, spans, all_rows: bool) -> torch.Tensor | None:
         """One forward over tokens [begin, end) of each sequence (end - 1 is the
         last token whose KV gets written)."""
-        token_ids, positions, write_slots, contexts, starts, lens, last = [], [], [], [], [], [], []
-        row = 0
+        token_ids, positions, write_slots, starts, lens, contexts, tables, last = (
+            [] for _ in range(8)
+        )
+        ps, row = self.page_size, 0
         for seq, begin, end in spans:
-            slots = self.pool.slots(seq.pages, end)
+            table = torch.as_tensor(seq.pages[: -(-end // ps)], dtype=torch.int64)
             token_ids.extend(seq.tokens[begin:end])
             positions.append(torch.arange(begin, end, dtype=torch.int64))
-            write_slots.append(slots[begin:end])
-            contexts.append(slots)
+            write_slots.append(self.pool.slots(seq.pages, end, start=begin))
             starts.append(row)
             lens.append(end - begin)
+            contexts.append(end)
+            tables.append(table)
             row += end - begin
             last.append(row - 1)
         batch = ForwardBatch(
             token_ids=torch.tensor(token_ids, dtype=torch.int64),
             positions=torch.cat(positions),
             write_slots=torch.cat(write_slots),
-            attention=AttentionBatch(tuple(starts), tuple(lens), tuple(contexts)),
+            attention=AttentionBatch(
+                tuple(starts), tuple(lens), tuple(contexts), tuple(tables), page_size=ps
+            ),
             last_rows=None if all_rows else torch.tensor(last, dtype=torch.int64),
         )
         return self.shard.forward(batch)

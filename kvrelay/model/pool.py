@@ -135,8 +135,8 @@ class PagedKVPool:
             self._free.append(page)
 
     # -- addressing -------------------------------------------------------
-    def slots(self, pages: list[int], num_tokens: int) -> torch.Tensor:
-        """int64 [num_tokens] slots of a sequence's first `num_tokens` tokens."""
+    def slots(self, pages: list[int], num_tokens: int, start: int = 0) -> torch.Tensor:
+        """int64 slots of tokens [start, num_tokens) of a sequence on `pages`."""
         table = torch.as_tensor(pages, dtype=torch.int64)
-        positions = torch.arange(num_tokens, dtype=torch.int64)
+        positions = torch.arange(start, num_tokens, dtype=torch.int64)
         return table[positions // self.page_size] * self.page_size + positions % self.page_size
