@@ -116,6 +116,8 @@ def add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--intermediate", type=int, help="MLP width (default 2 x hidden)")
     parser.add_argument("--head-dim", type=int, help="default hidden / heads")
     parser.add_argument("--tie-embeddings", action="store_true")
+    parser.add_argument("--attention-bias", action="store_true", help="Llama: q/k/v/o biases")
+    parser.add_argument("--mlp-bias", action="store_true", help="Llama: MLP biases")
     parser.add_argument("--rope-theta", type=float, default=10000.0)
     parser.add_argument("--std", type=float, default=0.05, help="weight init std")
     parser.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="float32")
@@ -134,6 +136,8 @@ def run_make_model(args: argparse.Namespace) -> None:
         intermediate=args.intermediate,
         head_dim=args.head_dim,
         tie_embeddings=args.tie_embeddings,
+        attention_bias=args.attention_bias,
+        mlp_bias=args.mlp_bias,
         rope_theta=args.rope_theta,
         std=args.std,
         seed=args.seed,

@@ -30,6 +30,8 @@ class RandomModelSpec:
     intermediate: int | None = None  # default: 2 x hidden
     head_dim: int | None = None  # default: hidden / heads
     tie_embeddings: bool = False
+    attention_bias: bool = False  # Llama only (Qwen2 always has q/k/v biases)
+    mlp_bias: bool = False  # Llama only
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     max_positions: int = 16384
@@ -62,7 +64,7 @@ class RandomModelSpec:
             "pad_token_id": None,
         }
         if self.arch == "llama":
-            config |= {"attention_bias": False, "mlp_bias": False}
+            config |= {"attention_bias": self.attention_bias, "mlp_bias": self.mlp_bias}
         else:
             config |= {"use_sliding_window": False, "sliding_window": None}
         return config
@@ -94,11 +96,19 @@ def random_weights(spec: RandomModelSpec) -> dict[str, torch.Tensor]:
             p + "mlp.up_proj.weight": normal(inter, hidden),
             p + "mlp.down_proj.weight": normal(hidden, inter),
         }
-        if spec.arch == "qwen2":
+        if spec.arch == "qwen2" or spec.attention_bias:
             tensors |= {
                 a + "q_proj.bias": normal(spec.heads * hd),
                 a + "k_proj.bias": normal(spec.kv_heads * hd),
                 a + "v_proj.bias": normal(spec.kv_heads * hd),
+            }
+        if spec.arch == "llama" and spec.attention_bias:
+            tensors[a + "o_proj.bias"] = normal(hidden)
+        if spec.arch == "llama" and spec.mlp_bias:
+            tensors |= {
+                p + "mlp.gate_proj.bias": normal(inter),
+                p + "mlp.up_proj.bias": normal(inter),
+                p + "mlp.down_proj.bias": normal(hidden),
             }
     tensors["model.norm.weight"] = norm()
     if not spec.tie_embeddings:

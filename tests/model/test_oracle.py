@@ -66,8 +66,9 @@ def test_prefill_reuse_and_greedy_match_hf(model_dirs, name, page_size):
                 "original_max_position_embeddings": 64,
             }
         },
+        {"attention_bias": True, "mlp_bias": True},
     ],
-    ids=["tied-sharded-theta", "rope-linear", "rope-llama3"],
+    ids=["tied-sharded-theta", "rope-linear", "rope-llama3", "llama-biases"],
 )
 def test_llama_variants_match_hf(model_dirs, overrides):
     model_dir = model_dirs("llama-gqa", **overrides)
@@ -77,6 +78,8 @@ def test_llama_variants_match_hf(model_dirs, overrides):
         assert config.rope_type == overrides["rope_scaling"]["rope_type"]
         plain = inverse_frequencies(replace(config, rope_scaling=None))
         assert not torch.equal(inverse_frequencies(config), plain)
+    if overrides.get("attention_bias"):
+        assert config.qkv_bias and config.o_bias and config.mlp_bias
     prompt = prompt_tokens(100, seed=7)
     oracle = hf_greedy(hf_model(model_dir), prompt, 16)
     engine = load_engine(model_dir, dtype="float64", page_size=16, num_pages=32)

@@ -16,6 +16,11 @@ PREFIX = 4 * PAGE
 NEW = 32
 
 
+# A second request in the same batch, sampled: the sampling rank's generator
+# and the token broadcast must reproduce the single-process run too.
+SAMPLED = SamplingParams(NEW, temperature=0.8, top_k=40, top_p=0.9, seed=5)
+
+
 @pytest.fixture(scope="module")
 def baseline(model_dirs):
     """TP=1 PP=1: the greedy tokens and the prefix's unified pages."""
@@ -24,9 +29,10 @@ def baseline(model_dirs):
     engine = load_engine(model_dir, dtype="float64", page_size=PAGE, num_pages=64)
     tokens = engine.generate([Request(prompt, SamplingParams(NEW))])[0].tokens
     assert len(set(tokens)) >= 16
+    sampled = engine.generate([Request(prompt[:30], SAMPLED)])[0].tokens
     arena = torch.zeros(PREFIX // PAGE, engine.spec.page_bytes, dtype=torch.uint8)
     export_prefix(engine, prompt[:PREFIX], arena)
-    return model_dir, prompt, tokens, arena
+    return model_dir, prompt, tokens, arena, sampled
 
 
 def as_kv(arena: torch.Tensor) -> torch.Tensor:
@@ -36,7 +42,7 @@ def as_kv(arena: torch.Tensor) -> torch.Tensor:
 # (4, x): TP above the model's 2 KV heads, each head replicated on 2 ranks.
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (4, 1), (1, 2), (2, 2), (4, 2)])
 def test_parallel_config_matches_tp1_and_exchanges_pages(baseline, tp, pp):
-    model_dir, prompt, want, tp1_pages = baseline
+    model_dir, prompt, want, tp1_pages, sampled = baseline
     with ParallelEngine(
         model_dir, tp=tp, pp=pp, dtype="float64", page_size=PAGE, num_pages=64, timeout_s=240
     ) as group:
@@ -48,8 +54,11 @@ def test_parallel_config_matches_tp1_and_exchanges_pages(baseline, tp, pp):
             assert info["kv_heads"] == (rect.head_start, rect.head_end)
             assert (info["pool_layers"], info["pool_heads"]) == (rect.num_layers, rect.num_heads)
 
-        got = group.generate([Request(prompt, SamplingParams(NEW))])[0]
+        got, got_sampled = group.generate(
+            [Request(prompt, SamplingParams(NEW)), Request(prompt[:30], SAMPLED)]
+        )
         assert got.tokens == want
+        assert got_sampled.tokens == sampled
 
         exported = group.export_prefix(prompt[:PREFIX])
         # Every byte written (replicas included) and equal to TP=1's KV up to
@@ -73,7 +82,7 @@ def test_parallel_config_matches_tp1_and_exchanges_pages(baseline, tp, pp):
 
 
 def test_pool_exhaustion_crosses_processes_and_the_group_goes_on(baseline):
-    model_dir, prompt, want, _ = baseline
+    model_dir, prompt, want, _, _ = baseline
     with ParallelEngine(
         model_dir, tp=2, pp=2, dtype="float64", page_size=PAGE, num_pages=8, timeout_s=240
     ) as group:
@@ -88,3 +97,13 @@ def test_a_rank_that_cannot_load_fails_the_start(tmp_path, baseline):
     model_dir = baseline[0]
     with pytest.raises(Exception, match="tp=3 does not divide"):
         ParallelEngine(model_dir, tp=3, dtype="float64", timeout_s=120)
+
+
+def test_llama_biases_under_tp_and_pp(model_dirs):
+    """o_proj and down_proj biases are added once, after the TP all-reduce."""
+    model_dir = model_dirs("llama-gqa", attention_bias=True, mlp_bias=True)
+    prompt = prompt_tokens(40, seed=22)
+    engine = load_engine(model_dir, dtype="float64", page_size=PAGE)
+    want = engine.generate([Request(prompt, SamplingParams(16))])[0].tokens
+    with ParallelEngine(model_dir, tp=2, pp=2, dtype="float64", page_size=PAGE) as group:
+        assert group.generate([Request(prompt, SamplingParams(16))])[0].tokens == want
