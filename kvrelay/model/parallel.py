@@ -76,7 +76,9 @@ def free_port() -> int:
 def _worker(rank, tp, pp, port, model_dir, options, timeout_s, commands, results):
     # Gloo binds its pair sockets on the interface named here: loopback only.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(int(options.pop("threads_per_rank", 1)))
+    # Ranks share the machine's cores; one intra-op thread each keeps them
+    # from oversubscribing it.
+    torch.set_num_threads(1)
     try:
         dist.init_process_group(
             "gloo",
