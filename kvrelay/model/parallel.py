@@ -25,6 +25,9 @@ import torch.multiprocessing as mp
 from kvrelay.layout import ModelKVSpec, ParallelConfig
 from kvrelay.model.engine import Request, Result
 
+# How long the other ranks get to answer once one rank has failed.
+ERROR_GRACE_S = 10.0
+
 
 class DistComm:
     """The `Comm` seam over a torch.distributed group of tp x pp ranks."""
@@ -218,6 +221,10 @@ class ParallelEngine:
             try:
                 rank, status, value = self._results.get(timeout=1.0)
                 answers[rank] = (status, value)
+                if status == "error":
+                    # Ranks that went on may be blocked in a collective the
+                    # failed rank will never join: give them a short grace.
+                    deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
                 continue
             except queue.Empty:
                 pass
@@ -225,6 +232,9 @@ class ParallelEngine:
             dead = [r for r in dead if r not in answers]
             if dead or time.monotonic() > deadline:
                 self.close()
+                errors = [value for status, value in answers.values() if status == "error"]
+                if errors:
+                    raise errors[0]
                 why = f"ranks {dead} exited" if dead else f"no answer in {self.timeout_s:.0f} s"
                 raise RuntimeError(f"parallel engine tp={self.tp} pp={self.pp}: {why}")
         errors = [value for status, value in answers.values() if status == "error"]

@@ -107,3 +107,19 @@ def test_llama_biases_under_tp_and_pp(model_dirs):
     want = engine.generate([Request(prompt, SamplingParams(16))])[0].tokens
     with ParallelEngine(model_dir, tp=2, pp=2, dtype="float64", page_size=PAGE) as group:
         assert group.generate([Request(prompt, SamplingParams(16))])[0].tokens == want
+
+
+def test_a_tensor_only_the_last_stage_reads_fails_the_start_with_its_name(tmp_path):
+    """Only PP stage 1 loads the final norm: one rank fails, the other does not,
+    and the error (type and message) reaches the caller."""
+    from safetensors.torch import load_file, save_file
+
+    from kvrelay.model import ModelLoadError, RandomModelSpec, write_model
+
+    model_dir = write_model(tmp_path / "m", RandomModelSpec(layers=2, seed=6))
+    path = model_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    del tensors["model.norm.weight"]
+    save_file(tensors, str(path))
+    with pytest.raises(ModelLoadError, match=r"missing tensor 'model\.norm\.weight'"):
+        ParallelEngine(model_dir, pp=2, timeout_s=120)
