@@ -24,10 +24,15 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 
-# RoPE scaling types this runner implements (see rope.py). Dynamic NTK is left
-# out on purpose: it rescales positions by the current length, so K already in
-# the cache would no longer match K computed later.
-ROPE_TYPES = ("default", "linear", "llama3")
+# RoPE scaling types this runner implements (see rope.py), with the fields
+# each needs. Dynamic NTK is left out on purpose: it rescales positions by the
+# current length, so K already in the cache would no longer match K computed later.
+ROPE_TYPES: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+    "yarn": (),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +77,12 @@ class ModelConfig:
             )
         rope_type = self.rope_type
         if rope_type not in ROPE_TYPES:
-            raise ModelLoadError(f"rope scaling type {rope_type!r} is not one of {ROPE_TYPES}")
+            raise ModelLoadError(
+                f"rope scaling type {rope_type!r} is not one of {tuple(ROPE_TYPES)}"
+            )
+        missing = [k for k in ROPE_TYPES[rope_type] if k not in (self.rope_scaling or {})]
+        if missing:
+            raise ModelLoadError(f"rope scaling {rope_type!r} needs {missing}")
 
     @property
     def rope_type(self) -> str:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvrelay.model import ModelConfig, Request, SamplingParams, load_engine
-from kvrelay.model.rope import inverse_frequencies
+from kvrelay.model.rope import inverse_frequencies, rope_parameters
 from tests.model.conftest import prompt_tokens
 from tests.model.oracle import hf_greedy, hf_model
 
@@ -67,8 +67,32 @@ def test_prefill_reuse_and_greedy_match_hf(model_dirs, name, page_size):
             }
         },
         {"attention_bias": True, "mlp_bias": True},
+        {
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+        {
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 8.0,
+                "original_max_position_embeddings": 32,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.5,
+                "beta_fast": 16,
+            }
+        },
     ],
-    ids=["tied-sharded-theta", "rope-linear", "rope-llama3", "llama-biases"],
+    ids=[
+        "tied-sharded-theta",
+        "rope-linear",
+        "rope-llama3",
+        "llama-biases",
+        "rope-yarn",
+        "rope-yarn-mscale",
+    ],
 )
 def test_llama_variants_match_hf(model_dirs, overrides):
     model_dir = model_dirs("llama-gqa", **overrides)
@@ -78,6 +102,8 @@ def test_llama_variants_match_hf(model_dirs, overrides):
         assert config.rope_type == overrides["rope_scaling"]["rope_type"]
         plain = inverse_frequencies(replace(config, rope_scaling=None))
         assert not torch.equal(inverse_frequencies(config), plain)
+        if config.rope_type == "yarn":
+            assert rope_parameters(config)[1] != 1.0
     if overrides.get("attention_bias"):
         assert config.qkv_bias and config.o_bias and config.mlp_bias
     prompt = prompt_tokens(100, seed=7)
