@@ -103,6 +103,11 @@ class ModelConfig:
                 f"{source}: model_type {model_type!r} is not supported (want one of "
                 f"{ARCHITECTURES})"
             )
+        # Variants that would change the math are refused rather than ignored.
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ModelLoadError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported")
+        if raw.get("use_sliding_window"):
+            raise ModelLoadError(f"{source}: sliding-window attention is not supported")
         try:
             heads = int(raw["num_attention_heads"])
             hidden = int(raw["hidden_size"])

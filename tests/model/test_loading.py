@@ -66,6 +66,8 @@ def test_bad_json(model_dir):
         ({"num_attention_heads": 3}, "not a multiple of"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope scaling type 'dynamic'"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "needs.*low_freq_factor"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+        ({"use_sliding_window": True}, "sliding-window attention is not supported"),
     ],
 )
 def test_bad_config_values(model_dir, changes, message):
