@@ -1,8 +1,12 @@
+import os
 from dataclasses import replace
 
 import pytest
 
 from kvrelay.model import RandomModelSpec, write_model
+
+# The HF oracle loads only local directories written by the tests: never ask the Hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # Tiny models: a few layers, hidden 64. std 0.2 (>= 0.05) keeps greedy decoding
 # from settling into a short loop that would hide errors.
