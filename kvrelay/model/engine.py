@@ -17,6 +17,7 @@ from kvrelay.layout import ModelKVSpec, ParallelConfig, page_keys
 from kvrelay.model.attention import AttentionBatch
 from kvrelay.model.decoder import DecoderShard, ForwardBatch
 from kvrelay.model.errors import PoolExhausted, RequestError
+from kvrelay.model.pool import partial_page_key
 from kvrelay.model.sampling import Sampler, SamplingParams
 
 
@@ -90,6 +91,7 @@ class Engine:
                 self._decode_step(active)
                 active = [s for s in active if s.finish_reason is None]
             done = time.perf_counter()
+            self._index_partial_pages(sequences)
         finally:
             for seq in sequences:
                 self.pool.release(seq.pages)
@@ -130,15 +132,48 @@ class Engine:
             self.pool.release(hit)
             raise PoolExhausted(total_pages - agreed, available)
         pages = hit + self.pool.allocate(total_pages - agreed)
+        cached = agreed * ps + self._reuse_partial_page(prompt, keys, agreed, pages)
         return _Sequence(
             request=request,
             tokens=prompt,
             pages=pages,
-            cached=agreed * ps,
+            cached=cached,
             keys=keys,
             registered=agreed,
             sampler=Sampler(request.params),
         )
+
+    def _reuse_partial_page(self, prompt, keys, full: int, pages: list[int]) -> int:
+        """After `full` cached pages, the longest indexed partial page that the
+        prompt continues (short of its last token) is copied into the
+        sequence's own page `full`. Returns the tokens reused (ranks agree)."""
+        ps = self.page_size
+        parent = keys[full - 1] if full else self.namespace
+        start = full * ps
+        found, count = None, 0
+        for length in range(min(ps - 1, len(prompt) - 1 - start), 0, -1):
+            hit = self.pool.match_prefix([partial_page_key(parent, prompt[start : start + length])])
+            if hit:
+                found, count = hit[0], length
+                break
+        agreed = self.comm.min_all(count)
+        if found is not None:
+            if agreed:
+                self.pool.copy_tokens(found, pages[full], agreed)
+            self.pool.release([found])
+        return agreed
+
+    def _index_partial_pages(self, sequences: list[_Sequence]) -> None:
+        """Keep each finished sequence's last partial page findable: its tokens'
+        KV is written, and a continuation (or an export) can reuse it."""
+        ps = self.page_size
+        for seq in sequences:
+            with_kv = len(seq.tokens) - 1
+            index, count = divmod(with_kv, ps)
+            if count and index >= seq.registered:
+                parent = seq.keys[index - 1] if index else self.namespace
+                tail = seq.tokens[index * ps : index * ps + count]
+                self.pool.register(seq.pages[index], partial_page_key(parent, tail))
 
     # -- execution --------------------------------------------------------
     def _prefill(self, sequences: list[_Sequence]) -> None:

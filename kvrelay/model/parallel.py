@@ -184,9 +184,10 @@ class ParallelEngine:
         return self._call("generate", requests)[self.sampler_rank]
 
     def export_prefix(self, tokens: list[int]) -> torch.Tensor:
-        """Full pages of the cached prefix `tokens`, as unified page objects:
-        every writer rank gathers its rectangle into one shared arena."""
-        num_pages = len(tokens) // self.spec.page_size
+        """Pages of the cached tokens `tokens` (a trailing partial page
+        included), as unified page objects: every writer rank gathers its
+        rectangle into one shared arena."""
+        num_pages = -(-len(tokens) // self.spec.page_size)
         arena = torch.zeros(num_pages, self.spec.page_bytes, dtype=torch.uint8).share_memory_()
         self._call("export", list(tokens), arena)
         return arena

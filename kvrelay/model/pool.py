@@ -10,17 +10,33 @@ Pages are reference counted. A full page is registered in the prefix index
 under its chained key; when its last user releases it, it stays cached
 (evictable, least recently used first) until an allocation needs the room.
 A request matching a cached prefix takes references on those pages and
-computes only its suffix. Partial pages are never shared, so shared pages are
-never written.
+computes only its suffix. Full pages are shared, never written.
+
+A request's last, partial page is indexed too when the request ends, under
+`partial_page_key(key of the page before it, its tokens)`: a local key,
+never a cache-tier key (DESIGN.md keys full pages only). A later request
+that continues those exact tokens copies them into a private page of its own
+(`copy_tokens`), so a decode worker that received a prompt's KV, partial page
+included, computes nothing of the prompt.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict, deque
 
 import torch
 
+from kvrelay.layout import tokens_as_uint32
 from kvrelay.model.errors import PoolExhausted
+
+
+def partial_page_key(parent: bytes, tokens) -> bytes:
+    """Local index key of a partial page holding `tokens` after page key `parent`
+    (the namespace for a sequence's first page). Domain-separated from the
+    layout's chain, so it can never equal a full page's key."""
+    data = tokens_as_uint32(list(tokens)).tobytes()
+    return hashlib.sha256(b"kvrelay-partial-page" + parent + data).digest()
 
 
 class PagedKVPool:
@@ -133,6 +149,14 @@ class PagedKVPool:
             page, _ = self._evictable.popitem(last=False)
             del self._page_of_key[self._key_of_page.pop(page)]
             self._free.append(page)
+
+    def copy_tokens(self, source: int, destination: int, count: int) -> None:
+        """K and V of the first `count` tokens of page `source` into page
+        `destination`, every layer and head (a private copy of a shared page)."""
+        ps = self.page_size
+        src = slice(source * ps, source * ps + count)
+        dst = slice(destination * ps, destination * ps + count)
+        self.storage[:, :, dst] = self.storage[:, :, src]
 
     # -- addressing -------------------------------------------------------
     def slots(self, pages: list[int], num_tokens: int, start: int = 0) -> torch.Tensor:

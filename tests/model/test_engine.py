@@ -42,10 +42,14 @@ def test_second_request_computes_only_its_suffix(engine, model_dirs):
 def test_generated_tokens_pages_are_indexed_too(engine):
     prompt = prompt_tokens(10, seed=2)
     out = engine.generate([Request(prompt, SamplingParams(30))])[0]
-    # 10 + 30 tokens; KV exists for the first 39: two full pages are indexed.
-    assert engine.pool.cached_pages == 2
+    # 10 + 30 tokens; KV exists for the first 39: two full pages and the
+    # partial third (7 tokens) are indexed.
+    assert engine.pool.cached_pages == 3
     follow = engine.generate([Request(prompt + out.tokens, SamplingParams(1))])[0]
-    assert follow.cached_tokens == 32
+    assert follow.cached_tokens == 39
+    # A continuation that differs inside the partial page reuses only the full pages.
+    other = prompt + out.tokens[:25] + [(out.tokens[25] + 1) % 256, 5]
+    assert engine.generate([Request(other, SamplingParams(1))])[0].cached_tokens == 32
 
 
 def test_a_fully_cached_prompt_still_computes_its_last_token(engine):

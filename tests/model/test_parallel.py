@@ -12,7 +12,8 @@ from kvrelay.model.transfer import export_prefix, import_prefix
 from tests.model.conftest import prompt_tokens
 
 PAGE = 16
-PREFIX = 4 * PAGE
+PROMPT = 4 * PAGE + 9
+PAGES = 5
 NEW = 32
 
 
@@ -25,13 +26,16 @@ SAMPLED = SamplingParams(NEW, temperature=0.8, top_k=40, top_p=0.9, seed=5)
 def baseline(model_dirs):
     """TP=1 PP=1: the greedy tokens and the prefix's unified pages."""
     model_dir = model_dirs("parallel")
-    prompt = prompt_tokens(PREFIX + 9, seed=21)
+    prompt = prompt_tokens(PROMPT, seed=21)
     engine = load_engine(model_dir, dtype="float64", page_size=PAGE, num_pages=64)
     tokens = engine.generate([Request(prompt, SamplingParams(NEW))])[0].tokens
     assert len(set(tokens)) >= 16
     sampled = engine.generate([Request(prompt[:30], SAMPLED)])[0].tokens
-    arena = torch.zeros(PREFIX // PAGE, engine.spec.page_bytes, dtype=torch.uint8)
-    export_prefix(engine, prompt[:PREFIX], arena)
+    # As a prefill worker: the prompt alone, then all its pages (4 full, and
+    # the partial fifth with 9 tokens) as unified pages.
+    engine.generate([Request(prompt, SamplingParams(1))])
+    arena = torch.zeros(PAGES, engine.spec.page_bytes, dtype=torch.uint8)
+    assert export_prefix(engine, prompt, arena) == PAGES
     return model_dir, prompt, tokens, arena, sampled
 
 
@@ -60,25 +64,28 @@ def test_parallel_config_matches_tp1_and_exchanges_pages(baseline, tp, pp):
         assert got.tokens == want
         assert got_sampled.tokens == sampled
 
-        exported = group.export_prefix(prompt[:PREFIX])
+        group.generate([Request(prompt, SamplingParams(1))])
+        exported = group.export_prefix(prompt)
         # Every byte written (replicas included) and equal to TP=1's KV up to
         # the order of the TP all-reduce sums.
         torch.testing.assert_close(as_kv(exported), as_kv(tp1_pages), rtol=0, atol=1e-12)
 
-        # Written by TP=1 PP=1, read by this config.
+        # Written by TP=1 PP=1, read by this config as a decode worker would:
+        # it continues from the prompt and the first token, computing no
+        # prompt token.
         group.clear_cache()
-        assert group.import_prefix(prompt[:PREFIX], tp1_pages) == PREFIX // PAGE
-        again = group.generate([Request(prompt, SamplingParams(NEW))])[0]
-        assert again.cached_tokens == PREFIX
-        assert again.tokens == want
+        assert group.import_prefix(prompt, tp1_pages) == PAGES
+        again = group.generate([Request(prompt + want[:1], SamplingParams(NEW - 1))])[0]
+        assert again.cached_tokens == PROMPT
+        assert again.tokens == want[1:]
         assert set(group.free_pages()) == {64}
 
     # Written by this config, read by TP=1 PP=1.
     reader = load_engine(model_dir, dtype="float64", page_size=PAGE, num_pages=64)
-    import_prefix(reader, prompt[:PREFIX], exported)
-    out = reader.generate([Request(prompt, SamplingParams(NEW))])[0]
-    assert out.cached_tokens == PREFIX
-    assert out.tokens == want
+    import_prefix(reader, prompt, exported)
+    out = reader.generate([Request(prompt + want[:1], SamplingParams(NEW - 1))])[0]
+    assert out.cached_tokens == PROMPT
+    assert out.tokens == want[1:]
 
 
 def test_pool_exhaustion_crosses_processes_and_the_group_goes_on(baseline):

@@ -61,15 +61,44 @@ def test_exported_pages_hold_hf_kv_at_every_position(model_dirs, name):
     # Fragment the pool so pages are not in order.
     engine.pool.release(engine.pool.allocate(5))
     engine.generate([Request(prompt, SamplingParams(1))])
-    arena = torch.zeros(3, engine.spec.page_bytes, dtype=torch.uint8)
-    assert export_prefix(engine, prompt, arena) == 3
+    arena = torch.zeros(4, engine.spec.page_bytes, dtype=torch.uint8)
+    # 3 full pages and the 5-token partial page.
+    assert export_prefix(engine, prompt, arena) == 4
     got_k, got_v = unpack_pages(arena, engine.spec)
     want_k, want_v = hf_pages(oracle, 3, page_size)
-    assert got_k.shape == want_k.shape
-    torch.testing.assert_close(got_k, want_k, rtol=0, atol=1e-12)
-    torch.testing.assert_close(got_v, want_v, rtol=0, atol=1e-12)
+    assert got_k[:3].shape == want_k.shape
+    torch.testing.assert_close(got_k[:3], want_k, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got_v[:3], want_v, rtol=0, atol=1e-12)
+    # The partial page: its 5 tokens, then zeros (never stale pool memory).
+    tail_k = torch.stack([layer[:, 48:] for layer in oracle.keys], dim=1)  # [H, L, 5, D]
+    tail_v = torch.stack([layer[:, 48:] for layer in oracle.values], dim=1)
+    torch.testing.assert_close(got_k[3, :, :, :5], tail_k, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got_v[3, :, :, :5], tail_v, rtol=0, atol=1e-12)
+    assert not got_k[3, :, :, 5:].any() and not got_v[3, :, :, 5:].any()
     # K and V differ, so a swap or a transposition would not pass.
     assert not torch.allclose(got_k, got_v)
+
+
+def test_prefill_to_decode_hand_off_computes_no_prompt_token(model_dirs):
+    """The PD flow: prefill computes the prompt and samples the first token;
+    its pages, the partial last one included, go to a decode engine, which
+    continues from prompt + first token without recomputing the prompt."""
+    model_dir = model_dirs("qwen2-gqa")
+    prompt = prompt_tokens(45, seed=13)
+    whole = load_engine(model_dir, dtype="float64", page_size=16)
+    want = whole.generate([Request(prompt, SamplingParams(12))])[0].tokens
+
+    prefill = load_engine(model_dir, dtype="float64", page_size=16)
+    first = prefill.generate([Request(prompt, SamplingParams(1))])[0].tokens
+    arena = torch.zeros(3, prefill.spec.page_bytes, dtype=torch.uint8)
+    assert export_prefix(prefill, prompt, arena) == 3
+
+    decode = load_engine(model_dir, dtype="float64", page_size=16)
+    assert import_prefix(decode, prompt, arena) == 3
+    rest = decode.generate([Request(prompt + first, SamplingParams(11), return_logits=True)])[0]
+    assert rest.cached_tokens == len(prompt)
+    assert rest.prompt_logits.shape[0] == 1  # only the first sampled token ran
+    assert first + rest.tokens == want
 
 
 def test_import_then_generate_reuses_the_pages(model_dirs):
