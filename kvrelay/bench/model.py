@@ -84,7 +84,8 @@ def measure(model_dir, args, context: int) -> dict:
     pages = 2 * (-(-(context + args.decode_tokens + 1) // args.page_size)) + 2
     engine = load_engine(model_dir, dtype=args.dtype, page_size=args.page_size, num_pages=pages)
     hf = _HFRunner(model_dir, TORCH_DTYPES[args.dtype])
-    cached = int(context * args.hit)
+    # The hit is rounded down to full pages, as the cache tier serves them.
+    cached = int(context * args.hit) // args.page_size * args.page_size
     greedy = SamplingParams(max_new_tokens=args.decode_tokens + 1)
     times: dict[str, list[float]] = {
         k: [] for k in ("hf_prefill", "hf_decode", "prefill", "decode", "prefill_hit")
