@@ -107,3 +107,26 @@ def test_pool_tensors_share_one_layout_for_the_page_ops():
     strides = {t.stride() for t in pool.k_layers + pool.v_layers}
     assert len(strides) == 1
     assert pool.k_layers[0].shape == (16, 2, 8)
+
+
+def test_partial_page_keys_never_collide_with_the_chain():
+    from kvrelay.layout import page_keys
+    from kvrelay.model.pool import partial_page_key
+
+    parent = key(7)
+    tokens = [1, 2, 3, 4]
+    assert partial_page_key(parent, tokens) != page_keys(parent, tokens, 4)[0]
+    assert partial_page_key(parent, tokens[:3]) != partial_page_key(parent, tokens)
+    assert partial_page_key(parent, tokens) != partial_page_key(key(8), tokens)
+
+
+def test_copy_tokens_copies_k_and_v_of_every_layer_and_only_count_tokens():
+    pool = make_pool(page_size=4)
+    a, b = pool.allocate(2)
+    pool.storage.normal_()
+    before = pool.storage.clone()
+    pool.copy_tokens(a, b, 3)
+    src, dst = slice(a * 4, a * 4 + 3), slice(b * 4, b * 4 + 3)
+    assert torch.equal(pool.storage[:, :, dst], before[:, :, src])
+    assert torch.equal(pool.storage[:, :, b * 4 + 3], before[:, :, b * 4 + 3])
+    assert torch.equal(pool.storage[:, :, a * 4 : a * 4 + 4], before[:, :, a * 4 : a * 4 + 4])
