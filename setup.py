@@ -67,7 +67,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=find_packages(include=["kvrelay", "kvrelay.*"]),
-    install_requires=["torch>=2.4", "numpy", "numba", "msgpack"],
+    install_requires=["torch>=2.4", "numpy", "numba", "msgpack", "safetensors"],
     ext_modules=extensions(),
     cmdclass={"build_ext": IncrementalBuildExt},
     entry_points={"console_scripts": ["kvrelay=kvrelay.cli:main"]},

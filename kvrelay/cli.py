@@ -25,6 +25,17 @@ def build_parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="show the build: backends, versions")
     info.set_defaults(func=_info)
 
+    from kvrelay.model import commands as model_commands
+
+    generate = commands.add_parser("generate", help="generate tokens with the reference runner")
+    model_commands.add_generate_arguments(generate)
+    generate.set_defaults(func=model_commands.run_generate)
+    make_model = commands.add_parser(
+        "make-model", help="write a random Llama/Qwen2 model in HF format (config + safetensors)"
+    )
+    model_commands.add_make_model_arguments(make_model)
+    make_model.set_defaults(func=model_commands.run_make_model)
+
     bench = commands.add_parser("bench", help="benchmarks: print a table, write JSON")
     benches = bench.add_subparsers(dest="bench", required=True)
     from kvrelay.bench import layout
@@ -34,6 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     layout.add_arguments(layout_parser)
     layout_parser.set_defaults(func=layout.run)
+    from kvrelay.bench import model as model_bench
+
+    model_parser = benches.add_parser(
+        "model", help="prefill/decode tokens/s vs HF transformers; prefill saved by prefix reuse"
+    )
+    model_bench.add_arguments(model_parser)
+    model_parser.set_defaults(func=model_bench.run)
     return parser
 
 

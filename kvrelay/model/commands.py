@@ -1,0 +1,151 @@
+"""`kvrelay generate` and `kvrelay make-model`: argument parsing and running.
+
+kvrelay/cli.py only wires these to subcommands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvrelay.layout import LayoutError
+from kvrelay.model.config import TORCH_DTYPES, ModelConfig
+from kvrelay.model.engine import Request
+from kvrelay.model.errors import ModelLoadError, PoolExhausted, RequestError
+from kvrelay.model.make_model import RandomModelSpec, write_model
+from kvrelay.model.sampling import SamplingParams
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated token ids, got {text!r}"
+        ) from None
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="Hugging Face model directory")
+    parser.add_argument("--prompt-ids", type=_ids, required=True, help="e.g. 1,2,3")
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="float32")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument(
+        "--reuse-prefix",
+        type=int,
+        default=0,
+        metavar="K",
+        help="run and cache the first K prompt tokens first; the full prompt reuses their pages",
+    )
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--stop-ids", type=_ids, default=None, help="stop tokens (default: the config's EOS)"
+    )
+    parser.add_argument("--json", action="store_true", help='print {"tokens": [...]} only')
+
+
+def run_generate(args: argparse.Namespace) -> dict:
+    try:
+        return _generate(args)
+    except (ModelLoadError, RequestError, PoolExhausted, LayoutError) as error:
+        # Bad input is a one-line message naming what is wrong, not a traceback.
+        raise SystemExit(f"kvrelay generate: {error}") from None
+
+
+def _generate(args: argparse.Namespace) -> dict:
+    prompt = args.prompt_ids
+    if not prompt:
+        raise SystemExit("--prompt-ids is empty")
+    if not 0 <= args.reuse_prefix <= len(prompt):
+        raise SystemExit(f"--reuse-prefix must lie in [0, {len(prompt)}]")
+    config = ModelConfig.from_dir(args.model)
+    stops = config.eos_token_ids if args.stop_ids is None else tuple(args.stop_ids)
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_token_ids=stops,
+    )
+    # Room for both runs even if nothing were shared.
+    pages = 2 * (-(-(len(prompt) + args.max_new_tokens) // args.page_size)) + 1
+    options = {"dtype": args.dtype, "page_size": args.page_size, "num_pages": pages}
+    requests = []
+    if args.reuse_prefix:
+        requests.append([Request(prompt[: args.reuse_prefix], SamplingParams(1))])
+    requests.append([Request(prompt, params)])
+    if args.tp * args.pp == 1:
+        from kvrelay.model.loader import load_engine
+
+        engine = load_engine(args.model, **options)
+        results = [engine.generate(batch)[0] for batch in requests]
+    else:
+        from kvrelay.model.parallel import ParallelEngine
+
+        with ParallelEngine(args.model, tp=args.tp, pp=args.pp, **options) as group:
+            results = [group.generate(batch)[0] for batch in requests]
+    result = results[-1]
+    if args.json:
+        print(json.dumps({"tokens": result.tokens}))
+    else:
+        print(
+            f"generated {len(result.tokens)} tokens ({result.finish_reason}), "
+            f"{result.cached_tokens} prompt tokens from cached pages:",
+            file=sys.stderr,
+        )
+        print(" ".join(str(t) for t in result.tokens))
+    return {"tokens": result.tokens, "cached_tokens": result.cached_tokens}
+
+
+def add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--arch", choices=["llama", "qwen2"], required=True)
+    parser.add_argument("--layers", type=int, required=True)
+    parser.add_argument("--hidden", type=int, required=True)
+    parser.add_argument("--heads", type=int, required=True)
+    parser.add_argument("--kv-heads", type=int, required=True)
+    parser.add_argument("--vocab", type=int, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--intermediate", type=int, help="MLP width (default 2 x hidden)")
+    parser.add_argument("--head-dim", type=int, help="default hidden / heads")
+    parser.add_argument("--tie-embeddings", action="store_true")
+    parser.add_argument("--attention-bias", action="store_true", help="Llama: q/k/v/o biases")
+    parser.add_argument("--mlp-bias", action="store_true", help="Llama: MLP biases")
+    parser.add_argument("--rope-theta", type=float, default=10000.0)
+    parser.add_argument("--std", type=float, default=0.05, help="weight init std")
+    parser.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="float32")
+    parser.add_argument("--shards", type=int, default=1, help="safetensors files (indexed)")
+    parser.add_argument("dir", help="output directory")
+
+
+def run_make_model(args: argparse.Namespace) -> None:
+    spec = RandomModelSpec(
+        arch=args.arch,
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        vocab=args.vocab,
+        intermediate=args.intermediate,
+        head_dim=args.head_dim,
+        tie_embeddings=args.tie_embeddings,
+        attention_bias=args.attention_bias,
+        mlp_bias=args.mlp_bias,
+        rope_theta=args.rope_theta,
+        std=args.std,
+        seed=args.seed,
+        dtype=args.dtype,
+        shards=args.shards,
+    )
+    try:
+        path = write_model(args.dir, spec)
+    except ValueError as bad:
+        raise SystemExit(str(bad)) from None
+    print(f"wrote {spec.arch} model ({spec.layers} layers, hidden {spec.hidden}) to {path}")

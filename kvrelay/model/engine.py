@@ -1,0 +1,261 @@
+"""The engine: admission against the paged pool, batched prefill over a cached
+prefix, batched decode steps, sampling and stop conditions.
+
+Every rank of a TP x PP group runs this same loop on the same requests; the
+`Comm` seam makes the ranks agree (usable prefix, admission) and carries the
+sampled tokens from the sampling rank to all others.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvrelay.layout import ModelKVSpec, ParallelConfig, page_keys
+from kvrelay.model.attention import AttentionBatch
+from kvrelay.model.decoder import DecoderShard, ForwardBatch
+from kvrelay.model.errors import PoolExhausted, RequestError
+from kvrelay.model.pool import partial_page_key
+from kvrelay.model.sampling import Sampler, SamplingParams
+
+
+@dataclass(slots=True)
+class Request:
+    prompt: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    # Keep the logits of every computed prompt position and of every step
+    # (last stage only): what the oracle tests compare.
+    return_logits: bool = False
+
+
+@dataclass(slots=True)
+class Result:
+    tokens: list[int]
+    finish_reason: str  # "stop" (a stop token) or "length" (max_new_tokens)
+    cached_tokens: int  # prompt tokens whose KV came from the prefix index
+    prompt_logits: torch.Tensor | None = None  # [prompt - cached, vocab]
+    step_logits: list[torch.Tensor] = field(default_factory=list)  # one per token
+    # Wall time of the batch's prefill and of its decode steps (what benchmarks read).
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class _Sequence:
+    request: Request
+    tokens: list[int]  # prompt, then generated tokens
+    pages: list[int]
+    cached: int
+    keys: list[bytes]  # keys of the sequence's full pages so far
+    registered: int  # pages [0, registered) are in the prefix index (or skipped)
+    sampler: Sampler
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_logits: torch.Tensor | None = None
+    step_logits: list[torch.Tensor] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(
+        self, shard: DecoderShard, spec: ModelKVSpec, parallel: ParallelConfig | None = None
+    ) -> None:
+        if spec.page_size != shard.pool.page_size:
+            raise ValueError("the pool's page size must be the unified page size")
+        self.shard = shard
+        self.pool = shard.pool
+        self.spec = spec
+        self.comm = shard.comm
+        self.namespace = spec.namespace()
+        self.parallel = parallel or ParallelConfig()
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.page_size
+
+    def generate(self, requests: list[Request]) -> list[Result]:
+        """Runs a batch to completion. All-or-nothing admission: PoolExhausted
+        when the batch does not fit, with every page returned to the pool."""
+        if not requests:
+            return []
+        sequences: list[_Sequence] = []
+        try:
+            start = time.perf_counter()
+            for request in requests:
+                sequences.append(self._admit(request))
+            self._prefill(sequences)
+            prefilled = time.perf_counter()
+            active = [s for s in sequences if s.finish_reason is None]
+            while active:
+                self._decode_step(active)
+                active = [s for s in active if s.finish_reason is None]
+            done = time.perf_counter()
+            self._index_partial_pages(sequences)
+        finally:
+            for seq in sequences:
+                self.pool.release(seq.pages)
+        return [
+            Result(
+                tokens=s.generated,
+                finish_reason=s.finish_reason or "length",
+                cached_tokens=s.cached,
+                prompt_logits=s.prompt_logits,
+                step_logits=s.step_logits,
+                prefill_seconds=prefilled - start,
+                decode_seconds=done - prefilled,
+            )
+            for s in sequences
+        ]
+
+    # -- admission --------------------------------------------------------
+    def _admit(self, request: Request) -> _Sequence:
+        prompt = [int(t) for t in request.prompt]
+        vocab = self.shard.config.vocab_size
+        if not prompt:
+            raise RequestError("empty prompt")
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise RequestError(f"prompt token ids must lie in [0, {vocab})")
+        ps = self.page_size
+        keys = self.spec.page_keys(prompt)
+        # At least the last prompt token is computed: its logits pick the first token.
+        usable = min(len(keys), (len(prompt) - 1) // ps)
+        hit = self.pool.match_prefix(keys[:usable])
+        agreed = self.comm.min_all(len(hit))
+        self.pool.release(hit[agreed:])
+        hit = hit[:agreed]
+        # KV slots for the prompt and every generated token but the last.
+        total_pages = -(-(len(prompt) + request.params.max_new_tokens - 1) // ps)
+        fits = self.pool.free_pages >= total_pages - agreed
+        if not self.comm.min_all(int(fits)):
+            available = self.pool.free_pages
+            self.pool.release(hit)
+            raise PoolExhausted(total_pages - agreed, available)
+        pages = hit + self.pool.allocate(total_pages - agreed)
+        cached = agreed * ps + self._reuse_partial_page(prompt, keys, agreed, pages)
+        return _Sequence(
+            request=request,
+            tokens=prompt,
+            pages=pages,
+            cached=cached,
+            keys=keys,
+            registered=agreed,
+            sampler=Sampler(request.params),
+        )
+
+    def _reuse_partial_page(self, prompt, keys, full: int, pages: list[int]) -> int:
+        """After `full` cached pages, the longest indexed partial page that the
+        prompt continues (short of its last token) is copied into the
+        sequence's own page `full`. Returns the tokens reused (ranks agree)."""
+        ps = self.page_size
+        parent = keys[full - 1] if full else self.namespace
+        start = full * ps
+        found, count = None, 0
+        for length in range(min(ps - 1, len(prompt) - 1 - start), 0, -1):
+            hit = self.pool.match_prefix([partial_page_key(parent, prompt[start : start + length])])
+            if hit:
+                found, count = hit[0], length
+                break
+        agreed = self.comm.min_all(count)
+        if found is not None:
+            if agreed:
+                self.pool.copy_tokens(found, pages[full], agreed)
+            self.pool.release([found])
+        return agreed
+
+    def _index_partial_pages(self, sequences: list[_Sequence]) -> None:
+        """Keep each finished sequence's last partial page findable: its tokens'
+        KV is written, and a continuation (or an export) can reuse it."""
+        ps = self.page_size
+        for seq in sequences:
+            with_kv = len(seq.tokens) - 1
+            index, count = divmod(with_kv, ps)
+            if count and index >= seq.registered:
+                parent = seq.keys[index - 1] if index else self.namespace
+                tail = seq.tokens[index * ps : index * ps + count]
+                self.pool.register(seq.pages[index], partial_page_key(parent, tail))
+
+    # -- execution --------------------------------------------------------
+    def _prefill(self, sequences: list[_Sequence]) -> None:
+        spans = [(s, s.cached, len(s.tokens)) for s in sequences]
+        all_rows = any(s.request.return_logits for s in sequences)
+        logits = self._forward(spans, all_rows=all_rows)
+        if logits is not None and all_rows:
+            rows, start = [], 0
+            for seq, begin, end in spans:
+                if seq.request.return_logits:
+                    seq.prompt_logits = logits[start : start + end - begin]
+                start += end - begin
+                rows.append(start - 1)
+            logits = logits[rows]
+        self._sample(sequences, logits)
+        for seq in sequences:
+            self._register_full_pages(seq)
+
+    def _decode_step(self, active: list[_Sequence]) -> None:
+        spans = [(s, len(s.tokens) - 1, len(s.tokens)) for s in active]
+        logits = self._forward(spans, all_rows=False)
+        self._sample(active, logits)
+        for seq in active:
+            self._register_full_pages(seq)
+
+    def _forward(self, spans, all_rows: bool) -> torch.Tensor | None:
+        """One forward over tokens [begin, end) of each sequence (end - 1 is the
+        last token whose KV gets written)."""
+        token_ids, positions, write_slots, starts, lens, contexts, tables, last = (
+            [] for _ in range(8)
+        )
+        ps, row = self.page_size, 0
+        for seq, begin, end in spans:
+            table = torch.as_tensor(seq.pages[: -(-end // ps)], dtype=torch.int64)
+            token_ids.extend(seq.tokens[begin:end])
+            positions.append(torch.arange(begin, end, dtype=torch.int64))
+            write_slots.append(self.pool.slots(seq.pages, end, start=begin))
+            starts.append(row)
+            lens.append(end - begin)
+            contexts.append(end)
+            tables.append(table)
+            row += end - begin
+            last.append(row - 1)
+        batch = ForwardBatch(
+            token_ids=torch.tensor(token_ids, dtype=torch.int64),
+            positions=torch.cat(positions),
+            write_slots=torch.cat(write_slots),
+            attention=AttentionBatch(
+                tuple(starts), tuple(lens), tuple(contexts), tuple(tables), page_size=ps
+            ),
+            last_rows=None if all_rows else torch.tensor(last, dtype=torch.int64),
+        )
+        return self.shard.forward(batch)
+
+    def _sample(self, sequences: list[_Sequence], logits: torch.Tensor | None) -> None:
+        """logits: [len(sequences), vocab] on the last stage, else None."""
+        chosen = torch.zeros(len(sequences), dtype=torch.int64)
+        if self.comm.samples:
+            for i, seq in enumerate(sequences):
+                chosen[i] = seq.sampler(logits[i])
+        chosen = self.comm.broadcast_tokens(chosen)
+        for i, seq in enumerate(sequences):
+            token = int(chosen[i])
+            if logits is not None and seq.request.return_logits:
+                seq.step_logits.append(logits[i].clone())
+            seq.generated.append(token)
+            seq.tokens.append(token)
+            params = seq.request.params
+            if token in params.stop_token_ids:
+                seq.finish_reason = "stop"
+            elif len(seq.generated) >= params.max_new_tokens:
+                seq.finish_reason = "length"
+
+    def _register_full_pages(self, seq: _Sequence) -> None:
+        """Index every page whose tokens' KV are all written. The last token of
+        `tokens` has no KV yet (it is fed at the next step)."""
+        ps = self.page_size
+        full = (len(seq.tokens) - 1) // ps
+        while len(seq.keys) < full:
+            parent = seq.keys[-1] if seq.keys else self.namespace
+            start = len(seq.keys) * ps
+            seq.keys.extend(page_keys(parent, seq.tokens[start : start + ps], ps))
+        for index in range(seq.registered, full):
+            self.pool.register(seq.pages[index], seq.keys[index])
+        seq.registered = max(seq.registered, full)

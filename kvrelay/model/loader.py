@@ -1,0 +1,87 @@
+"""Building a rank's engine from a model directory and a parallel config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvrelay.layout import ModelKVSpec, ParallelConfig, rank_rectangle
+from kvrelay.model.comm import Comm
+from kvrelay.model.config import TORCH_DTYPES, ModelConfig
+from kvrelay.model.decoder import DecoderShard
+from kvrelay.model.engine import Engine
+from kvrelay.model.errors import ModelLoadError
+from kvrelay.model.pool import PagedKVPool
+from kvrelay.model.weights import ShardPlan, fingerprint, load_weights
+
+
+def kv_spec(model_dir: str | Path, config: ModelConfig, dtype: str, page_size: int) -> ModelKVSpec:
+    """The unified page identity of this model's KV: the directory's name as
+    model id, the weight files' digest as fingerprint."""
+    return ModelKVSpec(
+        model_id=f"{config.arch}:{Path(model_dir).resolve().name}",
+        weights_fingerprint=fingerprint(model_dir),
+        num_layers=config.num_layers,
+        num_kv_heads=config.num_kv_heads,
+        k_head_dim=config.head_dim,
+        v_head_dim=config.head_dim,
+        kv_dtype=dtype,
+        page_size=page_size,
+    )
+
+
+def shard_plan(config: ModelConfig, spec: ModelKVSpec, parallel: ParallelConfig) -> ShardPlan:
+    """Heads, MLP columns and layers of `parallel`'s rank; KV heads and layers
+    are exactly its rectangle of the unified page (DESIGN.md section 3)."""
+    tp = parallel.tp
+    if config.num_heads % tp:
+        raise ModelLoadError(f"tp={tp} does not divide {config.num_heads} attention heads")
+    if config.intermediate_size % tp:
+        raise ModelLoadError(
+            f"tp={tp} does not divide intermediate_size {config.intermediate_size}"
+        )
+    rect = rank_rectangle(spec, parallel)
+    q_per_rank = config.num_heads // tp
+    mlp_per_rank = config.intermediate_size // tp
+    return ShardPlan(
+        q_head_start=parallel.tp_rank * q_per_rank,
+        num_q_heads=q_per_rank,
+        kv_head_start=rect.head_start,
+        num_kv_heads=rect.num_heads,
+        mlp_start=parallel.tp_rank * mlp_per_rank,
+        mlp_size=mlp_per_rank,
+        layer_start=rect.layer_start,
+        layer_end=rect.layer_end,
+        first_stage=parallel.pp_rank == 0,
+        last_stage=parallel.pp_rank == parallel.pp - 1,
+    )
+
+
+def load_engine(
+    model_dir: str | Path,
+    *,
+    dtype: str = "float32",
+    page_size: int = 64,
+    num_pages: int = 256,
+    parallel: ParallelConfig | None = None,
+    comm: Comm | None = None,
+) -> Engine:
+    """An engine for one rank (the whole model when `parallel` is None)."""
+    if dtype not in TORCH_DTYPES:
+        raise ModelLoadError(f"dtype {dtype!r} is not one of {sorted(TORCH_DTYPES)}")
+    parallel = parallel or ParallelConfig()
+    if parallel.cp != 1:
+        raise ModelLoadError("context parallelism is not implemented by the reference runner")
+    config = ModelConfig.from_dir(model_dir)
+    spec = kv_spec(model_dir, config, dtype, page_size)
+    plan = shard_plan(config, spec, parallel)
+    torch_dtype = TORCH_DTYPES[dtype]
+    weights = load_weights(model_dir, config, plan, torch_dtype)
+    pool = PagedKVPool(
+        num_pages=num_pages,
+        page_size=page_size,
+        num_layers=plan.layer_end - plan.layer_start,
+        num_heads=plan.num_kv_heads,
+        head_dim=config.head_dim,
+        dtype=torch_dtype,
+    )
+    return Engine(DecoderShard(config, plan, weights, pool, comm), spec, parallel)

@@ -1,0 +1,264 @@
+"""Tensor and pipeline parallelism: one spawned process per rank.
+
+`ParallelEngine` starts tp x pp processes (`spawn`, never `fork`) that join a
+torch.distributed group (gloo on CPU, bound to 127.0.0.1 on a free port; nccl
+where CUDA is used). Global rank = pp_rank * tp + tp_rank, as in
+`ParallelConfig.rank`. Each rank loads only its weights and keeps a KV pool
+of only its rectangle of heads and layers. The parent sends every command to
+every rank and waits for all answers with a timeout; a rank that fails while
+the others did not leaves the group out of step, so the group is shut down.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kvrelay.layout import ModelKVSpec, ParallelConfig
+from kvrelay.model.engine import Request, Result
+
+# How long the other ranks get to answer once one rank has failed.
+ERROR_GRACE_S = 10.0
+
+
+class DistComm:
+    """The `Comm` seam over a torch.distributed group of tp x pp ranks."""
+
+    def __init__(self, parallel: ParallelConfig) -> None:
+        tp, pp = parallel.tp, parallel.pp
+        self.tp_size = tp
+        self.first_stage = parallel.pp_rank == 0
+        self.last_stage = parallel.pp_rank == pp - 1
+        self.samples = self.last_stage and parallel.tp_rank == 0
+        self.sampler_rank = (pp - 1) * tp
+        rank = parallel.rank
+        self.next_rank = rank + tp
+        self.prev_rank = rank - tp
+        self.tp_group = None
+        # Every rank creates every group, in the same order (a collective call).
+        for stage in range(pp):
+            group = dist.new_group([stage * tp + r for r in range(tp)]) if tp > 1 else None
+            if stage == parallel.pp_rank:
+                self.tp_group = group
+
+    def all_reduce_tp(self, x: torch.Tensor) -> None:
+        if self.tp_size > 1:
+            dist.all_reduce(x, group=self.tp_group)
+
+    def send_next(self, hidden: torch.Tensor) -> None:
+        dist.send(hidden.contiguous(), self.next_rank)
+
+    def recv_prev(self, like: torch.Tensor) -> torch.Tensor:
+        dist.recv(like, self.prev_rank)
+        return like
+
+    def broadcast_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        dist.broadcast(tokens, src=self.sampler_rank)
+        return tokens
+
+    def min_all(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, tp, pp, port, model_dir, options, timeout_s, commands, results):
+    # Gloo binds its pair sockets on the interface named here: loopback only.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # Ranks share the machine's cores; one intra-op thread each keeps them
+    # from oversubscribing it.
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=tp * pp,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        from kvrelay.model.loader import load_engine
+        from kvrelay.model.transfer import export_prefix, import_prefix
+
+        parallel = ParallelConfig(tp=tp, pp=pp, tp_rank=rank % tp, pp_rank=rank // tp)
+        engine = load_engine(model_dir, parallel=parallel, comm=DistComm(parallel), **options)
+    except Exception as error:  # reported to the parent, which raises it
+        results.put((rank, "error", _portable(error)))
+        return
+    results.put((rank, "ok", engine.spec))
+    handlers = {
+        "generate": engine.generate,
+        "export": lambda tokens, arena: export_prefix(engine, tokens, arena),
+        "import": lambda tokens, arena: import_prefix(engine, tokens, arena),
+        "free_pages": lambda: engine.pool.free_pages,
+        "clear_cache": engine.pool.clear_cache,
+        "describe": lambda: _describe(engine),
+    }
+    while True:
+        name, args = commands.get()
+        if name == "stop":
+            break
+        try:
+            results.put((rank, "ok", handlers[name](*args)))
+        except Exception as error:
+            results.put((rank, "error", _portable(error)))
+    dist.destroy_process_group()
+
+
+def _describe(engine) -> dict:
+    """What this rank holds: its config, its pool's layers and heads."""
+    plan = engine.shard.plan
+    return {
+        "parallel": engine.parallel,
+        "layers": (plan.layer_start, plan.layer_end),
+        "kv_heads": (plan.kv_head_start, plan.kv_head_start + plan.num_kv_heads),
+        "q_heads": (plan.q_head_start, plan.q_head_start + plan.num_q_heads),
+        "pool_layers": engine.pool.num_layers,
+        "pool_heads": engine.pool.num_heads,
+    }
+
+
+def _portable(error: Exception) -> Exception:
+    """The error itself if it survives pickling, else a RuntimeError with its text."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError("".join(traceback.format_exception(error)))
+
+
+class ParallelEngine:
+    """A TP x PP engine; `generate`, `export_prefix`, `import_prefix` as for one
+    process. Use as a context manager, or call `close()`."""
+
+    def __init__(
+        self,
+        model_dir,
+        *,
+        tp: int = 1,
+        pp: int = 1,
+        dtype: str = "float32",
+        page_size: int = 64,
+        num_pages: int = 256,
+        timeout_s: float = 300.0,
+    ) -> None:
+        ParallelConfig(tp=tp, pp=pp)  # validates the sizes
+        self.tp, self.pp, self.world = tp, pp, tp * pp
+        self.timeout_s = timeout_s
+        context = mp.get_context("spawn")
+        self._commands = [context.Queue() for _ in range(self.world)]
+        self._results = context.Queue()
+        options = {"dtype": dtype, "page_size": page_size, "num_pages": num_pages}
+        port = free_port()
+        self._procs = []
+        for rank in range(self.world):
+            args = (rank, tp, pp, port, str(model_dir), dict(options), timeout_s)
+            queues = (self._commands[rank], self._results)
+            self._procs.append(context.Process(target=_worker, args=args + queues, daemon=True))
+        for proc in self._procs:
+            proc.start()
+        try:
+            self.spec: ModelKVSpec = self._collect()[0]
+        except BaseException:
+            self.close()
+            raise
+        self.sampler_rank = (pp - 1) * tp
+
+    # -- commands ---------------------------------------------------------
+    def generate(self, requests: list[Request]) -> list[Result]:
+        return self._call("generate", requests)[self.sampler_rank]
+
+    def export_prefix(self, tokens: list[int]) -> torch.Tensor:
+        """Pages of the cached tokens `tokens` (a trailing partial page
+        included), as unified page objects: every writer rank gathers its
+        rectangle into one shared arena."""
+        num_pages = -(-len(tokens) // self.spec.page_size)
+        arena = torch.zeros(num_pages, self.spec.page_bytes, dtype=torch.uint8).share_memory_()
+        self._call("export", list(tokens), arena)
+        return arena
+
+    def import_prefix(self, tokens: list[int], arena: torch.Tensor) -> int:
+        if not arena.is_shared():
+            arena = arena.clone().share_memory_()
+        return self._call("import", list(tokens), arena)[0]
+
+    def free_pages(self) -> list[int]:
+        """Each rank's free pages."""
+        return self._call("free_pages")
+
+    def clear_cache(self) -> None:
+        self._call("clear_cache")
+
+    def describe(self) -> list[dict]:
+        """Each rank's share of the model and its pool."""
+        return self._call("describe")
+
+    def _call(self, name: str, *args) -> list:
+        if not self._procs:
+            raise RuntimeError("the parallel engine is closed")
+        for q in self._commands:
+            q.put((name, args))
+        return self._collect()
+
+    def _collect(self) -> list:
+        deadline = time.monotonic() + self.timeout_s
+        answers: dict[int, tuple[str, object]] = {}
+        while len(answers) < self.world:
+            try:
+                rank, status, value = self._results.get(timeout=1.0)
+                answers[rank] = (status, value)
+                if status == "error":
+                    # Ranks that went on may be blocked in a collective the
+                    # failed rank will never join: give them a short grace.
+                    deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
+                continue
+            except queue.Empty:
+                pass
+            dead = [r for r, p in enumerate(self._procs) if p.exitcode is not None]
+            dead = [r for r in dead if r not in answers]
+            if dead or time.monotonic() > deadline:
+                self.close()
+                errors = [value for status, value in answers.values() if status == "error"]
+                if errors:
+                    raise errors[0]
+                why = f"ranks {dead} exited" if dead else f"no answer in {self.timeout_s:.0f} s"
+                raise RuntimeError(f"parallel engine tp={self.tp} pp={self.pp}: {why}")
+        errors = [value for status, value in answers.values() if status == "error"]
+        if errors:
+            if len(errors) < self.world:
+                self.close()  # the ranks that went on are out of step with the others
+            raise errors[0]
+        return [answers[r][1] for r in range(self.world)]
+
+    def close(self) -> None:
+        procs, self._procs = self._procs, []
+        for rank, proc in enumerate(procs):
+            if proc.exitcode is None:
+                self._commands[rank].put(("stop", ()))
+        deadline = time.monotonic() + 10
+        for proc in procs:
+            proc.join(timeout=max(0.1, deadline - time.monotonic()))
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join(timeout=5)
+
+    def __enter__(self) -> ParallelEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

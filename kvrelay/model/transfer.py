@@ -1,0 +1,112 @@
+"""Export and import of a request's KV as unified pages.
+
+A rank exports its rectangle (its KV heads x its layers) of the pages of a
+cached token sequence into page objects (rows of a uint8 arena of
+`spec.page_bytes` each) with one `gather_pages` call; a rank of any other
+parallel config imports the rectangle it owns with one `scatter_pages` call
+and indexes the pages, so its next request with those tokens computes only
+what follows. Full pages are indexed under their chained keys; a trailing
+partial page (the tail of a prompt that travels from prefill to decode) is
+exported with zeros past its last token and indexed under its local partial
+key (`kvrelay.model.pool.partial_page_key`). When TP exceeds the KV heads,
+only the first replica of a head writes it (`Rectangle.writer`); every
+replica reads it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvrelay.cuda_ext import gather_pages, rect_geometry, scatter_pages
+from kvrelay.layout import rank_rectangle
+from kvrelay.model.engine import Engine
+from kvrelay.model.errors import PrefixNotCached
+from kvrelay.model.pool import partial_page_key
+
+
+def _arena_rows(page_ids, count: int) -> torch.Tensor:
+    ids = torch.as_tensor(page_ids, dtype=torch.int64)
+    if ids.dim() != 1 or ids.numel() < count:
+        raise ValueError(f"need {count} arena rows, got page_ids of shape {tuple(ids.shape)}")
+    return ids[:count].contiguous()
+
+
+def _page_keys(engine: Engine, tokens: list[int]) -> list[bytes]:
+    """Index keys of every page of `tokens`: the chain for full pages, then the
+    partial key of a trailing partial page."""
+    keys = engine.spec.page_keys(tokens)
+    tail = len(tokens) % engine.spec.page_size
+    if tail:
+        parent = keys[-1] if keys else engine.namespace
+        keys.append(partial_page_key(parent, tokens[len(tokens) - tail :]))
+    return keys
+
+
+def _slot_mapping(engine: Engine, pages: list[int], first: int, num_tokens: int) -> torch.Tensor:
+    """int64 [len(pages), page_size]: slots of the tokens of sequence pages
+    first, first + 1, ... held on pool `pages`; -1 past the last token."""
+    ps = engine.spec.page_size
+    positions = torch.arange(len(pages) * ps, dtype=torch.int64) + first * ps
+    table = torch.as_tensor(pages, dtype=torch.int64)
+    slots = table.repeat_interleave(ps) * ps + positions % ps
+    slots[positions >= num_tokens] = -1
+    return slots.view(len(pages), ps)
+
+
+def export_prefix(engine: Engine, tokens, arena: torch.Tensor, page_ids=None) -> int:
+    """Write this rank's rectangle of every page of `tokens` (all cached in the
+    pool, a trailing partial page included) into `arena` rows `page_ids`
+    (default 0, 1, ...). Returns the number of pages."""
+    tokens = [int(t) for t in tokens]
+    spec, pool = engine.spec, engine.pool
+    keys = _page_keys(engine, tokens)
+    pages = pool.match_prefix(keys)
+    try:
+        if len(pages) < len(keys):
+            raise PrefixNotCached(
+                f"{len(pages)} of {len(keys)} pages of the prefix are cached on this rank"
+            )
+        rect = rank_rectangle(spec, engine.parallel)
+        if rect.writer and pages:
+            ids = _arena_rows(range(len(pages)) if page_ids is None else page_ids, len(pages))
+            slots = _slot_mapping(engine, pages, 0, len(tokens))
+            gather_pages(
+                pool.k_layers, pool.v_layers, arena, ids, slots, **rect_geometry(spec, rect)
+            )
+    finally:
+        pool.release(pages)
+    return len(keys)
+
+
+def import_prefix(engine: Engine, tokens, arena: torch.Tensor, page_ids=None) -> int:
+    """Read this rank's rectangle of the pages of `tokens` from `arena` into
+    fresh pool pages and index them. Pages already cached are kept, not
+    overwritten. Returns the number of pages now cached for `tokens`.
+    PoolExhausted (nothing taken) when the pool cannot hold them."""
+    tokens = [int(t) for t in tokens]
+    spec, pool = engine.spec, engine.pool
+    keys = _page_keys(engine, tokens)
+    ids = _arena_rows(range(len(keys)) if page_ids is None else page_ids, len(keys))
+    have = pool.match_prefix(keys)
+    try:
+        fresh = pool.allocate(len(keys) - len(have))
+    except Exception:
+        pool.release(have)
+        raise
+    try:
+        if fresh:
+            rect = rank_rectangle(spec, engine.parallel)
+            slots = _slot_mapping(engine, fresh, len(have), len(tokens))
+            scatter_pages(
+                pool.k_layers,
+                pool.v_layers,
+                arena,
+                ids[len(have) :].contiguous(),
+                slots,
+                **rect_geometry(spec, rect),
+            )
+            for page, key in zip(fresh, keys[len(have) :], strict=True):
+                pool.register(page, key)
+    finally:
+        pool.release(have + fresh)
+    return len(keys)
