@@ -62,6 +62,7 @@ class Arena:
     size: int
     tensor: torch.Tensor
     shm_path: str = ""  # where a same-host reader maps it; "" when not shared
+    rkey: bytes = b""  # packed by the backend at registration
     _fd: int = -1
     _owns_mapping: bool = False
     registration: object = field(default=None, repr=False)  # backend's (e.g. ucp memh)
@@ -77,7 +78,15 @@ class Arena:
             os.close(fd)
             raise
         path = f"/proc/{os.getpid()}/fd/{fd}"
-        return cls(arena_id, address, size, tensor_at(address, size), path, fd, True)
+        return cls(
+            arena_id,
+            address,
+            size,
+            tensor_at(address, size),
+            shm_path=path,
+            _fd=fd,
+            _owns_mapping=True,
+        )
 
     @classmethod
     def allocate_private(cls, arena_id: int, size: int) -> Arena:

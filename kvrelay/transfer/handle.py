@@ -107,7 +107,9 @@ class BlockHandle:
             raise MalformedHandle("handle is not a msgpack map")
         version = raw.get("v")
         if version != HANDLE_VERSION:
-            raise HandleVersionError(f"handle version {version!r}, this agent speaks {HANDLE_VERSION}")
+            raise HandleVersionError(
+                f"handle version {version!r}, this agent speaks {HANDLE_VERSION}"
+            )
         try:
             fields = {
                 "backend": _typed(raw, "backend", str),

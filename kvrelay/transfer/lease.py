@@ -35,6 +35,9 @@ class LeaseTable:
         self._active[lease.lease_id] = lease
         return lease
 
+    def get(self, lease_id: int) -> Lease | None:
+        return self._active.get(lease_id)
+
     def is_active(self, lease_id: int, now: float | None = None) -> bool:
         lease = self._active.get(lease_id)
         return lease is not None and lease.expiry > (time.time() if now is None else now)

@@ -170,19 +170,22 @@ ucs_status_t wait_request(ucp_worker_h worker, ucs_status_ptr_t req, Clock::time
 
 class Endpoint {
  public:
-  Endpoint(std::shared_ptr<Worker> worker, const std::string& remote_address)
-      : worker_(std::move(worker)) {
+  Endpoint(std::shared_ptr<Worker> worker, const std::string& remote_address,
+           bool error_handling)
+      : worker_(std::move(worker)), error_handling_(error_handling) {
     ucp_ep_params_t params{};
     params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
     params.address = reinterpret_cast<const ucp_address_t*>(remote_address.data());
-    // Error handling off: with it on, UCX leaves out the shm/cma lanes.
-    params.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+    // Error handling off on one host: with it on, UCX leaves out the shm/cma
+    // lanes. Across hosts it is on, so a failed peer fails its requests and a
+    // forced close can complete them.
+    params.err_mode = error_handling ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
     check(ucp_ep_create(worker_->get(), &params, &handle_), "ucp_ep_create");
   }
   ~Endpoint() {
     if (handle_ != nullptr && !worker_->closed()) {
       try {
-        close(true, 1.0);
+        close(true, 0.1);
       } catch (...) {  // destructors must not throw; the worker frees what is left
       }
     }
@@ -199,20 +202,23 @@ class Endpoint {
     handle_ = nullptr;
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    // UCX accepts a forced close only with error handling on.
+    force = force && error_handling_;
     param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     bool timed_out = false;
     ucs_status_t status;
     {
       py::gil_scoped_release nogil;
       status = wait_request(w, ucp_ep_close_nbx(ep, &param), deadline_after(timeout), &timed_out);
-      if (timed_out && !force) {
+      if (timed_out && !force && error_handling_) {
         // The peer does not answer a graceful close: drop the endpoint.
         param.flags = UCP_EP_CLOSE_FLAG_FORCE;
         status = wait_request(w, ucp_ep_close_nbx(ep, &param), deadline_after(timeout),
                               &timed_out);
       }
     }
-    if (timed_out) throw UcxError("closing the UCX endpoint timed out");
+    if (timed_out)
+      throw UcxError("closing the UCX endpoint timed out; the worker reclaims it at teardown");
     if (status != UCS_OK && status != UCS_ERR_CANCELED && status != UCS_ERR_ENDPOINT_TIMEOUT &&
         status != UCS_ERR_CONNECTION_RESET)
       fail("ucp_ep_close_nbx", status);
@@ -239,6 +245,7 @@ class Endpoint {
 
  private:
   std::shared_ptr<Worker> worker_;
+  bool error_handling_;
   ucp_ep_h handle_ = nullptr;
 };
 
@@ -429,7 +436,7 @@ std::string version() {
 PYBIND11_MODULE(_ucx, m) {
   using namespace kvrelay::ucx;
   m.doc() = "kvrelay's binding of libucp: one-sided GET/PUT between registered arenas";
-  static py::exception<UcxError> ucx_error(m, "UcxError", PyExc_RuntimeError);
+  py::register_exception<UcxError>(m, "UcxError", PyExc_RuntimeError);
   m.def("version", &version, "version of the libucp loaded at run time");
 
   py::class_<Context, std::shared_ptr<Context>>(m, "Context")
@@ -441,8 +448,8 @@ PYBIND11_MODULE(_ucx, m) {
       .def("progress_for", &Worker::progress_for, py::arg("seconds"))
       .def("close", &Worker::close);
   py::class_<Endpoint, std::shared_ptr<Endpoint>>(m, "Endpoint")
-      .def(py::init<std::shared_ptr<Worker>, std::string>(), py::arg("worker"),
-           py::arg("remote_address"))
+      .def(py::init<std::shared_ptr<Worker>, std::string, bool>(), py::arg("worker"),
+           py::arg("remote_address"), py::arg("error_handling"))
       .def("flush", &Endpoint::flush, py::arg("timeout"))
       .def("close", &Endpoint::close, py::arg("force"), py::arg("timeout"));
   py::class_<MemRegion, std::shared_ptr<MemRegion>>(m, "MemRegion")
