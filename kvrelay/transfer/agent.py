@@ -92,7 +92,7 @@ class Agent:
         self.transport.close()
 
     async def __aenter__(self) -> Agent:
-        return await self.start()
+        return self if self.address else await self.start()
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
