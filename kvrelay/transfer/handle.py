@@ -106,6 +106,8 @@ class BlockHandle:
         if not isinstance(raw, dict):
             raise MalformedHandle("handle is not a msgpack map")
         version = raw.get("v")
+        if not _is_u64(version):
+            raise MalformedHandle("handle has no integer version field 'v'")
         if version != HANDLE_VERSION:
             raise HandleVersionError(
                 f"handle version {version!r}, this agent speaks {HANDLE_VERSION}"
