@@ -34,6 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     layout.add_arguments(layout_parser)
     layout_parser.set_defaults(func=layout.run)
+    from kvrelay.bench import transfer
+
+    transfer_parser = benches.add_parser("transfer", help="page pulls between two processes")
+    transfer.add_arguments(transfer_parser)
+    transfer_parser.set_defaults(func=transfer.run)
     return parser
 
 
