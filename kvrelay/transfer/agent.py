@@ -27,7 +27,7 @@ from kvrelay.transfer.errors import (
     TransferTimeout,
     UnknownArena,
 )
-from kvrelay.transfer.handle import ArenaInfo, BlockHandle, check_runs, coalesce
+from kvrelay.transfer.handle import ArenaInfo, BlockHandle, check_runs, plan
 from kvrelay.transfer.lease import LeaseTable
 from kvrelay.transfer.wire import WIRE_VERSION, Connection, error_reply, token_ok
 
@@ -172,11 +172,8 @@ class Agent:
         handle.check(namespace)
         if len(local_offsets) != len(handle.runs):
             raise ValueError(f"{len(local_offsets)} local offsets for {len(handle.runs)} runs")
-        local_runs = [(int(o), n) for o, (_, n) in zip(local_offsets, handle.runs, strict=True)]
-        check_runs(local_runs, local.size, "local")
-        triples = coalesce(
-            [(r, lo, n) for (r, n), (lo, _) in zip(handle.runs, local_runs, strict=True)]
-        )
+        triples = plan(handle.runs, local_offsets)
+        check_runs(triples[:, 1:], local.size, "local")
         timeout = self.config.timeout if timeout is None else timeout
         peer = None
         try:
@@ -209,10 +206,10 @@ class Agent:
                 raise PeerError(f"cannot map the peer's arena {info.shm}: {exc}") from None
             peer.mappings[info.arena_id] = mapping
         if read:
-            args = (local.address, mapping.address, [(lo, r, n) for r, lo, n in triples])
+            args = (local.address, mapping.address, triples[:, [1, 0, 2]].tolist())
         else:
-            args = (mapping.address, local.address, triples)
-        if sum(n for _, _, n in triples) <= _INLINE_COPY_BYTES:
+            args = (mapping.address, local.address, triples.tolist())
+        if int(triples[:, 2].sum()) <= _INLINE_COPY_BYTES:
             copy_runs(*args)
         else:
             await asyncio.get_running_loop().run_in_executor(None, copy_runs, *args)

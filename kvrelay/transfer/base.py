@@ -5,6 +5,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvrelay.transfer.arena import Arena, RemoteMapping
 from kvrelay.transfer.handle import ArenaInfo, BlockHandle
 from kvrelay.transfer.wire import Connection
@@ -61,10 +63,11 @@ class Transport(ABC):
         peer: Peer,
         handle: BlockHandle,
         local: Arena,
-        triples: list[tuple[int, int, int]],
+        triples: np.ndarray,
         read: bool,
     ) -> None:
-        """(remote offset, local offset, length) triples, already validated and coalesced.
+        """(k, 3) uint64 rows (remote offset, local offset, length), already
+        validated and coalesced.
         Runs under the caller's deadline: on cancellation nothing may still
         touch `local` when this returns."""
 

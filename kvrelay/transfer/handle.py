@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgpack
+import numpy as np
 
 from kvrelay.transfer.errors import (
     HandleVersionError,
@@ -148,23 +149,52 @@ class BlockHandle:
         check_runs(self.runs, arena.size, "remote")
 
 
-def check_runs(runs: Sequence[tuple[int, int]], size: int, side: str) -> None:
-    for i, (offset, length) in enumerate(runs):
-        if offset < 0 or length <= 0 or offset + length > size:
-            raise RunOutOfBounds(
-                f"{side} run {i} ({offset}, {length}) is outside [0, {size}) or empty"
-            )
+def run_array(runs) -> np.ndarray:
+    """[offset, length] pairs as an (n, 2) uint64 array; non-integers or negatives refused."""
+    if isinstance(runs, np.ndarray) and runs.dtype == np.uint64:
+        return runs.reshape(-1, 2)
+    try:
+        return np.array(runs, dtype=np.uint64).reshape(-1, 2)
+    except (OverflowError, ValueError, TypeError):
+        raise RunOutOfBounds("runs must be [offset, length] pairs of unsigned integers") from None
+
+
+def check_runs(runs, size: int, side: str) -> np.ndarray:
+    """Raises RunOutOfBounds unless every run is non-empty and inside [0, size)."""
+    arr = run_array(runs)
+    offset, length = arr[:, 0], arr[:, 1]
+    size = np.uint64(size)
+    # `size - offset` wraps when offset > size, which the first test catches.
+    bad = (length == 0) | (offset > size) | (length > size - offset)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise RunOutOfBounds(
+            f"{side} run {i} ({int(offset[i])}, {int(length[i])}) is outside [0, {int(size)}) "
+            "or empty"
+        )
+    return arr
+
+
+def plan(remote_runs, local_offsets) -> np.ndarray:
+    """(k, 3) uint64 rows (remote offset, local offset, length), coalesced: rows that
+    continue each other on both sides become one operation."""
+    remote = run_array(remote_runs)
+    local = np.asarray(local_offsets, dtype=np.uint64).reshape(-1)
+    r, n = remote[:, 0], remote[:, 1]
+    if len(r) == 0:
+        return np.zeros((0, 3), dtype=np.uint64)
+    starts = np.ones(len(r), dtype=bool)
+    starts[1:] = (r[1:] != r[:-1] + n[:-1]) | (local[1:] != local[:-1] + n[:-1])
+    first = np.flatnonzero(starts)
+    return np.stack([r[first], local[first], np.add.reduceat(n, first)], axis=1)
 
 
 def coalesce(pairs: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
     """Merges (remote, local, length) triples that continue each other on both sides."""
-    out: list[list[int]] = []
-    for remote, local, length in pairs:
-        if out and out[-1][0] + out[-1][2] == remote and out[-1][1] + out[-1][2] == local:
-            out[-1][2] += length
-        else:
-            out.append([remote, local, length])
-    return [(r, loc, n) for r, loc, n in out]
+    if not pairs:
+        return []
+    arr = np.asarray(pairs, dtype=np.uint64).reshape(-1, 3)
+    return [tuple(row) for row in plan(arr[:, [0, 2]], arr[:, 1]).tolist()]
 
 
 def _is_u64(value) -> bool:
@@ -188,9 +218,14 @@ def _u64(raw: dict, key: str) -> int:
 def _runs(value) -> tuple[tuple[int, int], ...]:
     if not isinstance(value, list) or len(value) > MAX_RUNS:
         raise MalformedHandle("handle field 'runs' is not a list of at most 2**20 runs")
-    runs = []
+    # A plain loop with exact type tests (bool is not int here): a batch handle
+    # carries hundreds of runs and is decoded on every pull.
     for item in value:
-        if not (isinstance(item, list) and len(item) == 2 and all(_is_u64(x) for x in item)):
-            raise MalformedHandle("a run is not an [offset, length] pair of integers")
-        runs.append((item[0], item[1]))
-    return tuple(runs)
+        if type(item) is not list or len(item) != 2:
+            raise MalformedHandle("a run is not an [offset, length] pair")
+        offset, length = item
+        if type(offset) is not int or type(length) is not int:
+            raise MalformedHandle("a run is not a pair of integers")
+        if not (0 <= offset <= _U64 and 0 <= length <= _U64):
+            raise MalformedHandle("a run is outside the unsigned 64-bit range")
+    return tuple(map(tuple, value))

@@ -13,6 +13,6 @@ class LoopbackTransport(Transport):
         # Runs were checked against the owner's arena table; the base is its address.
         remote = handle.base
         if read:
-            copy_runs(local.address, remote, [(lo, r, n) for r, lo, n in triples])
+            copy_runs(local.address, remote, triples[:, [1, 0, 2]].tolist())
         else:
-            copy_runs(remote, local.address, triples)
+            copy_runs(remote, local.address, triples.tolist())

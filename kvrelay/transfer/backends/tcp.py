@@ -31,6 +31,7 @@ class TcpTransport(Transport):
 
     async def move(self, peer, handle, local, triples, read) -> None:
         conn = peer.conn
+        triples = triples.tolist()
         runs = [[r, n] for r, _, n in triples]
         async with conn.lock:
             op = "read" if read else "write"

@@ -30,6 +30,7 @@ except ImportError as exc:  # pragma: no cover - depends on the build
     ) from exc
 
 _CLOSE_TIMEOUT = 1.0
+_WAIT_LIMIT = 24 * 3600.0  # a batch's own bound; the caller's deadline aborts it first
 
 
 @dataclass(slots=True)
@@ -95,30 +96,38 @@ class UcxTransport(Transport):
         if rkey is None:
             rkey = _ucx.RemoteKey(state.endpoint, handle.rkey)
             state.rkeys[handle.arena_id] = rkey
-        table = np.asarray(triples, dtype=np.uint64).reshape(-1, 3)
-        remote = table[:, 0] + np.uint64(handle.base)
-        local_addr = table[:, 1] + np.uint64(local.address)
-        lengths = np.ascontiguousarray(table[:, 2])
+        remote = triples[:, 0] + np.uint64(handle.base)
+        local_addr = triples[:, 1] + np.uint64(local.address)
+        lengths = np.ascontiguousarray(triples[:, 2])
         try:
             batch = _ucx.Batch(rkey, region, read, remote, local_addr, lengths)
         except _ucx.UcxError as exc:
             raise PeerError(f"posting to {peer.address} failed: {exc}") from None
         loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        # The batch waits on a thread of its own and signals an eventfd: no
+        # executor hop and no GIL handoff per batch.
+        fd = batch.start(_WAIT_LIMIT)
+        loop.add_reader(fd, lambda: done.done() or done.set_result(None))
         try:
-            # Slices keep the wait abortable; the caller's deadline ends it.
-            while not await loop.run_in_executor(None, batch.wait, 0.25):
+            # The caller's deadline cancels this; a dead peer is noticed here.
+            while not (await asyncio.wait({done}, timeout=0.25))[0]:
                 if peer.conn is not None and _peer_gone(peer):
                     raise PeerError(f"agent {peer.address} died during the transfer")
+            if not batch.result():
+                raise PeerError(f"transfer from {peer.address} did not complete")
         except _ucx.UcxError as exc:
+            self.drop_peer(peer)
             raise PeerError(f"transfer from {peer.address} failed: {exc}") from None
         except BaseException:
-            # Timeout, cancellation or a dead peer: stop the batch, then the
-            # forced endpoint close completes what is pending, so nothing
-            # writes into `local` after this returns.
+            # Timeout, cancellation or a dead peer: stop the batch and close
+            # the endpoint, so nothing writes into `local` after this returns.
             batch.abort()
             self.drop_peer(peer)
-            batch.release()
             raise
+        finally:
+            loop.remove_reader(fd)
+            batch.release()
 
     def drop_peer(self, peer) -> None:
         state: _PeerState | None = peer.state

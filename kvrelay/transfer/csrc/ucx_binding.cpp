@@ -13,10 +13,13 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <sys/eventfd.h>
 #include <ucp/api/ucp.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -133,6 +136,13 @@ class Worker {
     const auto deadline = deadline_after(seconds);
     Backoff backoff;
     while (Clock::now() < deadline) {
+      if (waiters_.load() > 0) {
+        // A batch waiter progresses the worker itself; a second thread in
+        // ucp_worker_progress would only contend for the worker's lock (it
+        // halves cma throughput on two cores).
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+        continue;
+      }
       const unsigned n = ucp_worker_progress(w);
       total += n;
       if (n > 0) {
@@ -144,9 +154,18 @@ class Worker {
     return total;
   }
 
+  // Threads inside Batch::wait; the progress thread stands aside meanwhile.
+  std::atomic<int> waiters_{0};
+
  private:
   std::shared_ptr<Context> ctx_;
   ucp_worker_h handle_ = nullptr;
+};
+
+struct WaiterScope {
+  explicit WaiterScope(std::atomic<int>& count) : count_(count) { ++count_; }
+  ~WaiterScope() { --count_; }
+  std::atomic<int>& count_;
 };
 
 // Waits for one request (a flush or a close) until the deadline.
@@ -337,13 +356,15 @@ class Batch {
         throw py::index_error("local run " + std::to_string(i) + " is outside the local region");
     }
     const std::shared_ptr<Endpoint>& ep = rkey_->endpoint();
-    worker_ = ep->worker()->get();
+    worker_obj_ = ep->worker();
+    worker_ = worker_obj_->get();
     ucp_ep_h ep_h = ep->get();
     ucp_rkey_h rk = rkey_->get();
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH;
     param.memh = local_->get();
     py::gil_scoped_release nogil;
+    WaiterScope scope(worker_obj_->waiters_);
     pending_.reserve(n + 1);
     for (size_t i = 0; i < n && status_ == UCS_OK; ++i) {
       void* buf = reinterpret_cast<void*>(l[i]);
@@ -358,32 +379,53 @@ class Batch {
       track(ucp_ep_flush_nbx(ep_h, &flush_param));
     }
   }
-  ~Batch() { release(); }
+  ~Batch() {
+    release();
+    if (event_fd_ >= 0) close(event_fd_);
+  }
 
   // True once every operation completed; False at the deadline or after
   // abort(). Raises UcxError if an operation failed.
   bool wait(double timeout) {
+    if (waiter_.joinable()) throw UcxError("the batch is already being waited for by start()");
     {
       py::gil_scoped_release nogil;
-      const auto deadline = deadline_after(timeout);
-      Backoff backoff;
-      while (!pending_.empty() && !aborted_.load()) {
-        const unsigned events = ucp_worker_progress(worker_);
-        reap();
-        if (pending_.empty()) break;
-        if (Clock::now() >= deadline) break;
-        events > 0 ? backoff.reset() : backoff.pause();
-      }
+      drive(timeout);
     }
     if (status_ != UCS_OK) fail("batched transfer", status_);
     return pending_.empty();
   }
+
+  // Waits on a thread of its own (no GIL, no executor hop) and signals the
+  // returned eventfd when done, at the deadline or after abort(); an asyncio
+  // loop watches the fd and then calls result().
+  int start(double timeout) {
+    if (waiter_.joinable() || event_fd_ >= 0) throw UcxError("the batch was already started");
+    event_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (event_fd_ < 0) throw UcxError(std::string("eventfd: ") + std::strerror(errno));
+    waiter_ = std::thread([this, timeout] {
+      drive(timeout);
+      const uint64_t one = 1;
+      [[maybe_unused]] ssize_t n = write(event_fd_, &one, sizeof(one));
+    });
+    return event_fd_;
+  }
+
+  // After start()'s fd fired: True when every operation completed.
+  bool result() {
+    join();
+    if (status_ != UCS_OK) fail("batched transfer", status_);
+    return pending_.empty();
+  }
+
   void abort() { aborted_.store(true); }
   size_t pending() const { return pending_.size(); }
 
   // After a forced close of the endpoint every request has completed (with an
   // error); reap them so none is leaked.
   void release() {
+    aborted_.store(true);
+    join();
     if (pending_.empty() || worker_ == nullptr) return;
     for (void* req : pending_) {
       if (ucp_request_check_status(req) != UCS_INPROGRESS) ucp_request_free(req);
@@ -394,6 +436,23 @@ class Batch {
   }
 
  private:
+  void drive(double timeout) {
+    WaiterScope scope(worker_obj_->waiters_);
+    const auto deadline = deadline_after(timeout);
+    Backoff backoff;
+    while (!pending_.empty() && !aborted_.load()) {
+      const unsigned events = ucp_worker_progress(worker_);
+      reap();
+      if (pending_.empty() || Clock::now() >= deadline) break;
+      events > 0 ? backoff.reset() : backoff.pause();
+    }
+  }
+  void join() {
+    if (waiter_.joinable()) {
+      py::gil_scoped_release nogil;
+      waiter_.join();
+    }
+  }
   void track(ucs_status_ptr_t req) {
     if (req == nullptr) return;  // completed in place
     if (UCS_PTR_IS_ERR(req)) {
@@ -418,10 +477,13 @@ class Batch {
 
   std::shared_ptr<RemoteKey> rkey_;
   std::shared_ptr<MemRegion> local_;
+  std::shared_ptr<Worker> worker_obj_;
   ucp_worker_h worker_ = nullptr;
   std::vector<void*> pending_;
   ucs_status_t status_ = UCS_OK;
   std::atomic<bool> aborted_{false};
+  std::thread waiter_;
+  int event_fd_ = -1;
 };
 
 std::string version() {
@@ -471,6 +533,9 @@ PYBIND11_MODULE(_ucx, m) {
            py::arg("local_addr"), py::arg("lengths"),
            "post one GET (get=True) or PUT per (remote, local, length) triple")
       .def("wait", &Batch::wait, py::arg("timeout"))
+      .def("start", &Batch::start, py::arg("timeout"),
+           "wait on a thread of the batch's own; returns an eventfd that fires when done")
+      .def("result", &Batch::result)
       .def("abort", &Batch::abort)
       .def("release", &Batch::release)
       .def_property_readonly("pending", &Batch::pending);
