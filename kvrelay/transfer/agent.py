@@ -17,7 +17,9 @@ import socket
 import uuid
 from collections.abc import Sequence
 
-from kvrelay.transfer.arena import Arena, RemoteMapping, copy_runs
+import torch
+
+from kvrelay.transfer.arena import Arena, RemoteMapping, copy_runs, split_by_bytes
 from kvrelay.transfer.base import AgentConfig, Peer, Transport
 from kvrelay.transfer.errors import (
     AuthError,
@@ -32,6 +34,7 @@ from kvrelay.transfer.lease import LeaseTable
 from kvrelay.transfer.wire import WIRE_VERSION, Connection, error_reply, token_ok
 
 _INLINE_COPY_BYTES = 1 << 20  # smaller fast-path copies skip the executor hop
+_BYTES_PER_COPY_THREAD = 8 << 20
 _LOOPBACK: dict[str, Agent] = {}  # in-process agents of the loopback backend
 
 
@@ -209,10 +212,21 @@ class Agent:
             args = (local.address, mapping.address, triples[:, [1, 0, 2]].tolist())
         else:
             args = (mapping.address, local.address, triples.tolist())
-        if int(triples[:, 2].sum()) <= _INLINE_COPY_BYTES:
+        nbytes = int(triples[:, 2].sum())
+        if nbytes <= _INLINE_COPY_BYTES:
             copy_runs(*args)
         else:
-            await asyncio.get_running_loop().run_in_executor(None, copy_runs, *args)
+            # As many copying threads as torch uses (the memcpy it is measured
+            # against), at least 8 MiB each.
+            parts = max(1, min(torch.get_num_threads(), nbytes // _BYTES_PER_COPY_THREAD))
+            loop = asyncio.get_running_loop()
+            dst, src, rows = args
+            await asyncio.gather(
+                *(
+                    loop.run_in_executor(None, copy_runs, dst, src, group)
+                    for group in split_by_bytes(rows, parts)
+                )
+            )
         # A mapping outlives its owner; a dead owner cannot honour its lease.
         if peer.conn is not None and _closed(peer.conn.sock):
             raise PeerError(f"agent {peer.address} died during the transfer")

@@ -29,6 +29,7 @@ _libc.mmap.argtypes = [
     ctypes.c_long,
 ]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -38,6 +39,10 @@ def map_shared(fd: int, size: int) -> int:
     if addr is None or addr == _MAP_FAILED:
         err = ctypes.get_errno()
         raise OSError(err, f"mmap of {size} bytes failed: {os.strerror(err)}")
+    # Huge pages where the host allows them for shared memory
+    # (transparent_hugepage/shmem_enabled = advise): copies of runs scattered
+    # over a large arena then miss the TLB far less. A refusal is harmless.
+    _libc.madvise(addr, size, mmap.MADV_HUGEPAGE)
     return addr
 
 
@@ -149,3 +154,21 @@ def copy_runs(dst_base: int, src_base: int, triples) -> None:
     move = ctypes.memmove
     for dst, src, length in triples:
         move(dst_base + dst, src_base + src, length)
+
+
+def split_by_bytes(triples: list, parts: int) -> list[list]:
+    """Splits (dst, src, length) triples into at most `parts` groups of about
+    equal bytes, cutting a long run where a group is full."""
+    total = sum(t[2] for t in triples)
+    share = -(-total // max(1, parts))
+    groups: list[list] = [[]]
+    room = share
+    for dst, src, length in triples:
+        while length > 0:
+            if room == 0:
+                groups.append([])
+                room = share
+            take = min(length, room)
+            groups[-1].append((dst, src, take))
+            dst, src, length, room = dst + take, src + take, length - take, room - take
+    return [g for g in groups if g]

@@ -4,6 +4,7 @@ import pytest
 
 from kvrelay.layout import ModelKVSpec, ParallelConfig, rank_rectangle
 from kvrelay.transfer import BlockHandle, MalformedHandle, coalesce
+from kvrelay.transfer.arena import split_by_bytes
 from kvrelay.transfer.lease import LeaseTable
 
 SPEC = ModelKVSpec(
@@ -66,6 +67,14 @@ def test_coalesce_merges_runs_adjacent_on_both_sides_only():
     pairs = [(0, 100, 10), (10, 110, 5), (15, 200, 5), (20, 205, 1), (40, 206, 2)]
     assert coalesce(pairs) == [(0, 100, 15), (15, 200, 6), (40, 206, 2)]
     assert coalesce([]) == []
+
+
+def test_split_by_bytes_cuts_long_runs_into_equal_shares():
+    triples = [(0, 1000, 30), (100, 2000, 70)]
+    groups = split_by_bytes(triples, 2)
+    assert groups == [[(0, 1000, 30), (100, 2000, 20)], [(120, 2020, 50)]]
+    assert split_by_bytes(triples, 1) == [triples]
+    assert split_by_bytes([], 4) == []
 
 
 def test_leases_expire_and_release():

@@ -50,6 +50,20 @@ def test_pull_single_large_run_and_a_batch_of_small_runs(mode, start_peer):
     asyncio.run(pull())
 
 
+def test_fast_path_splits_a_large_pull_over_threads(start_peer):
+    size = 24 << 20  # above 2 x 8 MiB: copied by two threads where torch has two
+    peer = start_peer("fastpath", size, [[(4096, size - 4096)]])
+
+    async def pull():
+        async with await create_agent("ucx", token=TOKEN) as agent:
+            local = agent.allocate_arena(size)
+            await agent.read(peer.handles[0], local, [0], namespace=NAMESPACE, timeout=20)
+            want = pattern(size, 0)[4096:]
+            assert _sha(local.tensor[: size - 4096]) == _sha(want)
+
+    asyncio.run(pull())
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_push_a_batch_into_the_peer_arena(mode, start_peer):
     batch = small_runs(64, seed=2)
