@@ -11,8 +11,10 @@ worker so that peers whose RMA UCX emulates with messages (tcp) are served.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,6 +55,11 @@ class UcxTransport(Transport):
         self._stop = threading.Event()
         self._progress = threading.Thread(target=self._progress_loop, daemon=True)
         self._progress.start()
+        _LIVE.add(self)
+
+    def stop_progress(self) -> None:
+        self._stop.set()
+        self._progress.join(timeout=5)
 
     def _progress_loop(self) -> None:
         while not self._stop.is_set():
@@ -151,13 +158,24 @@ class UcxTransport(Transport):
 
     def close(self) -> None:
         """rkeys and endpoints (peers dropped by the agent), regions, worker, context."""
-        self._stop.set()
-        self._progress.join(timeout=5)
+        self.stop_progress()
         for region in self._regions.values():
             region.unmap()
         self._regions.clear()
         self.worker.close()
         self.context.close()
+
+
+_LIVE: weakref.WeakSet[UcxTransport] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_progress_threads() -> None:
+    # A daemon thread still inside the binding when the interpreter finalizes
+    # is ended with a forced unwind through C++ frames, which aborts the
+    # process; stop them first for agents that were never closed.
+    for transport in list(_LIVE):
+        transport.stop_progress()
 
 
 def _peer_gone(peer) -> bool:
