@@ -11,6 +11,8 @@ and dropping a failed peer so nothing stays registered for it.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import itertools
 import os
 import socket
@@ -36,6 +38,13 @@ from kvrelay.transfer.wire import WIRE_VERSION, Connection, error_reply, token_o
 _INLINE_COPY_BYTES = 1 << 20  # smaller fast-path copies skip the executor hop
 _BYTES_PER_COPY_THREAD = 8 << 20
 _LOOPBACK: dict[str, Agent] = {}  # in-process agents of the loopback backend
+
+
+@functools.cache
+def _copy_pool() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(
+        max_workers=os.cpu_count() or 2, thread_name_prefix="kvrelay-copy"
+    )
 
 
 def host_id() -> str:
@@ -195,7 +204,8 @@ class Agent:
                 f"{'read' if read else 'write'} of {handle.nbytes} bytes from {handle.agent} "
                 f"did not finish within {timeout} s"
             ) from None
-        except (PeerError, ProtocolError, AuthError):
+        except (PeerError, ProtocolError, AuthError, asyncio.CancelledError):
+            # A cancelled tcp read leaves its connection mid-stream: drop it too.
             if peer is not None:
                 self._drop_peer(peer)
             raise
@@ -219,14 +229,16 @@ class Agent:
             # As many copying threads as torch uses (the memcpy it is measured
             # against), at least 8 MiB each.
             parts = max(1, min(torch.get_num_threads(), nbytes // _BYTES_PER_COPY_THREAD))
-            loop = asyncio.get_running_loop()
             dst, src, rows = args
-            await asyncio.gather(
-                *(
-                    loop.run_in_executor(None, copy_runs, dst, src, group)
-                    for group in split_by_bytes(rows, parts)
-                )
-            )
+            pool = _copy_pool()
+            jobs = [pool.submit(copy_runs, dst, src, g) for g in split_by_bytes(rows, parts)]
+            try:
+                await asyncio.gather(*(asyncio.wrap_future(job) for job in jobs))
+            except asyncio.CancelledError:
+                # A running memmove cannot be stopped; wait for it (it is
+                # bounded) so nothing writes into `local` after we return.
+                concurrent.futures.wait(jobs)
+                raise
         # A mapping outlives its owner; a dead owner cannot honour its lease.
         if peer.conn is not None and _closed(peer.conn.sock):
             raise PeerError(f"agent {peer.address} died during the transfer")

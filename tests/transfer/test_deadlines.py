@@ -2,6 +2,7 @@
 and the agent keeps nothing registered for the peer afterwards."""
 
 import asyncio
+import hashlib
 import os
 import signal
 import sys
@@ -11,7 +12,7 @@ import pytest
 
 from kvrelay.transfer import BackendUnavailable, TransferTimeout, create_agent
 from tests.transfer.conftest import mode_agent_kwargs
-from tests.transfer.peer import NAMESPACE, TOKEN
+from tests.transfer.peer import NAMESPACE, TOKEN, pattern
 
 SIZE = 8 << 20
 
@@ -59,9 +60,17 @@ def test_a_cancelled_pull_stops_and_releases_the_peer(start_peer):
                 await task
         finally:
             os.kill(peer.pid, signal.SIGCONT)
+        assert agent.stats()["peers"] == 0  # the half-read connection was dropped
+        local.tensor.zero_()
+        await agent.read(peer.handles[0], local, [0], namespace=NAMESPACE, timeout=20)
+        assert _sha(local.tensor) == _sha(pattern(SIZE, 0))
         await agent.close()
 
     asyncio.run(pull())
+
+
+def _sha(tensor) -> bytes:
+    return hashlib.sha256(tensor.numpy().tobytes()).digest()
 
 
 def test_ucx_backend_without_the_binding_says_what_to_install(monkeypatch):
@@ -70,5 +79,5 @@ def test_ucx_backend_without_the_binding_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "kvrelay._ucx", None)  # as if it was not built
     monkeypatch.delattr(kvrelay, "_ucx", raising=False)
     monkeypatch.delitem(sys.modules, "kvrelay.transfer.backends.ucx", raising=False)
-    with pytest.raises(BackendUnavailable, match="libucx-cu12.*UCX_HOME"):
+    with pytest.raises(BackendUnavailable, match=r"libucx-cu12.*UCX_HOME"):
         asyncio.run(create_agent("ucx", token=TOKEN))
