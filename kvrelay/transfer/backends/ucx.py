@@ -63,7 +63,7 @@ class UcxTransport(Transport):
 
     def _progress_loop(self) -> None:
         while not self._stop.is_set():
-            self.worker.progress_for(0.05)
+            self.worker.progress_for(0.25)
 
     def hello_fields(self) -> dict:
         return {"ucx_address": self.worker.address()}
