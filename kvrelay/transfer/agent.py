@@ -258,6 +258,9 @@ class Agent:
     # -- peers -----------------------------------------------------------------
     async def _peer(self, handle: BlockHandle) -> Peer:
         peer = self._peers.get(handle.agent)
+        if peer is not None and peer.agent_id != handle.agent_id:
+            self._drop_peer(peer)  # maybe a new agent at that address: ask again
+            peer = None
         if peer is None:
             peer = await self._connect(handle.agent)
             self._peers[handle.agent] = peer

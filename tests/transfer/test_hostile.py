@@ -105,4 +105,11 @@ def test_tcp_server_checks_requests_itself(start_peer):
             assert reply["ok"] is False and reply["error"] == error
         conn.close()
 
+        async with await create_agent("tcp", token=TOKEN) as agent:
+            local = agent.allocate_arena(4096)
+            await agent.read(handle, local, [0], namespace=NAMESPACE, timeout=10)
+            await agent.release_remote(handle)
+            with pytest.raises(LeaseExpired):  # released: the owner refuses it
+                await agent.read(handle, local, [0], namespace=NAMESPACE, timeout=10)
+
     asyncio.run(raw_requests())
