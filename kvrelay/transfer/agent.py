@@ -120,7 +120,10 @@ class Agent:
         return self._register(arena)
 
     def register_tensor(self, tensor) -> Arena:
-        """Registers a caller's contiguous tensor (which must hold only KV pages)."""
+        """Registers a caller's contiguous tensor (which must hold only KV pages).
+        GPU tensors go to the ucx backend only, which registers them with UCX."""
+        if tensor.is_cuda and self.transport.name != "ucx":
+            raise ValueError(f"the {self.transport.name} backend moves host memory only")
         return self._register(Arena.wrap(next(self._arena_ids), tensor))
 
     def _register(self, arena: Arena) -> Arena:
@@ -193,7 +196,7 @@ class Agent:
                 peer = await self._peer(handle)
                 info = await self._arena_info(peer, handle.arena_id)
                 handle.check_against(info)
-                if peer.same_host and info.shm and self.config.fast_path:
+                if peer.same_host and info.shm and not local.is_cuda:
                     await self._copy_shared(peer, info, local, triples, read)
                 else:
                     await self.transport.move(peer, handle, local, triples, read)

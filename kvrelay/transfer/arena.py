@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -70,7 +70,6 @@ class Arena:
     rkey: bytes = b""  # packed by the backend at registration
     _fd: int = -1
     _owns_mapping: bool = False
-    registration: object = field(default=None, repr=False)  # backend's (e.g. ucp memh)
     closed: bool = False
 
     @classmethod
@@ -113,6 +112,8 @@ class Arena:
 
     def buffer(self, offset: int, length: int) -> memoryview:
         """A writable memoryview of [offset, offset + length) (host arenas only)."""
+        if self.is_cuda:
+            raise TypeError("a GPU arena has no host buffer")
         if offset < 0 or length < 0 or offset + length > self.size:
             raise IndexError(f"({offset}, {length}) outside arena of {self.size} bytes")
         return memoryview((ctypes.c_char * length).from_address(self.address + offset)).cast("B")

@@ -1,6 +1,5 @@
 import contextlib
 import multiprocessing
-import os
 
 import msgpack
 import pytest
@@ -71,6 +70,3 @@ def start_peer(monkeypatch):
 def mode_agent_kwargs(mode):
     backend, _, fast = MODES[mode]
     return backend, {"fast_path": fast}
-
-
-assert os.name == "posix"
