@@ -100,7 +100,8 @@ class Agent:
         if self._listener is not None:
             self._listener.close()
         for arena in list(self.arenas.values()):
-            self.free_arena(arena)
+            # Peers saw the control connection close, so they stop using it.
+            self.free_arena(arena, force=True)
         self.transport.close()
 
     async def __aenter__(self) -> Agent:
@@ -135,7 +136,13 @@ class Agent:
         self.arenas[arena.arena_id] = arena
         return arena
 
-    def free_arena(self, arena: Arena) -> None:
+    def free_arena(self, arena: Arena, *, force: bool = False) -> None:
+        """Unregisters and releases an arena. Refused while unexpired leases name
+        it: readers holding its handles could otherwise reach memory reused for
+        something else (cma reads any address of this process)."""
+        self.leases.sweep()
+        if not force and self.leases.count_for(arena.arena_id):
+            raise TransferError(f"arena {arena.arena_id} still has active leases")
         if self.arenas.pop(arena.arena_id, None) is not None:
             self.transport.deregister(arena)
             arena.close()

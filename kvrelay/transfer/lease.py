@@ -54,5 +54,8 @@ class LeaseTable:
             del self._active[lease.lease_id]
         return expired
 
+    def count_for(self, arena_id: int) -> int:
+        return sum(1 for lease in self._active.values() if lease.arena_id == arena_id)
+
     def __len__(self) -> int:
         return len(self._active)

@@ -11,6 +11,7 @@ from kvrelay.transfer import (
     NamespaceMismatch,
     PeerError,
     RunOutOfBounds,
+    TransferError,
     create_agent,
     make_transport,
 )
@@ -46,6 +47,12 @@ def test_loopback_reads_and_writes_batches():
         stranger = await create_agent("loopback", token="other")
         with pytest.raises(PeerError):
             await stranger.read(handle, local, [0, 100, 1000], namespace=NS)
+        held = owner.publish(arena, runs, NS, lease_seconds=30)
+        with pytest.raises(TransferError, match="active leases"):
+            owner.free_arena(arena)
+        owner.leases.release(held.lease_id)
+        owner.free_arena(arena)
+        assert owner.stats()["arenas"] == 0
         for agent in (owner, reader, stranger):
             await agent.close()
 
