@@ -272,8 +272,8 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _copy_same_runs(source: torch.Tensor, run_list, runs: int) -> Summary:
-    from kvrelay.transfer.agent import _BYTES_PER_COPY_THREAD, _copy_pool
     from kvrelay.transfer.arena import copy_runs, split_by_bytes
+    from kvrelay.transfer.fastpath import _BYTES_PER_COPY_THREAD, _copy_pool
 
     nbytes = sum(n for _, n in run_list)
     dst = torch.zeros(nbytes, dtype=torch.uint8)

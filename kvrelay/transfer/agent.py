@@ -11,17 +11,12 @@ and dropping a failed peer so nothing stays registered for it.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import functools
 import itertools
-import os
 import socket
 import uuid
 from collections.abc import Sequence
 
-import torch
-
-from kvrelay.transfer.arena import Arena, RemoteMapping, copy_runs, split_by_bytes
+from kvrelay.transfer.arena import Arena
 from kvrelay.transfer.base import AgentConfig, Peer, Transport
 from kvrelay.transfer.errors import (
     AuthError,
@@ -31,27 +26,12 @@ from kvrelay.transfer.errors import (
     TransferTimeout,
     UnknownArena,
 )
+from kvrelay.transfer.fastpath import copy_shared, host_id
 from kvrelay.transfer.handle import ArenaInfo, BlockHandle, check_runs, plan
 from kvrelay.transfer.lease import LeaseTable
 from kvrelay.transfer.wire import WIRE_VERSION, Connection, error_reply, token_ok
 
-_INLINE_COPY_BYTES = 1 << 20  # smaller fast-path copies skip the executor hop
-_BYTES_PER_COPY_THREAD = 8 << 20
 _LOOPBACK: dict[str, Agent] = {}  # in-process agents of the loopback backend
-
-
-@functools.cache
-def _copy_pool() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(
-        max_workers=os.cpu_count() or 2, thread_name_prefix="kvrelay-copy"
-    )
-
-
-def host_id() -> str:
-    """Same value exactly when /proc/<pid>/fd of the other agent is reachable."""
-    with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-        boot = f.read().strip()
-    return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
 
 
 class Agent:
@@ -204,7 +184,7 @@ class Agent:
                 info = await self._arena_info(peer, handle.arena_id)
                 handle.check_against(info)
                 if peer.same_host and info.shm and not local.is_cuda:
-                    await self._copy_shared(peer, info, local, triples, read)
+                    await copy_shared(peer, info, local, triples, read)
                 else:
                     await self.transport.move(peer, handle, local, triples, read)
         except TimeoutError:
@@ -219,39 +199,6 @@ class Agent:
             if peer is not None:
                 self._drop_peer(peer)
             raise
-
-    async def _copy_shared(self, peer, info: ArenaInfo, local, triples, read) -> None:
-        mapping = peer.mappings.get(info.arena_id)
-        if mapping is None:
-            try:
-                mapping = RemoteMapping(info.shm, info.size)
-            except OSError as exc:
-                raise PeerError(f"cannot map the peer's arena {info.shm}: {exc}") from None
-            peer.mappings[info.arena_id] = mapping
-        if read:
-            args = (local.address, mapping.address, triples[:, [1, 0, 2]].tolist())
-        else:
-            args = (mapping.address, local.address, triples.tolist())
-        nbytes = int(triples[:, 2].sum())
-        if nbytes <= _INLINE_COPY_BYTES:
-            copy_runs(*args)
-        else:
-            # As many copying threads as torch uses (the memcpy it is measured
-            # against), at least 8 MiB each.
-            parts = max(1, min(torch.get_num_threads(), nbytes // _BYTES_PER_COPY_THREAD))
-            dst, src, rows = args
-            pool = _copy_pool()
-            jobs = [pool.submit(copy_runs, dst, src, g) for g in split_by_bytes(rows, parts)]
-            try:
-                await asyncio.gather(*(asyncio.wrap_future(job) for job in jobs))
-            except asyncio.CancelledError:
-                # A running memmove cannot be stopped; wait for it (it is
-                # bounded) so nothing writes into `local` after we return.
-                concurrent.futures.wait(jobs)
-                raise
-        # A mapping outlives its owner; a dead owner cannot honour its lease.
-        if peer.conn is not None and _closed(peer.conn.sock):
-            raise PeerError(f"agent {peer.address} died during the transfer")
 
     async def release_remote(self, handle: BlockHandle, timeout: float | None = None) -> None:
         """Tells the publisher the reader is done with the handle's pages."""
@@ -394,12 +341,3 @@ def _arenas(table) -> dict[int, ArenaInfo]:
         raise ProtocolError("arena table is not a list")
     infos = [ArenaInfo.from_wire(item) for item in table]
     return {info.arena_id: info for info in infos}
-
-
-def _closed(sock: socket.socket) -> bool:
-    try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except (BlockingIOError, InterruptedError):
-        return False
-    except OSError:
-        return True

@@ -82,6 +82,15 @@ class Connection:
                 raise PeerError("the peer closed the connection")
             got += n
 
+    def closed_by_peer(self) -> bool:
+        """True once the peer closed (or reset) the connection; never blocks."""
+        try:
+            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+
     def close(self) -> None:
         self.sock.close()
 

@@ -179,6 +179,4 @@ def _stop_progress_threads() -> None:
 
 
 def _peer_gone(peer) -> bool:
-    from kvrelay.transfer.agent import _closed
-
-    return _closed(peer.conn.sock)
+    return peer.conn.closed_by_peer()
