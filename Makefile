@@ -7,7 +7,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip -q --disable-pip-version-check
-EXT_SOURCES := $(wildcard kvrelay/cuda_ext/csrc/*)
+EXT_SOURCES := $(wildcard kvrelay/cuda_ext/csrc/*) $(wildcard kvrelay/transfer/csrc/*)
 NVCC ?= nvcc
 
 .PHONY: setup test test-numba lint cuda-check bench clean

@@ -4,6 +4,10 @@ Install with `pip install --no-build-isolation -e .` so the build uses the torch
 already installed (an isolated build would fetch another torch). The CUDA
 sources are compiled when torch has CUDA and a CUDA toolkit is found; set
 KVRELAY_NO_CUDA=1 to build the CPU ops only.
+
+The UCX binding kvrelay._ucx is a second module, linked against libucp from
+UCX_HOME when set (a system UCX, e.g. with verbs) or else from the
+`libucx-cu12` wheel; without UCX it is skipped and the rest still builds.
 """
 
 import os
@@ -14,6 +18,7 @@ from torch.utils import cpp_extension
 
 ROOT = Path(__file__).parent
 CSRC = Path("kvrelay/cuda_ext/csrc")
+UCX_CSRC = Path("kvrelay/transfer/csrc")
 
 
 class IncrementalBuildExt(cpp_extension.BuildExtension):
@@ -59,6 +64,38 @@ def extensions():
     ]
 
 
+def find_ucx() -> Path | None:
+    """UCX_HOME if set, else the libucx wheel's folder (include/ and lib/)."""
+    if home := os.environ.get("UCX_HOME"):
+        return Path(home)
+    import importlib.util
+
+    spec = importlib.util.find_spec("libucx")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def ucx_extension():
+    ucx = find_ucx()
+    if ucx is None or not (ucx / "include" / "ucp" / "api" / "ucp.h").is_file():
+        print("kvrelay: UCX not found (set UCX_HOME or install libucx-cu12); skipping kvrelay._ucx")
+        return []
+    lib = ucx / "lib"
+    return [
+        cpp_extension.CppExtension(
+            "kvrelay._ucx",
+            [str(UCX_CSRC / "ucx_binding.cpp")],
+            include_dirs=[str(ucx / "include")],
+            library_dirs=[str(lib)],
+            libraries=["ucp", "ucs"],
+            # The rpath finds libucp at run time without LD_LIBRARY_PATH.
+            extra_link_args=[f"-Wl,-rpath,{lib}"],
+            extra_compile_args={"cxx": ["-O3", "-std=c++20", "-Wall"]},
+        )
+    ]
+
+
 setup(
     name="kvrelay",
     version="0.1.0",
@@ -68,7 +105,7 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["kvrelay", "kvrelay.*"]),
     install_requires=["torch>=2.4", "numpy", "numba", "msgpack", "safetensors"],
-    ext_modules=extensions(),
+    ext_modules=extensions() + ucx_extension(),
     cmdclass={"build_ext": IncrementalBuildExt},
     entry_points={"console_scripts": ["kvrelay=kvrelay.cli:main"]},
 )

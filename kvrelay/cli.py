@@ -52,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     model_bench.add_arguments(model_parser)
     model_parser.set_defaults(func=model_bench.run)
+    from kvrelay.bench import transfer
+
+    transfer_parser = benches.add_parser("transfer", help="page pulls between two processes")
+    transfer.add_arguments(transfer_parser)
+    transfer_parser.set_defaults(func=transfer.run)
     return parser
 
 

@@ -1,0 +1,302 @@
+"""`kvrelay bench transfer`: page pulls between two processes on this host.
+
+A publishing agent in a spawned process owns an arena (default 1 GiB) and
+publishes single runs (1, 16, 256 MiB) and a batch of 512 random 64 KiB
+runs. This process pulls each of them `--runs` times per mode: ucx over
+shm/cma, ucx over tcp (UCX_TLS), the tcp backend and the same-host fast path.
+Baselines measured in the same run: memcpy (`Tensor.copy_`) of the same byte
+count, and `ucx_perftest` from the UCX wheel (`ucp_get`, `-O 512` for the batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import multiprocessing
+import os
+import random
+import re
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import msgpack
+import torch
+
+from kvrelay.bench.stats import Summary, format_table, machine_info, time_once, write_json
+
+TOKEN = "kvrelay-bench"
+NAMESPACE = hashlib.sha256(b"kvrelay bench transfer").digest()
+MODES = {  # name: (backend, UCX_TLS, fast path)
+    "ucx (shm/cma)": ("ucx", "sm,self", False),
+    "ucx (tcp)": ("ucx", "tcp,self", False),
+    "tcp": ("tcp", None, False),
+    "fast path": ("ucx", None, True),
+}
+
+
+def _cases(arena: int, sizes_mib: list[int], batch: int, run_kib: int) -> list[tuple]:
+    cases = [(f"single {s} MiB", [(0, s << 20)]) for s in sizes_mib if s << 20 <= arena]
+    slots = random.Random(0).sample(range(arena // (run_kib << 10)), batch)
+    cases.append(
+        (f"batch {batch} x {run_kib} KiB", [(s * (run_kib << 10), run_kib << 10) for s in slots])
+    )
+    return cases
+
+
+def _owner(pipe, backend, tls, fast, arena_bytes, runs_list) -> None:
+    if tls:
+        os.environ["UCX_TLS"] = tls
+    asyncio.run(_own(pipe, backend, fast, arena_bytes, runs_list))
+
+
+async def _own(pipe, backend, fast, arena_bytes, runs_list) -> None:
+    from kvrelay.transfer import create_agent
+
+    agent = await create_agent(backend, token=TOKEN, fast_path=fast, lease_seconds=3600)
+    arena = agent.allocate_arena(arena_bytes)
+    arena.tensor.fill_(1)  # touch every page
+    handles = [agent.publish(arena, runs, NAMESPACE).to_bytes() for runs in runs_list]
+    pipe.send_bytes(msgpack.packb(handles))
+    await asyncio.get_running_loop().run_in_executor(None, pipe.recv_bytes)
+    await agent.close()
+
+
+async def _pull(mode: str, cases, arena_bytes: int, runs: int, timeout: float) -> dict:
+    from kvrelay.transfer import create_agent
+
+    backend, tls, fast = MODES[mode]
+    if tls:
+        os.environ["UCX_TLS"] = tls
+    else:
+        os.environ.pop("UCX_TLS", None)
+    ctx = multiprocessing.get_context("spawn")
+    pipe, child = ctx.Pipe()
+    args = (child, backend, tls, fast, arena_bytes, [r for _, r in cases])
+    owner = ctx.Process(target=_owner, args=args, daemon=True)
+    owner.start()
+    out = {}
+    try:
+        if not pipe.poll(120):
+            raise RuntimeError("the owner process did not start")
+        handles = msgpack.unpackb(pipe.recv_bytes())
+        agent = await create_agent(backend, token=TOKEN, fast_path=fast)
+        largest = max(sum(n for _, n in r) for _, r in cases)
+        local = agent.allocate_arena(largest, shared=fast)
+        local.tensor.fill_(0)
+        # memcpy baseline between two buffers of this process, timed right
+        # before each pull so a noisy phase of the machine hits both.
+        src = torch.ones(largest, dtype=torch.uint8)
+        dst = torch.zeros(largest, dtype=torch.uint8)
+        for (name, run_list), handle in zip(cases, handles, strict=True):
+            offsets, at = [], 0
+            for _, n in run_list:
+                offsets.append(at)
+                at += n
+            pulls, copies = [], []
+            for i in range(runs + 1):  # the first pull connects and maps: not timed
+                copy = time_once(lambda n=at: dst[:n].copy_(src[:n]))
+                start = time.perf_counter()
+                await agent.read(handle, local, offsets, namespace=NAMESPACE, timeout=timeout)
+                if i:
+                    pulls.append(time.perf_counter() - start)
+                    copies.append(copy)
+            out[name] = (pulls, copies)
+        await agent.close()
+    finally:
+        pipe.send_bytes(b"stop")
+        owner.join(30)
+        if owner.is_alive():
+            owner.kill()
+    return out
+
+
+def _ucx_perftest(size: int, outstanding: int, iters: int, tls: str) -> float | None:
+    """ucx_perftest ucp_get bandwidth in bytes/s, or None if it cannot run."""
+    try:
+        import libucx
+    except ImportError:
+        return None
+    root = Path(libucx.__file__).parent
+    exe = root / "bin" / "ucx_perftest"
+    if not exe.exists():
+        return None
+    env = os.environ | {"LD_LIBRARY_PATH": str(root / "lib"), "UCX_TLS": tls}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    server = subprocess.Popen(
+        [str(exe), "-p", port], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        time.sleep(0.5)
+        cmd = [
+            str(exe),
+            "127.0.0.1",
+            "-p",
+            port,
+            "-t",
+            "ucp_get",
+            "-s",
+            str(size),
+            "-n",
+            str(iters),
+            "-w",
+            str(max(1, iters // 10)),
+            "-O",
+            str(outstanding),
+        ]
+        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    finally:
+        server.kill()
+        server.wait()
+    final = [line for line in result.stdout.splitlines() if line.startswith("Final:")]
+    if not final:
+        return None
+    numbers = re.findall(r"[\d.]+", final[-1])
+    return float(numbers[5]) * 2**20  # bandwidth overall, UCX's MB/s = MiB/s
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--arena-mib", type=int, default=1024)
+    parser.add_argument("--sizes-mib", default="1,16,256", help="single-run pull sizes")
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--run-kib", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated")
+    parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--no-perftest", action="store_true")
+    parser.add_argument("--json", metavar="PATH", help="write the results here")
+
+
+def run(args: argparse.Namespace) -> dict:
+    modes = [m for m in args.modes.split(",") if m]
+    for mode in modes:
+        if mode not in MODES:
+            raise SystemExit(f"unknown mode {mode!r}; choose from {list(MODES)}")
+    arena = args.arena_mib << 20
+    sizes = [int(s) for s in args.sizes_mib.split(",") if s]
+    cases = _cases(arena, sizes, args.batch, args.run_kib)
+    saved_tls = os.environ.get("UCX_TLS")
+    try:
+        pulls = {
+            mode: asyncio.run(_pull(mode, cases, arena, args.runs, args.timeout)) for mode in modes
+        }
+    finally:
+        os.environ.pop("UCX_TLS", None)
+        if saved_tls is not None:
+            os.environ["UCX_TLS"] = saved_tls
+    results, rows = [], []
+    # The fast path's copy without a second process: the same runs out of a
+    # private arena-sized buffer, split over threads exactly as the fast path does.
+    source = torch.ones(arena, dtype=torch.uint8)
+    for name, run_list in cases:
+        nbytes = sum(n for _, n in run_list)
+        memcpy = Summary.of([t for mode in modes for t in pulls[mode][name][1]])
+        runs_copy = _copy_same_runs(source, run_list, args.runs)
+        perftest = {}
+        if not args.no_perftest:
+            count, size = len(run_list), run_list[0][1]
+            outstanding = count if count > 1 else 1
+            iters = max(20, min(2000, (4 << 30) // nbytes * outstanding))
+            for label, tls in (("shm/cma", "sm,self"), ("tcp", "tcp,self")):
+                perftest[label] = _ucx_perftest(size, outstanding, iters, tls)
+        entry = {
+            "case": name,
+            "bytes": nbytes,
+            "memcpy": memcpy.to_json(),
+            "ucx_perftest_bytes_per_s": perftest,
+            "modes": {},
+        }
+        for mode in modes:
+            pull_times, copy_times = pulls[mode][name]
+            summary = Summary.of(pull_times)
+            ratio = Summary.of([c / t for c, t in zip(copy_times, pull_times, strict=True)])
+            entry["modes"][mode] = summary.to_json() | {"x_memcpy": ratio.to_json()}
+            base = perftest.get("tcp" if mode == "ucx (tcp)" else "shm/cma")
+            rows.append(
+                [
+                    name,
+                    mode,
+                    _gbs(nbytes, summary.median),
+                    _spread(nbytes, summary),
+                    f"{ratio.median:.2f} [{ratio.min:.2f}-{ratio.max:.2f}]",
+                    f"{nbytes / summary.median / base:.2f}" if base else "-",
+                ]
+            )
+        rows.append(
+            [name, "memcpy", _gbs(nbytes, memcpy.median), _spread(nbytes, memcpy), "1.00", "-"]
+        )
+        rows.append(
+            [
+                name,
+                "memcpy of the runs, 1 process",
+                _gbs(nbytes, runs_copy.median),
+                _spread(nbytes, runs_copy),
+                f"{memcpy.median / runs_copy.median:.2f}",
+                "-",
+            ]
+        )
+        entry["memcpy_of_runs_one_process"] = runs_copy.to_json()
+        for label, rate in perftest.items():
+            rows.append(
+                [
+                    name,
+                    f"ucx_perftest ({label})",
+                    f"{rate / 1e9:.2f}" if rate else "n/a",
+                    "-",
+                    "-",
+                    "-",
+                ]
+            )
+        results.append(entry)
+    print(format_table(["case", "path", "GB/s", "[min-max]", "x memcpy", "x perftest"], rows))
+    print(
+        f"median of {args.runs} runs [slowest-fastest]; x memcpy = memcpy time / pull time per "
+        "run (Tensor.copy_ of the same byte count, timed before each pull); "
+        "x perftest = pull rate / ucx_perftest ucp_get rate on the same transport"
+    )
+    payload = {
+        "benchmark": "transfer",
+        "config": {k: v for k, v in vars(args).items() if not callable(v)},
+        "machine": machine_info(),
+        "results": results,
+    }
+    if args.json:
+        write_json(args.json, payload)
+    return payload
+
+
+def _copy_same_runs(source: torch.Tensor, run_list, runs: int) -> Summary:
+    from kvrelay.transfer.arena import copy_runs, split_by_bytes
+    from kvrelay.transfer.fastpath import _BYTES_PER_COPY_THREAD, _copy_pool
+
+    nbytes = sum(n for _, n in run_list)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    triples, at = [], 0
+    for offset, n in run_list:
+        triples.append((at, offset, n))
+        at += n
+    parts = max(1, min(torch.get_num_threads(), nbytes // _BYTES_PER_COPY_THREAD))
+    groups = split_by_bytes(triples, parts)
+    pool = _copy_pool()
+
+    def once():
+        jobs = [pool.submit(copy_runs, dst.data_ptr(), source.data_ptr(), g) for g in groups]
+        for job in jobs:
+            job.result()
+
+    once()
+    return Summary.of([time_once(once) for _ in range(runs)])
+
+
+def _gbs(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / seconds / 1e9:.2f}"
+
+
+def _spread(nbytes: int, s: Summary) -> str:
+    return f"{nbytes / s.max / 1e9:.2f}-{nbytes / s.min / 1e9:.2f}"

@@ -1,0 +1,343 @@
+"""The transfer agent: arenas, handles, leases, peers, the control server.
+
+An agent owns arenas and publishes block handles for byte runs of them;
+other agents pull (read) or push (write) those runs. Everything but moving
+the bytes is here and common to every backend: the control server (hello with
+the cluster token, the arena table, lease release), validation of handles
+before any byte moves, coalescing of runs, the same-host fast path, deadlines,
+and dropping a failed peer so nothing stays registered for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import socket
+import uuid
+from collections.abc import Sequence
+
+from kvrelay.transfer.arena import Arena
+from kvrelay.transfer.base import AgentConfig, Peer, Transport
+from kvrelay.transfer.errors import (
+    AuthError,
+    PeerError,
+    ProtocolError,
+    TransferError,
+    TransferTimeout,
+    UnknownArena,
+)
+from kvrelay.transfer.fastpath import copy_shared, host_id
+from kvrelay.transfer.handle import ArenaInfo, BlockHandle, check_runs, plan
+from kvrelay.transfer.lease import LeaseTable
+from kvrelay.transfer.wire import WIRE_VERSION, Connection, error_reply, token_ok
+
+_LOOPBACK: dict[str, Agent] = {}  # in-process agents of the loopback backend
+
+
+class Agent:
+    def __init__(self, config: AgentConfig, transport: Transport) -> None:
+        if not config.token:
+            raise ValueError("an agent needs a non-empty cluster token")
+        self.config = config
+        self.transport = transport
+        self.agent_id = uuid.uuid4().bytes
+        self.host_id = host_id()
+        self.leases = LeaseTable()
+        self.arenas: dict[int, Arena] = {}
+        self._arena_ids = itertools.count(1)
+        self._peers: dict[str, Peer] = {}
+        self._server: asyncio.Task | None = None
+        self._listener: socket.socket | None = None
+        self._conns: set[asyncio.Task] = set()
+        self.address = ""
+
+    # -- lifecycle ------------------------------------------------------------
+    async def start(self) -> Agent:
+        if self.transport.name == "loopback":
+            self.address = f"loopback:{self.agent_id.hex()}"
+            _LOOPBACK[self.address] = self
+            return self
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((self.config.host, self.config.port))
+        listener.listen(64)
+        listener.setblocking(False)
+        self._listener = listener
+        host, port = listener.getsockname()[:2]
+        self.address = f"{host}:{port}"
+        self._server = asyncio.create_task(self._accept_loop())
+        return self
+
+    async def close(self) -> None:
+        """Ordered teardown: peers (rkeys, endpoints, mappings), server, arenas, backend."""
+        for peer in list(self._peers.values()):
+            self._drop_peer(peer)
+        _LOOPBACK.pop(self.address, None)
+        tasks = [t for t in (self._server, *self._conns) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.close()
+        for arena in list(self.arenas.values()):
+            # Peers saw the control connection close, so they stop using it.
+            self.free_arena(arena, force=True)
+        self.transport.close()
+
+    async def __aenter__(self) -> Agent:
+        return self if self.address else await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # -- arenas, handles, leases ---------------------------------------------
+    def allocate_arena(self, size: int, *, shared: bool | None = None) -> Arena:
+        """A new zeroed host arena; shared memory (fast-path capable) by default."""
+        if size <= 0:
+            raise ValueError(f"arena size must be positive, got {size}")
+        shared = self.config.fast_path if shared is None else shared
+        arena_id = next(self._arena_ids)
+        arena = (Arena.allocate_shared if shared else Arena.allocate_private)(arena_id, size)
+        return self._register(arena)
+
+    def register_tensor(self, tensor) -> Arena:
+        """Registers a caller's contiguous tensor (which must hold only KV pages).
+        GPU tensors go to the ucx backend only, which registers them with UCX."""
+        if tensor.is_cuda and self.transport.name != "ucx":
+            raise ValueError(f"the {self.transport.name} backend moves host memory only")
+        return self._register(Arena.wrap(next(self._arena_ids), tensor))
+
+    def _register(self, arena: Arena) -> Arena:
+        try:
+            arena.rkey = self.transport.register(arena)
+        except BaseException:
+            arena.close()
+            raise
+        self.arenas[arena.arena_id] = arena
+        return arena
+
+    def free_arena(self, arena: Arena, *, force: bool = False) -> None:
+        """Unregisters and releases an arena. Refused while unexpired leases name
+        it: readers holding its handles could otherwise reach memory reused for
+        something else (cma reads any address of this process)."""
+        self.leases.sweep()
+        if not force and self.leases.count_for(arena.arena_id):
+            raise TransferError(f"arena {arena.arena_id} still has active leases")
+        if self.arenas.pop(arena.arena_id, None) is not None:
+            self.transport.deregister(arena)
+            arena.close()
+
+    def arena_table(self) -> list[list]:
+        return [
+            ArenaInfo(a.arena_id, a.address, a.size, a.rkey, a.shm_path).to_wire()
+            for a in self.arenas.values()
+        ]
+
+    def publish(
+        self,
+        arena: Arena,
+        runs: Sequence[tuple[int, int]],
+        namespace: bytes,
+        lease_seconds: float | None = None,
+    ) -> BlockHandle:
+        """A handle for `runs` of `arena` under a new lease."""
+        if self.arenas.get(arena.arena_id) is not arena:
+            raise UnknownArena(f"arena {arena.arena_id} is not registered with this agent")
+        runs = tuple((int(o), int(n)) for o, n in runs)
+        check_runs(runs, arena.size, "published")
+        lease = self.leases.grant(arena.arena_id, runs, lease_seconds or self.config.lease_seconds)
+        return BlockHandle(
+            backend=self.transport.name,
+            agent=self.address,
+            agent_id=self.agent_id,
+            arena_id=arena.arena_id,
+            rkey=arena.rkey,
+            base=arena.address,
+            runs=runs,
+            lease_id=lease.lease_id,
+            lease_expiry=lease.expiry,
+            namespace=bytes(namespace),
+        )
+
+    # -- moving bytes ----------------------------------------------------------
+    async def read(self, handle, local: Arena, local_offsets, *, namespace, timeout=None):
+        """Pulls the handle's runs into `local` at `local_offsets` (one per run)."""
+        await self._transfer(handle, local, local_offsets, namespace, timeout, read=True)
+
+    async def write(self, handle, local: Arena, local_offsets, *, namespace, timeout=None):
+        """Pushes `local` at `local_offsets` into the handle's runs (e.g. a cache slot)."""
+        await self._transfer(handle, local, local_offsets, namespace, timeout, read=False)
+
+    async def _transfer(self, handle, local, local_offsets, namespace, timeout, *, read):
+        if not isinstance(handle, BlockHandle):
+            handle = BlockHandle.from_bytes(handle)
+        handle.check(namespace)
+        if len(local_offsets) != len(handle.runs):
+            raise ValueError(f"{len(local_offsets)} local offsets for {len(handle.runs)} runs")
+        triples = plan(handle.runs, local_offsets)
+        check_runs(triples[:, 1:], local.size, "local")
+        timeout = self.config.timeout if timeout is None else timeout
+        peer = None
+        try:
+            async with asyncio.timeout(timeout):
+                peer = await self._peer(handle)
+                info = await self._arena_info(peer, handle.arena_id)
+                handle.check_against(info)
+                if peer.same_host and info.shm and not local.is_cuda:
+                    await copy_shared(peer, info, local, triples, read)
+                else:
+                    await self.transport.move(peer, handle, local, triples, read)
+        except TimeoutError:
+            if peer is not None:
+                self._drop_peer(peer)
+            raise TransferTimeout(
+                f"{'read' if read else 'write'} of {handle.nbytes} bytes from {handle.agent} "
+                f"did not finish within {timeout} s"
+            ) from None
+        except (PeerError, ProtocolError, AuthError, asyncio.CancelledError):
+            # A cancelled tcp read leaves its connection mid-stream: drop it too.
+            if peer is not None:
+                self._drop_peer(peer)
+            raise
+
+    async def release_remote(self, handle: BlockHandle, timeout: float | None = None) -> None:
+        """Tells the publisher the reader is done with the handle's pages."""
+        peer = await self._peer(handle)
+        if peer.conn is None:
+            _LOOPBACK[peer.address].leases.release(handle.lease_id)
+            return
+        async with asyncio.timeout(timeout or self.config.timeout), peer.conn.lock:
+            await peer.conn.send({"op": "release", "lease": handle.lease_id})
+            reply = await peer.conn.recv()
+        if not reply.get("ok"):
+            raise PeerError(f"release refused: {reply.get('message')}")
+
+    # -- peers -----------------------------------------------------------------
+    async def _peer(self, handle: BlockHandle) -> Peer:
+        peer = self._peers.get(handle.agent)
+        if peer is not None and peer.agent_id != handle.agent_id:
+            self._drop_peer(peer)  # maybe a new agent at that address: ask again
+            peer = None
+        if peer is None:
+            peer = await self._connect(handle.agent)
+            self._peers[handle.agent] = peer
+        if peer.agent_id != handle.agent_id:
+            raise UnknownArena(f"the handle names an earlier instance of agent {handle.agent}")
+        return peer
+
+    async def _connect(self, address: str) -> Peer:
+        if address.startswith("loopback:"):
+            other = _LOOPBACK.get(address)
+            if other is None or other.config.token != self.config.token:
+                raise PeerError(f"no loopback agent {address} with this cluster token")
+            hello = {"agent_id": other.agent_id, "host_id": other.host_id, "arenas": []}
+            return Peer(address, other.agent_id, other.host_id, {}, None, hello)
+        host, _, port = address.rpartition(":")
+        if not port.isdigit():
+            raise PeerError(f"bad agent address {address!r}")
+        conn = await Connection.open(host, int(port))
+        try:
+            await conn.send({"op": "hello", "v": WIRE_VERSION, "token": self.config.token})
+            hello = await conn.recv()
+            if not hello.get("ok"):
+                raise AuthError(f"agent {address} refused the hello: {hello.get('message')}")
+            peer = Peer(
+                address,
+                hello["agent_id"],
+                hello["host_id"],
+                _arenas(hello["arenas"]),
+                conn,
+                hello,
+            )
+        except (KeyError, TypeError) as exc:
+            conn.close()
+            raise ProtocolError(f"malformed hello from {address}: {exc}") from None
+        except BaseException:
+            conn.close()
+            raise
+        peer.on_host = peer.host_id == self.host_id
+        peer.same_host = self.config.fast_path and peer.on_host
+        return peer
+
+    async def _arena_info(self, peer: Peer, arena_id: int) -> ArenaInfo:
+        if arena_id not in peer.arenas:  # registered after our hello: refresh once
+            if peer.conn is None:
+                owner = _LOOPBACK.get(peer.address)
+                table = owner.arena_table() if owner is not None else []
+            else:
+                async with peer.conn.lock:
+                    await peer.conn.send({"op": "arenas"})
+                    table = (await peer.conn.recv()).get("arenas", [])
+            peer.arenas = _arenas(table)
+        info = peer.arenas.get(arena_id)
+        if info is None:
+            raise UnknownArena(f"agent {peer.address} has no arena {arena_id}")
+        return info
+
+    def _drop_peer(self, peer: Peer) -> None:
+        if self._peers.get(peer.address) is peer:
+            del self._peers[peer.address]
+        self.transport.drop_peer(peer)
+        for mapping in peer.mappings.values():
+            mapping.close()
+        peer.mappings.clear()
+        if peer.conn is not None:
+            peer.conn.close()
+
+    def stats(self) -> dict:
+        return {
+            "arenas": len(self.arenas),
+            "leases": len(self.leases),
+            "peers": len(self._peers),
+            "mappings": sum(len(p.mappings) for p in self._peers.values()),
+            **self.transport.stats(),
+        }
+
+    # -- control server --------------------------------------------------------
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            sock, _ = await loop.sock_accept(self._listener)
+            task = asyncio.create_task(self._serve(Connection(sock)))
+            self._conns.add(task)
+            task.add_done_callback(self._conns.discard)
+
+    async def _serve(self, conn: Connection) -> None:
+        try:
+            hello = await asyncio.wait_for(conn.recv(), self.config.timeout)
+            if hello.get("op") != "hello" or not token_ok(hello.get("token"), self.config.token):
+                await conn.send(error_reply(AuthError("bad cluster token or no hello")))
+                return
+            if hello.get("v") != WIRE_VERSION:
+                await conn.send(error_reply(ProtocolError(f"wire version {hello.get('v')!r}")))
+                return
+            await conn.send(
+                {
+                    "ok": True,
+                    "agent_id": self.agent_id,
+                    "host_id": self.host_id,
+                    "arenas": self.arena_table(),
+                    **self.transport.hello_fields(),
+                }
+            )
+            while True:
+                message = await conn.recv()
+                op = message.get("op")
+                if op == "arenas":
+                    await conn.send({"ok": True, "arenas": self.arena_table()})
+                elif op == "release":
+                    self.leases.release(message.get("lease"))
+                    await conn.send({"ok": True})
+                elif not await self.transport.serve(self, conn, message):
+                    await conn.send(error_reply(ProtocolError(f"unknown op {op!r}")))
+        except (TransferError, TimeoutError, OSError):
+            pass  # the peer went away or spoke garbage: drop the connection
+        finally:
+            conn.close()
+
+
+def _arenas(table) -> dict[int, ArenaInfo]:
+    if not isinstance(table, list):
+        raise ProtocolError("arena table is not a list")
+    infos = [ArenaInfo.from_wire(item) for item in table]
+    return {info.arena_id: info for info in infos}

@@ -1,0 +1,175 @@
+"""Arenas: registered memory regions that hold only KV pages.
+
+An arena is either allocated by the agent in shared memory (a memfd, which a
+reader on the same host maps through /proc/<pid>/fd/<fd> for the fast path,
+and which the kernel frees when its last user is gone, so a SIGKILLed owner
+leaks nothing), or wraps a caller's contiguous tensor (exposed to peers only
+through the network backends). Either way peers can reach only [base, base +
+size) and only after bounds checks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def map_shared(fd: int, size: int) -> int:
+    """mmap(fd) read-write and shared; returns the address."""
+    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {size} bytes failed: {os.strerror(err)}")
+    # Huge pages where the host allows them for shared memory
+    # (transparent_hugepage/shmem_enabled = advise): copies of runs scattered
+    # over a large arena then miss the TLB far less. A refusal is harmless.
+    _libc.madvise(addr, size, mmap.MADV_HUGEPAGE)
+    return addr
+
+
+def unmap(address: int, size: int) -> None:
+    if _libc.munmap(address, size) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"munmap failed: {os.strerror(err)}")
+
+
+def tensor_at(address: int, size: int) -> torch.Tensor:
+    """A uint8 tensor over memory this process mapped (not owned by the tensor)."""
+    array = np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_uint8)), (size,))
+    return torch.from_numpy(array)
+
+
+@dataclass(eq=False, slots=True)
+class Arena:
+    """A registered region. `tensor` is the uint8 view the owner fills with pages."""
+
+    arena_id: int
+    address: int
+    size: int
+    tensor: torch.Tensor
+    shm_path: str = ""  # where a same-host reader maps it; "" when not shared
+    rkey: bytes = b""  # packed by the backend at registration
+    _fd: int = -1
+    _owns_mapping: bool = False
+    closed: bool = False
+
+    @classmethod
+    def allocate_shared(cls, arena_id: int, size: int) -> Arena:
+        fd = os.memfd_create(f"kvrelay-arena-{arena_id}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            address = map_shared(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        path = f"/proc/{os.getpid()}/fd/{fd}"
+        return cls(
+            arena_id,
+            address,
+            size,
+            tensor_at(address, size),
+            shm_path=path,
+            _fd=fd,
+            _owns_mapping=True,
+        )
+
+    @classmethod
+    def allocate_private(cls, arena_id: int, size: int) -> Arena:
+        tensor = torch.zeros(size, dtype=torch.uint8)
+        return cls(arena_id, tensor.data_ptr(), size, tensor)
+
+    @classmethod
+    def wrap(cls, arena_id: int, tensor: torch.Tensor) -> Arena:
+        if not tensor.is_contiguous():
+            raise ValueError("an arena tensor must be contiguous")
+        flat = tensor.view(-1).view(torch.uint8)
+        if flat.numel() == 0:
+            raise ValueError("an arena tensor must not be empty")
+        return cls(arena_id, flat.data_ptr(), flat.numel(), flat)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.tensor.is_cuda
+
+    def buffer(self, offset: int, length: int) -> memoryview:
+        """A writable memoryview of [offset, offset + length) (host arenas only)."""
+        if self.is_cuda:
+            raise TypeError("a GPU arena has no host buffer")
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise IndexError(f"({offset}, {length}) outside arena of {self.size} bytes")
+        return memoryview((ctypes.c_char * length).from_address(self.address + offset)).cast("B")
+
+    def close(self) -> None:
+        """Releases the memory. Views of `tensor` must not be used afterwards."""
+        if self.closed:
+            return
+        self.closed = True
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+        if self._owns_mapping:
+            unmap(self.address, self.size)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class RemoteMapping:
+    """A same-host peer's shared arena mapped into this process (fast path)."""
+
+    def __init__(self, path: str, size: int) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            if os.fstat(fd).st_size < size:
+                raise OSError(f"{path} is smaller than the published arena")
+            self.address = map_shared(fd, size)
+        finally:
+            os.close(fd)
+        self.size = size
+
+    def close(self) -> None:
+        if self.size:
+            unmap(self.address, self.size)
+            self.size = 0
+
+
+def copy_runs(dst_base: int, src_base: int, triples) -> None:
+    """memmove of (dst offset, src offset, length) triples; ctypes drops the GIL per call."""
+    move = ctypes.memmove
+    for dst, src, length in triples:
+        move(dst_base + dst, src_base + src, length)
+
+
+def split_by_bytes(triples: list, parts: int) -> list[list]:
+    """Splits (dst, src, length) triples into at most `parts` groups of about
+    equal bytes, cutting a long run where a group is full."""
+    total = sum(t[2] for t in triples)
+    share = -(-total // max(1, parts))
+    groups: list[list] = [[]]
+    room = share
+    for dst, src, length in triples:
+        while length > 0:
+            if room == 0:
+                groups.append([])
+                room = share
+            take = min(length, room)
+            groups[-1].append((dst, src, take))
+            dst, src, length, room = dst + take, src + take, length - take, room - take
+    return [g for g in groups if g]

@@ -1,0 +1,1 @@
+"""Data-plane backends of the transfer agent, imported lazily by name."""

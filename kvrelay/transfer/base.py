@@ -1,0 +1,85 @@
+"""The interface between the agent and its data-plane backends."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvrelay.transfer.arena import Arena, RemoteMapping
+from kvrelay.transfer.handle import ArenaInfo, BlockHandle
+from kvrelay.transfer.wire import Connection
+
+
+@dataclass(slots=True)
+class AgentConfig:
+    """How an agent runs. `token` is the cluster token every control connection presents."""
+
+    token: str
+    backend: str = "tcp"
+    host: str = "127.0.0.1"
+    port: int = 0
+    fast_path: bool = True  # same-host peers copy straight out of shared arenas
+    timeout: float = 10.0  # default deadline of a read or write, seconds
+    lease_seconds: float = 30.0
+
+
+@dataclass(eq=False, slots=True)
+class Peer:
+    """What this agent knows about another agent it reads from or writes to."""
+
+    address: str
+    agent_id: bytes
+    host_id: str
+    arenas: dict[int, ArenaInfo]
+    conn: Connection | None
+    hello: dict
+    on_host: bool = False  # the peer runs on this host (and PID namespace)
+    same_host: bool = False  # on_host and the fast path is enabled
+    state: object = None  # the backend's per-peer objects (ucx: endpoint, rkeys)
+    mappings: dict[int, RemoteMapping] = field(default_factory=dict)
+
+
+class Transport(ABC):
+    """Moves bytes between a local arena and a peer's arena; one per agent."""
+
+    name: str
+
+    def hello_fields(self) -> dict:
+        """Extra fields this backend adds to the hello reply (e.g. a UCX worker address)."""
+        return {}
+
+    def register(self, arena: Arena) -> bytes:
+        """Registers an arena; returns its packed rkey (b"" when the backend has none)."""
+        return b""
+
+    def deregister(self, arena: Arena) -> None:  # noqa: B027 (optional hook)
+        pass
+
+    @abstractmethod
+    async def move(
+        self,
+        peer: Peer,
+        handle: BlockHandle,
+        local: Arena,
+        triples: np.ndarray,
+        read: bool,
+    ) -> None:
+        """(k, 3) uint64 rows (remote offset, local offset, length), already
+        validated and coalesced.
+        Runs under the caller's deadline: on cancellation nothing may still
+        touch `local` when this returns."""
+
+    async def serve(self, agent, conn: Connection, message: dict) -> bool:
+        """Serves a backend-specific control request; False if not handled."""
+        return False
+
+    def drop_peer(self, peer: Peer) -> None:  # noqa: B027 (optional hook)
+        """Releases what this backend holds for a failed or closed peer."""
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        pass
+
+    def stats(self) -> dict:
+        return {}

@@ -1,0 +1,237 @@
+// kvrelay._ucx: a small binding of libucp for one-sided KV pulls.
+//
+// Objects mirror UCX's own: Context -> Worker -> Endpoint -> RemoteKey, and
+// Context -> MemRegion. Each child holds a shared_ptr to its parent, so a
+// parent is never destroyed under a live child; Python tears them down in the
+// order UCX wants (rkeys, unmap, endpoints, worker, context) with close().
+//
+// Blocking work (waiting for a batch, closing an endpoint, progressing) runs
+// with the GIL released, polls ucp_worker_progress and sleeps when nothing
+// happens so that two processes on two cores do not starve each other, and
+// always ends at a deadline. Failures become kvrelay._ucx.UcxError carrying
+// the UCX status name.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <sys/eventfd.h>
+#include <ucp/api/ucp.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
+#include "ucx_objects.h"
+
+namespace kvrelay::ucx {
+namespace {
+
+using U64Array = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
+
+// A batch of GETs or PUTs posted in one call, then waited for. The posted
+// requests write into (GET) or read from (PUT) the caller's local buffers
+// until wait() returns true or the endpoint is force-closed.
+class Batch {
+ public:
+  Batch(std::shared_ptr<RemoteKey> rkey, std::shared_ptr<MemRegion> local, bool get,
+        const U64Array& remote, const U64Array& local_addr, const U64Array& lengths)
+      : rkey_(std::move(rkey)), local_(std::move(local)) {
+    const auto n = static_cast<size_t>(remote.size());
+    if (remote.ndim() != 1 || local_addr.ndim() != 1 || lengths.ndim() != 1 ||
+        static_cast<size_t>(local_addr.size()) != n || static_cast<size_t>(lengths.size()) != n)
+      throw py::value_error("remote, local and lengths must be 1-d arrays of one length");
+    const uint64_t* r = remote.data();
+    const uint64_t* l = local_addr.data();
+    const uint64_t* len = lengths.data();
+    // The local side is checked here; the remote runs were checked against
+    // the peer's arena table before this call (the rkey alone bounds nothing
+    // on cma, which reads any address of the peer).
+    for (size_t i = 0; i < n; ++i) {
+      if (!local_->contains(l[i], len[i]))
+        throw py::index_error("local run " + std::to_string(i) + " is outside the local region");
+    }
+    const std::shared_ptr<Endpoint>& ep = rkey_->endpoint();
+    worker_obj_ = ep->worker();
+    worker_ = worker_obj_->get();
+    ucp_ep_h ep_h = ep->get();
+    ucp_rkey_h rk = rkey_->get();
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH;
+    param.memh = local_->get();
+    py::gil_scoped_release nogil;
+    WaiterScope scope(worker_obj_->waiters_);
+    pending_.reserve(n + 1);
+    for (size_t i = 0; i < n && status_ == UCS_OK; ++i) {
+      void* buf = reinterpret_cast<void*>(l[i]);
+      ucs_status_ptr_t req = get ? ucp_get_nbx(ep_h, buf, len[i], r[i], rk, &param)
+                                 : ucp_put_nbx(ep_h, buf, len[i], r[i], rk, &param);
+      track(req);
+    }
+    if (!get && status_ == UCS_OK) {
+      // A PUT completes locally first; the flush completes when the data has
+      // reached the peer's memory.
+      ucp_request_param_t flush_param{};
+      track(ucp_ep_flush_nbx(ep_h, &flush_param));
+    }
+  }
+  ~Batch() {
+    release();
+    if (event_fd_ >= 0) close(event_fd_);
+  }
+
+  // True once every operation completed; False at the deadline or after
+  // abort(). Raises UcxError if an operation failed.
+  bool wait(double timeout) {
+    if (waiter_.joinable()) throw UcxError("the batch is already being waited for by start()");
+    {
+      py::gil_scoped_release nogil;
+      drive(timeout);
+    }
+    if (status_ != UCS_OK) fail("batched transfer", status_);
+    return pending_.empty();
+  }
+
+  // Waits on a thread of its own (no GIL, no executor hop) and signals the
+  // returned eventfd when done, at the deadline or after abort(); an asyncio
+  // loop watches the fd and then calls result().
+  int start(double timeout) {
+    if (waiter_.joinable() || event_fd_ >= 0) throw UcxError("the batch was already started");
+    event_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (event_fd_ < 0) throw UcxError(std::string("eventfd: ") + std::strerror(errno));
+    waiter_ = std::thread([this, timeout] {
+      drive(timeout);
+      const uint64_t one = 1;
+      [[maybe_unused]] ssize_t n = write(event_fd_, &one, sizeof(one));
+    });
+    return event_fd_;
+  }
+
+  // After start()'s fd fired: True when every operation completed.
+  bool result() {
+    join();
+    if (status_ != UCS_OK) fail("batched transfer", status_);
+    return pending_.empty();
+  }
+
+  void abort() { aborted_.store(true); }
+  size_t pending() const { return pending_.size(); }
+
+  // After a forced close of the endpoint every request has completed (with an
+  // error); reap them so none is leaked.
+  void release() {
+    aborted_.store(true);
+    join();
+    if (pending_.empty() || worker_ == nullptr) return;
+    for (void* req : pending_) {
+      if (ucp_request_check_status(req) != UCS_INPROGRESS) ucp_request_free(req);
+      // A request still in progress here belongs to an endpoint that was not
+      // closed; the worker reclaims it when it is destroyed.
+    }
+    pending_.clear();
+  }
+
+ private:
+  void drive(double timeout) {
+    WaiterScope scope(worker_obj_->waiters_);
+    const auto deadline = deadline_after(timeout);
+    Backoff backoff;
+    while (!pending_.empty() && !aborted_.load()) {
+      const unsigned events = ucp_worker_progress(worker_);
+      reap();
+      if (pending_.empty() || Clock::now() >= deadline) break;
+      events > 0 ? backoff.reset() : backoff.pause();
+    }
+  }
+  void join() {
+    if (waiter_.joinable()) {
+      py::gil_scoped_release nogil;
+      waiter_.join();
+    }
+  }
+  void track(ucs_status_ptr_t req) {
+    if (req == nullptr) return;  // completed in place
+    if (UCS_PTR_IS_ERR(req)) {
+      status_ = UCS_PTR_STATUS(req);
+      return;
+    }
+    pending_.push_back(req);
+  }
+  void reap() {
+    auto keep = pending_.begin();
+    for (void* req : pending_) {
+      const ucs_status_t s = ucp_request_check_status(req);
+      if (s == UCS_INPROGRESS) {
+        *keep++ = req;
+        continue;
+      }
+      if (s != UCS_OK && status_ == UCS_OK) status_ = s;
+      ucp_request_free(req);
+    }
+    pending_.erase(keep, pending_.end());
+  }
+
+  std::shared_ptr<RemoteKey> rkey_;
+  std::shared_ptr<MemRegion> local_;
+  std::shared_ptr<Worker> worker_obj_;
+  ucp_worker_h worker_ = nullptr;
+  std::vector<void*> pending_;
+  ucs_status_t status_ = UCS_OK;
+  std::atomic<bool> aborted_{false};
+  std::thread waiter_;
+  int event_fd_ = -1;
+};
+
+std::string version() {
+  unsigned major = 0, minor = 0, release = 0;
+  ucp_get_version(&major, &minor, &release);
+  return std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(release);
+}
+
+}  // namespace
+}  // namespace kvrelay::ucx
+
+PYBIND11_MODULE(_ucx, m) {
+  using namespace kvrelay::ucx;
+  m.doc() = "kvrelay's binding of libucp: one-sided GET/PUT between registered arenas";
+  py::register_exception<UcxError>(m, "UcxError", PyExc_RuntimeError);
+  m.def("version", &version, "version of the libucp loaded at run time");
+
+  py::class_<Context, std::shared_ptr<Context>>(m, "Context")
+      .def(py::init<>(), "ucp_init with the RMA feature; UCX_* variables configure it")
+      .def("close", &Context::close);
+  py::class_<Worker, std::shared_ptr<Worker>>(m, "Worker")
+      .def(py::init<std::shared_ptr<Context>>())
+      .def("address", &Worker::address)
+      .def("progress_for", &Worker::progress_for, py::arg("seconds"))
+      .def("close", &Worker::close);
+  py::class_<Endpoint, std::shared_ptr<Endpoint>>(m, "Endpoint")
+      .def(py::init<std::shared_ptr<Worker>, std::string, bool>(), py::arg("worker"),
+           py::arg("remote_address"), py::arg("error_handling"))
+      .def("flush", &Endpoint::flush, py::arg("timeout"))
+      .def("close", &Endpoint::close, py::arg("force"), py::arg("timeout"));
+  py::class_<MemRegion, std::shared_ptr<MemRegion>>(m, "MemRegion")
+      .def(py::init<std::shared_ptr<Context>, uintptr_t, size_t>(), py::arg("context"),
+           py::arg("address"), py::arg("length"))
+      .def("pack_rkey", &MemRegion::pack_rkey)
+      .def("unmap", &MemRegion::unmap)
+      .def_property_readonly("mapped", &MemRegion::mapped)
+      .def_property_readonly("address", &MemRegion::address)
+      .def_property_readonly("length", &MemRegion::length);
+  py::class_<RemoteKey, std::shared_ptr<RemoteKey>>(m, "RemoteKey")
+      .def(py::init<std::shared_ptr<Endpoint>, std::string>(), py::arg("endpoint"),
+           py::arg("packed"))
+      .def("destroy", &RemoteKey::destroy);
+  py::class_<Batch, std::shared_ptr<Batch>>(m, "Batch")
+      .def(py::init<std::shared_ptr<RemoteKey>, std::shared_ptr<MemRegion>, bool, const U64Array&,
+                    const U64Array&, const U64Array&>(),
+           py::arg("rkey"), py::arg("local"), py::arg("get"), py::arg("remote"),
+           py::arg("local_addr"), py::arg("lengths"),
+           "post one GET (get=True) or PUT per (remote, local, length) triple")
+      .def("wait", &Batch::wait, py::arg("timeout"))
+      .def("start", &Batch::start, py::arg("timeout"),
+           "wait on a thread of the batch's own; returns an eventfd that fires when done")
+      .def("result", &Batch::result)
+      .def("abort", &Batch::abort)
+      .def("release", &Batch::release)
+      .def_property_readonly("pending", &Batch::pending);
+}

@@ -1,0 +1,72 @@
+"""Same-host fast path: copy straight out of (or into) a peer's shared arena.
+
+When both agents run on one host and in one PID namespace (`host_id`), the
+reader maps the owner's memfd through /proc/<pid>/fd/<fd> once per arena and
+copies runs with memmove: the host analogue of CUDA IPC, at memcpy speed
+instead of cma's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import os
+
+import torch
+
+from kvrelay.transfer.arena import RemoteMapping, copy_runs, split_by_bytes
+from kvrelay.transfer.errors import PeerError
+from kvrelay.transfer.handle import ArenaInfo
+
+_INLINE_COPY_BYTES = 1 << 20  # smaller copies skip the thread hop
+_BYTES_PER_COPY_THREAD = 8 << 20
+
+
+@functools.cache
+def _copy_pool() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(
+        max_workers=os.cpu_count() or 2, thread_name_prefix="kvrelay-copy"
+    )
+
+
+def host_id() -> str:
+    """Same value exactly when /proc/<pid>/fd of the other agent is reachable."""
+    with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+        boot = f.read().strip()
+    return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+
+
+async def copy_shared(peer, info: ArenaInfo, local, triples, read) -> None:
+    """Copies `triples` between `local` and the peer's mapped arena."""
+    mapping = peer.mappings.get(info.arena_id)
+    if mapping is None:
+        try:
+            mapping = RemoteMapping(info.shm, info.size)
+        except OSError as exc:
+            raise PeerError(f"cannot map the peer's arena {info.shm}: {exc}") from None
+        peer.mappings[info.arena_id] = mapping
+    if read:
+        args = (local.address, mapping.address, triples[:, [1, 0, 2]].tolist())
+    else:
+        args = (mapping.address, local.address, triples.tolist())
+    nbytes = int(triples[:, 2].sum())
+    if nbytes <= _INLINE_COPY_BYTES:
+        copy_runs(*args)
+    else:
+        # As many copying threads as torch uses (the memcpy it is measured
+        # against), at least 8 MiB each.
+        parts = max(1, min(torch.get_num_threads(), nbytes // _BYTES_PER_COPY_THREAD))
+        dst, src, rows = args
+        pool = _copy_pool()
+        jobs = [pool.submit(copy_runs, dst, src, g) for g in split_by_bytes(rows, parts)]
+        try:
+            await asyncio.gather(*(asyncio.wrap_future(job) for job in jobs))
+        except asyncio.CancelledError:
+            # A running memmove cannot be stopped; wait for it (it is
+            # bounded) so nothing writes into `local` after we return.
+            concurrent.futures.wait(jobs)
+            raise
+    # A mapping outlives its owner; a dead owner cannot honour its lease.
+    if peer.conn is not None and peer.conn.closed_by_peer():
+        raise PeerError(f"agent {peer.address} died during the transfer")

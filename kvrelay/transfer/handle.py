@@ -1,0 +1,231 @@
+"""Block handles: what a reader needs to pull pages from a peer, as msgpack.
+
+A handle names the publishing agent (its control address and instance id),
+an arena of it (id, base address, packed rkey), byte runs of pages inside that
+arena (offsets from the arena start), a lease (id and wall-clock expiry) and
+the namespace digest of the pages. Readers decode and validate it against the
+arena table the peer itself published over an authenticated control
+connection, so a forged handle cannot name bytes outside a registered arena.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+
+from kvrelay.transfer.errors import (
+    HandleVersionError,
+    LeaseExpired,
+    MalformedHandle,
+    NamespaceMismatch,
+    RkeyMismatch,
+    RunOutOfBounds,
+)
+
+HANDLE_VERSION = 1
+MAX_HANDLE_BYTES = 16 << 20
+MAX_RUNS = 1 << 20
+_U64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaInfo:
+    """An arena as its owner publishes it to authenticated peers."""
+
+    arena_id: int
+    base: int
+    size: int
+    rkey: bytes = b""
+    shm: str = ""  # same-host fast path: memfd path readers may map ("" = none)
+
+    def to_wire(self) -> list:
+        return [self.arena_id, self.base, self.size, self.rkey, self.shm]
+
+    @classmethod
+    def from_wire(cls, item) -> ArenaInfo:
+        if not isinstance(item, list | tuple) or len(item) != 5:
+            raise MalformedHandle("arena table entry is not a 5-item list")
+        arena_id, base, size, rkey, shm = item
+        if not (_is_u64(arena_id) and _is_u64(base) and _is_u64(size)):
+            raise MalformedHandle("arena table entry has non-integer fields")
+        if not isinstance(rkey, bytes) or not isinstance(shm, str):
+            raise MalformedHandle("arena table entry has mistyped rkey/shm")
+        return cls(arena_id, base, size, rkey, shm)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockHandle:
+    backend: str
+    agent: str
+    agent_id: bytes
+    arena_id: int
+    rkey: bytes
+    base: int
+    runs: tuple[tuple[int, int], ...]
+    lease_id: int
+    lease_expiry: float
+    namespace: bytes
+    version: int = HANDLE_VERSION
+
+    @property
+    def nbytes(self) -> int:
+        return sum(length for _, length in self.runs)
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb(
+            {
+                "v": self.version,
+                "backend": self.backend,
+                "agent": self.agent,
+                "agent_id": self.agent_id,
+                "arena": self.arena_id,
+                "rkey": self.rkey,
+                "base": self.base,
+                "runs": [list(r) for r in self.runs],
+                "lease": self.lease_id,
+                "expiry": float(self.lease_expiry),
+                "ns": self.namespace,
+            },
+            use_bin_type=True,
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> BlockHandle:
+        """Decodes a handle; anything but a well-formed one is a `MalformedHandle`."""
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise MalformedHandle(f"a handle is bytes, got {type(data).__name__}")
+        if len(data) > MAX_HANDLE_BYTES:
+            raise MalformedHandle(f"handle of {len(data)} bytes exceeds {MAX_HANDLE_BYTES}")
+        try:
+            raw = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, use_list=True)
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise MalformedHandle(f"handle is not valid msgpack: {exc}") from None
+        if not isinstance(raw, dict):
+            raise MalformedHandle("handle is not a msgpack map")
+        version = raw.get("v")
+        if not _is_u64(version):
+            raise MalformedHandle("handle has no integer version field 'v'")
+        if version != HANDLE_VERSION:
+            raise HandleVersionError(
+                f"handle version {version!r}, this agent speaks {HANDLE_VERSION}"
+            )
+        try:
+            fields = {
+                "backend": _typed(raw, "backend", str),
+                "agent": _typed(raw, "agent", str),
+                "agent_id": _typed(raw, "agent_id", bytes),
+                "arena_id": _u64(raw, "arena"),
+                "rkey": _typed(raw, "rkey", bytes),
+                "base": _u64(raw, "base"),
+                "runs": _runs(raw.get("runs")),
+                "lease_id": _u64(raw, "lease"),
+                "lease_expiry": float(_typed(raw, "expiry", float | int)),
+                "namespace": _typed(raw, "ns", bytes),
+            }
+        except MalformedHandle:
+            raise
+        except (TypeError, ValueError) as exc:
+            raise MalformedHandle(str(exc)) from None
+        return cls(**fields)
+
+    def check(self, namespace: bytes, now: float | None = None) -> None:
+        """Checks what needs no peer: namespace and lease."""
+        if self.namespace != namespace:
+            raise NamespaceMismatch(
+                f"handle namespace {self.namespace.hex()[:16]}... is not the expected "
+                f"{namespace.hex()[:16]}..."
+            )
+        if self.lease_expiry <= (time.time() if now is None else now):
+            raise LeaseExpired(f"lease {self.lease_id} expired at {self.lease_expiry:.3f}")
+
+    def check_against(self, arena: ArenaInfo) -> None:
+        """Checks the handle against the arena its owner published."""
+        if self.rkey != arena.rkey or self.base != arena.base:
+            raise RkeyMismatch(f"handle's rkey/base do not match arena {arena.arena_id}")
+        check_runs(self.runs, arena.size, "remote")
+
+
+def run_array(runs) -> np.ndarray:
+    """[offset, length] pairs as an (n, 2) uint64 array; non-integers or negatives refused."""
+    if isinstance(runs, np.ndarray) and runs.dtype == np.uint64:
+        return runs.reshape(-1, 2)
+    try:
+        return np.array(runs, dtype=np.uint64).reshape(-1, 2)
+    except (OverflowError, ValueError, TypeError):
+        raise RunOutOfBounds("runs must be [offset, length] pairs of unsigned integers") from None
+
+
+def check_runs(runs, size: int, side: str) -> np.ndarray:
+    """Raises RunOutOfBounds unless every run is non-empty and inside [0, size)."""
+    arr = run_array(runs)
+    offset, length = arr[:, 0], arr[:, 1]
+    size = np.uint64(size)
+    # `size - offset` wraps when offset > size, which the first test catches.
+    bad = (length == 0) | (offset > size) | (length > size - offset)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise RunOutOfBounds(
+            f"{side} run {i} ({int(offset[i])}, {int(length[i])}) is outside [0, {int(size)}) "
+            "or empty"
+        )
+    return arr
+
+
+def plan(remote_runs, local_offsets) -> np.ndarray:
+    """(k, 3) uint64 rows (remote offset, local offset, length), coalesced: rows that
+    continue each other on both sides become one operation."""
+    remote = run_array(remote_runs)
+    local = np.asarray(local_offsets, dtype=np.uint64).reshape(-1)
+    r, n = remote[:, 0], remote[:, 1]
+    if len(r) == 0:
+        return np.zeros((0, 3), dtype=np.uint64)
+    starts = np.ones(len(r), dtype=bool)
+    starts[1:] = (r[1:] != r[:-1] + n[:-1]) | (local[1:] != local[:-1] + n[:-1])
+    first = np.flatnonzero(starts)
+    return np.stack([r[first], local[first], np.add.reduceat(n, first)], axis=1)
+
+
+def coalesce(pairs: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Merges (remote, local, length) triples that continue each other on both sides."""
+    if not pairs:
+        return []
+    arr = np.asarray(pairs, dtype=np.uint64).reshape(-1, 3)
+    return [tuple(row) for row in plan(arr[:, [0, 2]], arr[:, 1]).tolist()]
+
+
+def _is_u64(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _U64
+
+
+def _typed(raw: dict, key: str, kind):
+    value = raw.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise MalformedHandle(f"handle field {key!r} is missing or mistyped")
+    return value
+
+
+def _u64(raw: dict, key: str) -> int:
+    value = raw.get(key)
+    if not _is_u64(value):
+        raise MalformedHandle(f"handle field {key!r} is not an unsigned 64-bit integer")
+    return value
+
+
+def _runs(value) -> tuple[tuple[int, int], ...]:
+    if not isinstance(value, list) or len(value) > MAX_RUNS:
+        raise MalformedHandle("handle field 'runs' is not a list of at most 2**20 runs")
+    # A plain loop with exact type tests (bool is not int here): a batch handle
+    # carries hundreds of runs and is decoded on every pull.
+    for item in value:
+        if type(item) is not list or len(item) != 2:
+            raise MalformedHandle("a run is not an [offset, length] pair")
+        offset, length = item
+        if type(offset) is not int or type(length) is not int:
+            raise MalformedHandle("a run is not a pair of integers")
+        if not (0 <= offset <= _U64 and 0 <= length <= _U64):
+            raise MalformedHandle("a run is outside the unsigned 64-bit range")
+    return tuple(map(tuple, value))

@@ -1,0 +1,61 @@
+"""Leases on published pages: the publisher keeps pages intact until the
+lease is released or expires, then returns them to its pool.
+
+Expiry times are wall-clock seconds (`time.time()`), since they travel in
+handles between processes; agents of one deployment are assumed to have
+synchronised clocks (within a fraction of the lease length).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    lease_id: int
+    arena_id: int
+    runs: tuple[tuple[int, int], ...]
+    expiry: float
+
+
+class LeaseTable:
+    """Active leases of one agent. Not thread-safe: used from the agent's loop."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self._active: dict[int, Lease] = {}
+
+    def grant(self, arena_id: int, runs, seconds: float) -> Lease:
+        if not seconds > 0:
+            raise ValueError(f"a lease lasts a positive number of seconds, got {seconds!r}")
+        lease = Lease(next(self._ids), arena_id, tuple(runs), time.time() + seconds)
+        self._active[lease.lease_id] = lease
+        return lease
+
+    def get(self, lease_id: int) -> Lease | None:
+        return self._active.get(lease_id)
+
+    def is_active(self, lease_id: int, now: float | None = None) -> bool:
+        lease = self._active.get(lease_id)
+        return lease is not None and lease.expiry > (time.time() if now is None else now)
+
+    def release(self, lease_id: int) -> Lease | None:
+        """Ends a lease early (the reader is done); returns it, or None if unknown."""
+        return self._active.pop(lease_id, None)
+
+    def sweep(self, now: float | None = None) -> list[Lease]:
+        """Removes and returns expired leases, whose pages the caller may reuse."""
+        now = time.time() if now is None else now
+        expired = [lease for lease in self._active.values() if lease.expiry <= now]
+        for lease in expired:
+            del self._active[lease.lease_id]
+        return expired
+
+    def count_for(self, arena_id: int) -> int:
+        return sum(1 for lease in self._active.values() if lease.arena_id == arena_id)
+
+    def __len__(self) -> int:
+        return len(self._active)

@@ -1,0 +1,72 @@
+import contextlib
+import multiprocessing
+
+import msgpack
+import pytest
+
+from tests.transfer.peer import serve
+
+# (backend, UCX_TLS or None, fast path): every way two processes on one host move pages.
+MODES = {
+    "tcp": ("tcp", None, False),
+    "ucx-shm": ("ucx", "sm,self", False),
+    "ucx-tcp": ("ucx", "tcp,self", False),
+    "fastpath": ("ucx", None, True),
+}
+
+
+class PeerProcess:
+    """A spawned publishing agent; see tests/transfer/peer.py."""
+
+    def __init__(self, backend, size, runs_list, env, **options):
+        ctx = multiprocessing.get_context("spawn")  # never fork after UCX started
+        self.pipe, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=serve, args=(child, backend, size, runs_list, env, options), daemon=True
+        )
+        self.process.start()
+        if not self.pipe.poll(60):
+            self.process.kill()
+            raise RuntimeError("peer process did not start")
+        info = msgpack.unpackb(self.pipe.recv_bytes())
+        self.address, self.pid, self.handles = info["address"], info["pid"], info["handles"]
+
+    def digest(self) -> bytes:
+        self.pipe.send_bytes(b"digest")
+        assert self.pipe.poll(30)
+        return self.pipe.recv_bytes()
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            with contextlib.suppress(OSError):  # already dead
+                self.pipe.send_bytes(b"stop")
+            self.process.join(15)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+
+@pytest.fixture
+def start_peer(monkeypatch):
+    """start_peer(mode, size, runs_list, **options) -> PeerProcess; sets UCX_TLS here too."""
+    peers = []
+
+    def start(mode, size, runs_list, **options):
+        backend, tls, fast = MODES[mode]
+        env = {"UCX_TLS": tls} if tls else {}
+        if tls:
+            monkeypatch.setenv("UCX_TLS", tls)
+        else:
+            monkeypatch.delenv("UCX_TLS", raising=False)
+        peer = PeerProcess(backend, size, runs_list, env, fast_path=fast, **options)
+        peers.append(peer)
+        return peer
+
+    yield start
+    for peer in peers:
+        peer.stop()
+
+
+def mode_agent_kwargs(mode):
+    backend, _, fast = MODES[mode]
+    return backend, {"fast_path": fast}

@@ -1,0 +1,89 @@
+import time
+
+import pytest
+
+from kvrelay.layout import ModelKVSpec, ParallelConfig, rank_rectangle
+from kvrelay.transfer import BlockHandle, MalformedHandle, coalesce
+from kvrelay.transfer.arena import split_by_bytes
+from kvrelay.transfer.lease import LeaseTable
+
+SPEC = ModelKVSpec(
+    "m",
+    "w",
+    num_layers=4,
+    num_kv_heads=4,
+    k_head_dim=8,
+    v_head_dim=8,
+    kv_dtype="float16",
+    page_size=16,
+)
+
+
+def make_handle(**changes):
+    fields = dict(
+        backend="tcp",
+        agent="127.0.0.1:1",
+        agent_id=b"a" * 16,
+        arena_id=1,
+        rkey=b"rk",
+        base=4096,
+        runs=((0, 10), (64, 5)),
+        lease_id=3,
+        lease_expiry=time.time() + 10,
+        namespace=SPEC.namespace(),
+    )
+    return BlockHandle(**(fields | changes))
+
+
+def test_handle_round_trips_through_msgpack():
+    handle = make_handle()
+    assert BlockHandle.from_bytes(handle.to_bytes()) == handle
+    assert handle.nbytes == 15
+
+
+def test_a_rank_rectangle_runs_make_a_handle():
+    rect = rank_rectangle(SPEC, ParallelConfig(tp=2, pp=2, tp_rank=1, pp_rank=0))
+    page = 5
+    runs = tuple((page * SPEC.page_bytes + o, n) for o, n in rect.byte_runs(SPEC))
+    handle = make_handle(runs=runs)
+    assert BlockHandle.from_bytes(handle.to_bytes()).runs == runs
+    handle.check(SPEC.namespace())
+
+
+@pytest.mark.parametrize("blob", [b"", b"\x93\x01\x02", b"\x80", b"\xde\xad\xbe\xef", b"x" * 10])
+def test_non_handles_are_malformed(blob):
+    with pytest.raises(MalformedHandle):
+        BlockHandle.from_bytes(blob)
+
+
+def test_every_truncation_is_malformed():
+    data = make_handle().to_bytes()
+    for cut in range(len(data)):
+        with pytest.raises(MalformedHandle):
+            BlockHandle.from_bytes(data[:cut])
+
+
+def test_coalesce_merges_runs_adjacent_on_both_sides_only():
+    pairs = [(0, 100, 10), (10, 110, 5), (15, 200, 5), (20, 205, 1), (40, 206, 2)]
+    assert coalesce(pairs) == [(0, 100, 15), (15, 200, 6), (40, 206, 2)]
+    assert coalesce([]) == []
+
+
+def test_split_by_bytes_cuts_long_runs_into_equal_shares():
+    triples = [(0, 1000, 30), (100, 2000, 70)]
+    groups = split_by_bytes(triples, 2)
+    assert groups == [[(0, 1000, 30), (100, 2000, 20)], [(120, 2020, 50)]]
+    assert split_by_bytes(triples, 1) == [triples]
+    assert split_by_bytes([], 4) == []
+
+
+def test_leases_expire_and_release():
+    table = LeaseTable()
+    short = table.grant(1, [(0, 4)], 0.05)
+    long = table.grant(1, [(4, 4)], 60)
+    assert table.is_active(short.lease_id) and table.is_active(long.lease_id)
+    assert table.sweep(now=time.time() + 1) == [short]
+    assert not table.is_active(short.lease_id)
+    assert table.release(long.lease_id) == long and len(table) == 0
+    with pytest.raises(ValueError):
+        table.grant(1, [], 0)

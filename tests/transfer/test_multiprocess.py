@@ -1,0 +1,120 @@
+"""Two real processes (spawn) on one host: correctness of every backend and
+of the fast path, writes, and a peer killed mid-transfer."""
+
+import asyncio
+import hashlib
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from kvrelay.transfer import BlockHandle, PeerError, TransferError, create_agent
+from tests.transfer.conftest import MODES, mode_agent_kwargs
+from tests.transfer.peer import NAMESPACE, TOKEN, pattern
+
+SIZE = 4 << 20
+RUN = 4096
+
+
+def small_runs(count=256, seed=1):
+    """Random, non-adjacent 4 KiB runs in shuffled order."""
+    slots = random.Random(seed).sample(range(SIZE // (2 * RUN)), count)
+    return [(2 * RUN * s, RUN) for s in slots]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_pull_single_large_run_and_a_batch_of_small_runs(mode, start_peer):
+    single = [(RUN, SIZE - 2 * RUN)]
+    batch = small_runs()
+    peer = start_peer(mode, SIZE, [single, batch])
+    backend, kwargs = mode_agent_kwargs(mode)
+    expected = pattern(SIZE, 0)
+
+    async def pull():
+        async with await create_agent(backend, token=TOKEN, **kwargs) as agent:
+            local = agent.allocate_arena(SIZE)
+            await agent.read(peer.handles[0], local, [0], namespace=NAMESPACE, timeout=20)
+            got = local.tensor[: SIZE - 2 * RUN]
+            assert _sha(got) == _sha(expected[RUN : SIZE - RUN])
+            local.tensor.zero_()
+            handle = BlockHandle.from_bytes(peer.handles[1])
+            offsets = [i * RUN for i in range(len(batch))]
+            await agent.read(handle, local, offsets, namespace=NAMESPACE, timeout=20)
+            for offset, (remote, n) in zip(offsets, batch, strict=True):
+                want = expected[remote : remote + n]
+                assert _sha(local.tensor[offset : offset + n]) == _sha(want)
+            assert agent.stats()["mappings"] == (1 if MODES[mode][2] else 0)
+
+    asyncio.run(pull())
+
+
+def test_fast_path_splits_a_large_pull_over_threads(start_peer):
+    size = 24 << 20  # above 2 x 8 MiB: copied by two threads where torch has two
+    peer = start_peer("fastpath", size, [[(4096, size - 4096)]])
+
+    async def pull():
+        async with await create_agent("ucx", token=TOKEN) as agent:
+            local = agent.allocate_arena(size)
+            await agent.read(peer.handles[0], local, [0], namespace=NAMESPACE, timeout=20)
+            want = pattern(size, 0)[4096:]
+            assert _sha(local.tensor[: size - 4096]) == _sha(want)
+
+    asyncio.run(pull())
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_push_a_batch_into_the_peer_arena(mode, start_peer):
+    batch = small_runs(64, seed=2)
+    peer = start_peer(mode, SIZE, [batch])
+    backend, kwargs = mode_agent_kwargs(mode)
+    expected = pattern(SIZE, 0).clone()
+    source = pattern(len(batch) * RUN, 7)
+
+    async def push():
+        async with await create_agent(backend, token=TOKEN, **kwargs) as agent:
+            local = agent.allocate_arena(len(batch) * RUN)
+            local.tensor.copy_(source)
+            offsets = [i * RUN for i in range(len(batch))]
+            await agent.write(peer.handles[0], local, offsets, namespace=NAMESPACE, timeout=20)
+
+    asyncio.run(push())
+    for i, (remote, n) in enumerate(batch):
+        expected[remote : remote + n] = source[i * RUN : (i + 1) * RUN]
+    assert peer.digest() == hashlib.sha256(expected.numpy().tobytes()).digest()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_peer_killed_mid_transfer_fails_within_the_timeout(mode, start_peer):
+    size = 32 << 20
+    batch = [(i * 65536, 65536) for i in range(512)]
+    peer = start_peer(mode, size, [batch])
+    backend, kwargs = mode_agent_kwargs(mode)
+    timeout = 5.0
+
+    async def pull_until_killed():
+        agent = await create_agent(backend, token=TOKEN, **kwargs)
+        local = agent.allocate_arena(size)
+        offsets = [i * 65536 for i in range(512)]
+        await agent.read(peer.handles[0], local, offsets, namespace=NAMESPACE, timeout=timeout)
+        asyncio.get_running_loop().call_later(0.2, os.kill, peer.pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(TransferError) as failure:
+            while time.monotonic() - started < 30:
+                began = time.monotonic()
+                await agent.read(
+                    peer.handles[0], local, offsets, namespace=NAMESPACE, timeout=timeout
+                )
+        assert time.monotonic() - began < timeout + 2.0
+        assert isinstance(failure.value, PeerError | TimeoutError)
+        stats = agent.stats()  # the failed peer holds nothing any more
+        assert stats["peers"] == 0 and stats["mappings"] == 0
+        assert stats.get("ucx_endpoints", 0) == 0 and stats.get("ucx_rkeys", 0) == 0
+        await agent.close()
+
+    asyncio.run(pull_until_killed())
+
+
+def _sha(tensor) -> bytes:
+    return hashlib.sha256(tensor.contiguous().numpy().tobytes()).digest()
