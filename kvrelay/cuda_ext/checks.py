@@ -8,8 +8,9 @@ Without them the numba path would read and write outside its arrays.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -54,22 +55,26 @@ def _check_layers(layers, name: str, like: torch.Tensor) -> tuple[int, ...]:
     return geometry
 
 
-def check_copy_args(
-    k_layers,
-    v_layers,
-    pages: torch.Tensor,
-    page_ids: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    page_heads: int,
-    page_layers: int,
-    page_head_start: int,
-    page_layer_start: int,
-    pool_head_start: int,
-    num_heads: int,
-    *,
-    gather: bool,
-) -> CopyGeometry:
+class CopyArgs(NamedTuple):
+    """The arguments of gather_pages / scatter_pages, in kvrelay._C's order."""
+
+    k_layers: Sequence[torch.Tensor]
+    v_layers: Sequence[torch.Tensor]
+    pages: torch.Tensor
+    page_ids: torch.Tensor
+    slot_mapping: torch.Tensor
+    page_heads: int
+    page_layers: int
+    page_head_start: int
+    page_layer_start: int
+    pool_head_start: int
+    num_heads: int
+
+
+def check_copy_args(args: CopyArgs, *, gather: bool) -> CopyGeometry:
     """Raise unless the call is well formed; return its byte geometry."""
+    (k_layers, v_layers, pages, page_ids, slot_mapping, page_heads, page_layers,
+     page_head_start, page_layer_start, pool_head_start, num_heads) = args  # fmt: skip
     if len(k_layers) == 0:
         raise ValueError("k_layers is empty: pass one K tensor per layer")
     first = k_layers[0]
@@ -156,66 +161,18 @@ def check_copy_args(
     return CopyGeometry(num_slots, pool_heads, page_size, k_row, v_row)
 
 
-def copy_ops(run: Callable[..., None]) -> tuple[Callable[..., None], Callable[..., None]]:
-    """gather_pages and scatter_pages with kvrelay._C's signature, around
-    `run(gather: bool, *arguments)` of a Python implementation."""
+def copy_ops(
+    run: Callable[[bool, CopyArgs], None],
+) -> tuple[Callable[..., None], Callable[..., None]]:
+    """gather_pages and scatter_pages taking kvrelay._C's arguments (positional
+    or by name), around `run(gather, args)` of a Python implementation."""
 
-    def gather_pages(
-        k_layers,
-        v_layers,
-        pages,
-        page_ids,
-        slot_mapping,
-        page_heads,
-        page_layers,
-        page_head_start,
-        page_layer_start,
-        pool_head_start,
-        num_heads,
-    ) -> None:
+    def gather_pages(*args, **kwargs) -> None:
         """Pool -> page objects (see kvrelay.cuda_ext.gather_pages)."""
-        run(
-            True,
-            k_layers,
-            v_layers,
-            pages,
-            page_ids,
-            slot_mapping,
-            page_heads,
-            page_layers,
-            page_head_start,
-            page_layer_start,
-            pool_head_start,
-            num_heads,
-        )
+        run(True, CopyArgs(*args, **kwargs))
 
-    def scatter_pages(
-        k_layers,
-        v_layers,
-        pages,
-        page_ids,
-        slot_mapping,
-        page_heads,
-        page_layers,
-        page_head_start,
-        page_layer_start,
-        pool_head_start,
-        num_heads,
-    ) -> None:
+    def scatter_pages(*args, **kwargs) -> None:
         """Page objects -> pool (see kvrelay.cuda_ext.scatter_pages)."""
-        run(
-            False,
-            k_layers,
-            v_layers,
-            pages,
-            page_ids,
-            slot_mapping,
-            page_heads,
-            page_layers,
-            page_head_start,
-            page_layer_start,
-            pool_head_start,
-            num_heads,
-        )
+        run(False, CopyArgs(*args, **kwargs))
 
     return gather_pages, scatter_pages

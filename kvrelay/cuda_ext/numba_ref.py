@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from numba.typed import List
 
-from kvrelay.cuda_ext.checks import check_copy_args, copy_ops
+from kvrelay.cuda_ext.checks import CopyArgs, check_copy_args, copy_ops
 
 
 @numba.njit(cache=True, nogil=True)
@@ -74,52 +74,27 @@ def _typed_rows(layers, like: np.ndarray) -> List:
     return rows
 
 
-def _run(
-    gather: bool,
-    k_layers,
-    v_layers,
-    pages,
-    page_ids,
-    slot_mapping,
-    page_heads,
-    page_layers,
-    page_head_start,
-    page_layer_start,
-    pool_head_start,
-    num_heads,
-) -> None:
-    check_copy_args(
-        k_layers,
-        v_layers,
-        pages,
-        page_ids,
-        slot_mapping,
-        page_heads,
-        page_layers,
-        page_head_start,
-        page_layer_start,
-        pool_head_start,
-        num_heads,
-        gather=gather,
-    )
-    if pages.device.type != "cpu":
+def _run(gather: bool, args: CopyArgs) -> None:
+    check_copy_args(args, gather=gather)
+    if args.pages.device.type != "cpu":
         raise ValueError("the numba gather/scatter runs on CPU tensors only; build kvrelay._C")
-    if page_ids.numel() == 0:
+    if args.page_ids.numel() == 0:
         return
-    first = _byte_view(k_layers[0])
-    k_rows = _typed_rows(k_layers, first)
+    first = _byte_view(args.k_layers[0])
+    k_rows = _typed_rows(args.k_layers, first)
+    v_layers = args.v_layers
     v_rows = _typed_rows(v_layers, first if not len(v_layers) else _byte_view(v_layers[0]))
     _copy_kernel(
         k_rows,
         v_rows,
-        pages.numpy(),
-        page_ids.numpy(),
-        slot_mapping.numpy(),
-        page_layers,
-        page_head_start,
-        page_layer_start,
-        pool_head_start,
-        num_heads,
+        args.pages.numpy(),
+        args.page_ids.numpy(),
+        args.slot_mapping.numpy(),
+        args.page_layers,
+        args.page_head_start,
+        args.page_layer_start,
+        args.pool_head_start,
+        args.num_heads,
         gather,
     )
 

@@ -9,37 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from kvrelay.cuda_ext.checks import check_copy_args, copy_ops
+from kvrelay.cuda_ext.checks import CopyArgs, check_copy_args, copy_ops
 
 
-def _run(
-    gather: bool,
-    k_layers,
-    v_layers,
-    pages,
-    page_ids,
-    slot_mapping,
-    page_heads,
-    page_layers,
-    page_head_start,
-    page_layer_start,
-    pool_head_start,
-    num_heads,
-) -> None:
-    g = check_copy_args(
-        k_layers,
-        v_layers,
-        pages,
-        page_ids,
-        slot_mapping,
-        page_heads,
-        page_layers,
-        page_head_start,
-        page_layer_start,
-        pool_head_start,
-        num_heads,
-        gather=gather,
-    )
+def _run(gather: bool, args: CopyArgs) -> None:
+    g = check_copy_args(args, gather=gather)
+    (k_layers, v_layers, pages, page_ids, slot_mapping, _, page_layers, page_head_start,
+     page_layer_start, pool_head_start, num_heads) = args  # fmt: skip
     if page_ids.numel() == 0:
         return
     page_size = g.page_size
