@@ -104,7 +104,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=find_packages(include=["kvrelay", "kvrelay.*"]),
-    install_requires=["torch>=2.4", "numpy", "numba", "msgpack", "safetensors"],
+    install_requires=["torch>=2.4", "numpy", "numba", "msgpack", "safetensors", "redis"],
     ext_modules=extensions() + ucx_extension(),
     cmdclass={"build_ext": IncrementalBuildExt},
     entry_points={"console_scripts": ["kvrelay=kvrelay.cli:main"]},

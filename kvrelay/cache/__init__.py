@@ -9,9 +9,11 @@ from kvrelay.cache.index import (
     PageEntry,
     PageIndex,
 )
+from kvrelay.cache.ring import HashRing
 
 __all__ = [
     "CacheIndexError",
+    "HashRing",
     "L2Slot",
     "L3Object",
     "Lease",
