@@ -36,6 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
     model_commands.add_make_model_arguments(make_model)
     make_model.set_defaults(func=model_commands.run_make_model)
 
+    launch = commands.add_parser("launch", help="run a kvrelay server process")
+    servers = launch.add_subparsers(dest="server", required=True)
+    from kvrelay.cache import launch as cache_launch
+
+    cache_parser = servers.add_parser("cache", help="a cache server (L2 arena, optional L3)")
+    cache_launch.add_arguments(cache_parser)
+    cache_parser.set_defaults(func=cache_launch.run)
+
     bench = commands.add_parser("bench", help="benchmarks: print a table, write JSON")
     benches = bench.add_subparsers(dest="bench", required=True)
     from kvrelay.bench import layout

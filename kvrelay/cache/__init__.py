@@ -1,4 +1,5 @@
-"""The cache tier (DESIGN.md section 5): page index, key ring, L3 stores."""
+"""The cache tier (DESIGN.md section 5): page index, key ring, L3 stores, L2 arena,
+tier, server and client (import those from their modules)."""
 
 from kvrelay.cache.index import (
     CacheIndexError,

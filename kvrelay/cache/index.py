@@ -260,6 +260,14 @@ class PageIndex:
             self._require(key)
         return self._grant(list(keys), lease_s)
 
+    def lease(self, lease_id: int) -> Lease | None:
+        """The live lease of that id, or None once released or expired."""
+        self.expire_leases()
+        return self._leases.get(lease_id)
+
+    def seconds_left(self, lease: Lease) -> float:
+        return lease.expiry - self._clock()
+
     def release(self, lease_id: int) -> bool:
         """Unpin a lease's pages; False if it is unknown or has already expired."""
         self.expire_leases()
