@@ -123,6 +123,8 @@ class CacheServer:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._listener.close()
         if self.tier.l3 is not None:
+            # A graceful stop keeps write-back pages: a restart promotes them.
+            self.tier.demote_all()
             self.tier.l3.close()
         await self.agent.close()
 

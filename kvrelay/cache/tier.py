@@ -134,6 +134,20 @@ class CacheTier:
             self.arena.free(entry.location.slot)
         return len(dropped)
 
+    def demote_all(self) -> int:
+        """Write every sealed page to L3 (write-back, at shutdown); return how many went in.
+
+        Pages stay in L2; with write-through they are there already.
+        """
+        if self.l3 is None or self.config.l3_policy != "write-back":
+            return 0
+        stored = 0
+        for entry in list(self.index.entries()):
+            if entry.sealed and self.l3.put(entry.key, self.arena.view(entry.location.slot)):
+                stored += 1
+        self.stats.demotions += stored
+        return stored
+
     # -- internals ---------------------------------------------------------------------
 
     def _take_slot(self) -> int | None:

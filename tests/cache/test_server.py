@@ -37,12 +37,12 @@ def content(i: int) -> bytes:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, listen: str = "127.0.0.1:0") -> None:
+    def __init__(self, *args: str, listen: str = "127.0.0.1:0", backend: str = "tcp") -> None:
         self.args = args
         self.process = subprocess.Popen(
             [sys.executable, "-m", "kvrelay.cli", "launch", "cache", "--token", TOKEN,
              "--page-bytes", str(PAGE), "--arena-gb", str(64 * PAGE / (1 << 30)),
-             "--listen", listen, *args],
+             "--listen", listen, "--backend", backend, *args],
             stdout=subprocess.PIPE,
         )  # fmt: skip
         ready, _, _ = select.select([self.process.stdout], [], [], 60)
@@ -76,8 +76,8 @@ def servers():
         server.stop()
 
 
-async def rank_client(addresses, config: ParallelConfig, timeout_s=5.0):
-    agent = await create_agent("tcp", token=TOKEN)
+async def rank_client(addresses, config: ParallelConfig, timeout_s=5.0, backend="tcp"):
+    agent = await create_agent(backend, token=TOKEN)
     rect = rank_rectangle(SPEC, config)
     client = CacheClient(
         agent, SPEC, rect, CacheClientConfig(tuple(addresses), TOKEN, timeout_s=timeout_s)
@@ -86,11 +86,11 @@ async def rank_client(addresses, config: ParallelConfig, timeout_s=5.0):
     return agent, client, local
 
 
-async def write_pages(addresses, config: ParallelConfig, pages: range) -> int:
+async def write_pages(addresses, config: ParallelConfig, pages: range, backend="tcp") -> int:
     """Every rank of `config`'s group writes its rectangle of `pages`."""
     total = 0
     for rank in config.all_ranks():
-        agent, client, local = await rank_client(addresses, rank)
+        agent, client, local = await rank_client(addresses, rank, backend=backend)
         for i in pages:
             local.buffer(i * PAGE, PAGE)[:] = content(i)
         offsets = [i * PAGE for i in pages]
@@ -100,13 +100,15 @@ async def write_pages(addresses, config: ParallelConfig, pages: range) -> int:
     return total
 
 
-async def read_pages(addresses, config: ParallelConfig, count: int) -> tuple[list[int], bytes]:
+async def read_pages(
+    addresses, config: ParallelConfig, count: int, backend="tcp"
+) -> tuple[list[int], bytes]:
     """Every rank of `config`'s group pulls its rectangle; returns hits per rank and the
     pages assembled from all ranks' rectangles."""
     assembled = bytearray(count * PAGE)
     hits = []
     for rank in config.all_ranks():
-        agent, client, local = await rank_client(addresses, rank)
+        agent, client, local = await rank_client(addresses, rank, backend=backend)
         hit = await client.lookup(KEYS[:count], local, [i * PAGE for i in range(count)])
         hits.append(hit)
         for i in range(hit):
@@ -122,28 +124,33 @@ def expected(count: int) -> bytes:
     return b"".join(content(i) for i in range(count))
 
 
-def test_two_writer_configs_fill_pages_a_third_config_reads(servers):
-    addresses = [servers().address, servers().address]
+@pytest.mark.parametrize("backend", ["tcp", "ucx"])
+def test_two_writer_configs_fill_pages_a_third_config_reads(servers, backend, monkeypatch):
+    # UCX over shared memory and cma on one host; the server inherits the setting.
+    monkeypatch.setenv("UCX_TLS", "sm,self")
+    addresses = [servers(backend=backend).address, servers(backend=backend).address]
 
     async def main():
         # TP=2 x PP=2, stage 0 only (layers 0-1), then TP=1 x PP=2 stage 1 (layers 2-3).
         stage0 = [r for r in ParallelConfig(tp=2, pp=2).all_ranks() if r.pp_rank == 0]
         for rank in stage0:
-            agent, client, local = await rank_client(addresses, rank)
+            agent, client, local = await rank_client(addresses, rank, backend=backend)
             for i in range(PAGES):
                 local.buffer(i * PAGE, PAGE)[:] = content(i)
             await client.write(KEYS, local, [i * PAGE for i in range(PAGES)])
             await client.close()
             await agent.close()
-        hits, _ = await read_pages(addresses, ParallelConfig(tp=4), PAGES)
+        hits, _ = await read_pages(addresses, ParallelConfig(tp=4), PAGES, backend)
         assert hits == [0, 0, 0, 0]  # half of every page: nothing sealed
-        agent, client, local = await rank_client(addresses, ParallelConfig(tp=1, pp=2, pp_rank=1))
+        agent, client, local = await rank_client(
+            addresses, ParallelConfig(tp=1, pp=2, pp_rank=1), backend=backend
+        )
         for i in range(PAGES):
             local.buffer(i * PAGE, PAGE)[:] = content(i)
         assert await client.write(KEYS, local, [i * PAGE for i in range(PAGES)]) == PAGES
         await client.close()
         await agent.close()
-        hits, pages = await read_pages(addresses, ParallelConfig(tp=4), PAGES)
+        hits, pages = await read_pages(addresses, ParallelConfig(tp=4), PAGES, backend)
         assert hits == [PAGES] * 4
         assert pages == expected(PAGES)
 
@@ -176,6 +183,23 @@ def test_restart_with_file_l3_keeps_pages_and_corruption_is_a_miss(servers, tmp_
 
     asyncio.run(again())
     assert not path.exists()
+
+
+def test_restart_with_valkey_l3_keeps_pages(servers, valkey_server):
+    l3 = ["--l3", f"valkey://127.0.0.1:{valkey_server.port}"]
+    first = servers(*l3)  # write-back: pages reach valkey when evicted or at a clean stop
+    assert asyncio.run(write_pages([first.address], ParallelConfig(tp=1), range(8))) == 8
+    first.stop(signal.SIGKILL)
+    # Killed before any eviction: nothing was demoted.
+    second = servers(*l3)
+    hits, _ = asyncio.run(read_pages([second.address], ParallelConfig(tp=1), 8))
+    assert hits == [0]
+    assert asyncio.run(write_pages([second.address], ParallelConfig(tp=1), range(8))) == 8
+    second.stop()  # SIGTERM: demotes its sealed pages
+    # A third server, another machine's in spirit, finds them in the shared store.
+    third = servers(*l3)
+    hits, pages = asyncio.run(read_pages([third.address], ParallelConfig(tp=2), 8))
+    assert hits == [8, 8] and pages == expected(8)
 
 
 def test_killed_server_degrades_to_misses(servers):

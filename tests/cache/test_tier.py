@@ -173,3 +173,17 @@ def test_flush_drops_unpinned_pages(tmp_path):
         await agent.close()
 
     run(main())
+
+
+def test_demote_all_writes_sealed_pages_back(tmp_path):
+    async def main():
+        agent, tier = await make_tier(tmp_path, slots=4)
+        fill(tier, 0)
+        fill(tier, 1)
+        tier.reserve(KEYS[2:3], lease_s=30)  # unsealed: not demoted
+        assert len(tier.l3) == 0
+        assert tier.demote_all() == 2
+        assert tier.l3.get(KEYS[1]) == content(1) and KEYS[2] not in tier.l3
+        await agent.close()
+
+    run(main())
