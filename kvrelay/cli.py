@@ -65,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     transfer_parser = benches.add_parser("transfer", help="page pulls between two processes")
     transfer.add_arguments(transfer_parser)
     transfer_parser.set_defaults(func=transfer.run)
+    from kvrelay.bench import cache as cache_bench
+
+    cache_bench_parser = benches.add_parser(
+        "cache", help="replay a Mooncake trace: shared tier vs local caches vs infinite"
+    )
+    cache_bench.add_arguments(cache_bench_parser)
+    cache_bench_parser.set_defaults(func=cache_bench.run)
     return parser
 
 
