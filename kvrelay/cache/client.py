@@ -141,7 +141,7 @@ class CacheClient:
     async def _lookup_one(self, server: str, keys: list[bytes]) -> tuple[int, int | None]:
         try:
             reply = await self._servers[server].call(
-                {"op": "lookup", "keys": keys, "lease_s": self.config.lease_s}
+                {"op": "lookup", "keys": keys, "lease_s": self.config.lease_s, "ns": self.namespace}
             )
         except ServerGone:
             self.stats.errors += 1
@@ -179,7 +179,10 @@ class CacheClient:
         mine = [keys[p] for p in positions]
         lease = None
         try:
-            reply = await conn.call({"op": "reserve", "keys": mine, "lease_s": self.config.lease_s})
+            reply = await conn.call(
+                {"op": "reserve", "keys": mine, "lease_s": self.config.lease_s,
+                 "ns": self.namespace}
+            )  # fmt: skip
             lease = reply["lease"]
             todo = [
                 p for p, slot in zip(positions, reply["slots"], strict=True) if slot is not None

@@ -54,6 +54,9 @@ class PageEntry:
     filled: list[tuple[int, int]] = field(default_factory=list)
     sealed: bool = False
     pins: int = 0
+    # The namespace digest its writer or promoter named (b"": unknown); keys
+    # are opaque digests, so this is what lets admin flush one tenant.
+    namespace: bytes = b""
 
     def filled_bytes(self) -> int:
         return sum(end - start for start, end in self.filled)
@@ -144,13 +147,15 @@ class PageIndex:
 
     # -- pages -------------------------------------------------------------------------
 
-    def insert(self, key: bytes, location: Location, *, sealed: bool = False) -> PageEntry:
+    def insert(
+        self, key: bytes, location: Location, *, sealed: bool = False, namespace: bytes = b""
+    ) -> PageEntry:
         """Add a page at `location`, empty (to be written) or already sealed (promoted)."""
         _check_key(key)
         self.expire_leases()
         if key in self._entries:
             raise CacheIndexError(f"page {key.hex()[:16]} is already indexed")
-        entry = PageEntry(key, location, self.page_bytes, self._clock())
+        entry = PageEntry(key, location, self.page_bytes, self._clock(), namespace=namespace)
         self._entries[key] = entry
         if sealed:
             entry.filled = [(0, self.page_bytes)]

@@ -12,7 +12,10 @@ reply:
 - `reserve {keys, lease_s}` -> `slots` (an int per key to write, None for a
   page already sealed or no room), `lease`
 - `commit {keys, runs}` -> `sealed` per key
-- `release {lease}`, `stats`, `flush`
+- `release {lease}`, `stats`, `flush {ns?}` (unpinned pages of one namespace, or all)
+
+`lookup` and `reserve` may carry `ns`, the namespace digest, recorded with
+each page so `flush` can drop one tenant's pages.
 
 The tier is single-threaded: every op runs on the event loop.
 """
@@ -76,6 +79,15 @@ def _runs(message: dict, page_bytes: int) -> list[tuple[int, int]]:
             raise ProtocolViolation(f"run {run!r} is not inside a page of {page_bytes} bytes")
         out.append((run[0], run[1]))
     return out
+
+
+def _namespace(message: dict, required: bool = False) -> bytes | None:
+    namespace = message.get("ns")
+    if namespace is None and not required:
+        return None
+    if not isinstance(namespace, bytes) or len(namespace) != 32:
+        raise ProtocolViolation("ns must be a 32-byte namespace digest")
+    return namespace
 
 
 def _lease_s(message: dict) -> float:
@@ -167,14 +179,14 @@ class CacheServer:
         if self._ops % 256 == 0:
             self._forget_dead_leases()
         if op == "lookup":
-            hit = tier.lookup(_keys(message), _lease_s(message))
+            hit = tier.lookup(_keys(message), _lease_s(message), _namespace(message) or b"")
             lease = hit.lease.lease_id if hit.lease else None
             if lease is not None:
                 self._lease_keys[lease] = [e.key for e in hit.entries]
             return {"ok": True, "hits": hit.hits, "lease": lease}
         if op == "reserve":
             keys = _keys(message)
-            slots, lease = tier.reserve(keys, _lease_s(message))
+            slots, lease = tier.reserve(keys, _lease_s(message), _namespace(message) or b"")
             self._lease_keys[lease.lease_id] = [
                 k for k, s in zip(keys, slots, strict=True) if s is not None
             ]
@@ -197,7 +209,7 @@ class CacheServer:
                 stats["l3"] = dataclasses.asdict(tier.l3.stats)
             return {"ok": True, **stats}
         if op == "flush":
-            return {"ok": True, "dropped": tier.flush()}
+            return {"ok": True, "dropped": tier.flush(_namespace(message))}
         raise ProtocolViolation(f"unknown op {op!r}")
 
     def _forget_dead_leases(self) -> None:
@@ -208,15 +220,13 @@ class CacheServer:
     def _publish(self, message: dict) -> dict:
         lease = message.get("lease")
         count = message.get("count")
-        namespace = message.get("ns")
+        namespace = _namespace(message, required=True)
         keys = self._lease_keys.get(lease) if isinstance(lease, int) else None
         live = self.tier.index.lease(lease) if keys is not None else None
         if live is None:
             raise ProtocolViolation(f"lease {lease!r} is unknown or expired")
         if not isinstance(count, int) or not 0 < count <= len(keys):
             raise ProtocolViolation(f"count must be in [1, {len(keys)}]")
-        if not isinstance(namespace, bytes) or len(namespace) != 32:
-            raise ProtocolViolation("ns must be a 32-byte namespace")
         page_runs = _runs(message, self.config.page_bytes)
         arena = self.tier.arena
         runs = []

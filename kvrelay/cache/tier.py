@@ -76,18 +76,22 @@ class CacheTier:
         self.index = PageIndex(arena.page_bytes, clock)
         self.stats = TierStats()
 
-    def lookup(self, keys: Sequence[bytes], lease_s: float | None = None) -> Hit:
+    def lookup(
+        self, keys: Sequence[bytes], lease_s: float | None = None, namespace: bytes = b""
+    ) -> Hit:
         """Longest sealed prefix of `keys`, promoting from L3 past the L2 hits."""
         self.stats.lookups += 1
         self.stats.lookup_pages += len(keys)
         hits = self.index.lookup(keys).hits
         if self.l3 is not None and hits < len(keys):
-            self._promote(keys[hits : hits + self.config.max_promote])
+            self._promote(keys[hits : hits + self.config.max_promote], namespace)
         result = self.index.lookup(keys, lease_s)
         self.stats.hit_pages += result.hits
         return Hit(result.entries, result.lease)
 
-    def reserve(self, keys: Sequence[bytes], lease_s: float) -> tuple[list[int | None], Lease]:
+    def reserve(
+        self, keys: Sequence[bytes], lease_s: float, namespace: bytes = b""
+    ) -> tuple[list[int | None], Lease]:
         """Slots for writers to fill, pinned under one lease.
 
         Per key: its slot, or None when the page is already sealed (nothing to
@@ -108,7 +112,7 @@ class CacheTier:
                     self.stats.no_room += 1
                     slots.append(None)
                     continue
-                entry = self.index.insert(key, L2Slot(slot))
+                entry = self.index.insert(key, L2Slot(slot), namespace=namespace)
                 self.stats.reserved_pages += 1
             slots.append(entry.location.slot)
             pinned.append(key)
@@ -127,11 +131,22 @@ class CacheTier:
     def release(self, lease_id: int) -> bool:
         return self.index.release(lease_id)
 
-    def flush(self) -> int:
-        """Drop every unpinned page from L2 (not demoted); return how many."""
-        dropped = self.index.evict(len(self.index)) + self.index.drop_abandoned()
+    def flush(self, namespace: bytes | None = None) -> int:
+        """Drop unpinned pages (of one namespace, or all) from L2 and L3; return how many.
+
+        Only pages this tier indexes are found: L3 copies of pages not in L2
+        stay until L3 evicts them (keys do not reveal their namespace).
+        """
+
+        def chosen(entry: PageEntry) -> bool:
+            return namespace is None or entry.namespace == namespace
+
+        dropped = self.index.evict(len(self.index), where=chosen)
+        dropped += self.index.drop_abandoned(where=chosen)
         for entry in dropped:
             self.arena.free(entry.location.slot)
+            if self.l3 is not None and entry.sealed:
+                self.l3.delete(entry.key)
         return len(dropped)
 
     def demote_all(self) -> int:
@@ -170,7 +185,7 @@ class CacheTier:
         if self.l3.put(entry.key, self.arena.view(entry.location.slot)):
             self.stats.demotions += 1
 
-    def _promote(self, keys: Sequence[bytes]) -> None:
+    def _promote(self, keys: Sequence[bytes], namespace: bytes) -> None:
         """Bring the leading run of `keys` found in L3 into L2 slots, sealed."""
         pages = self.l3.get_many(keys)
         # Pin what is promoted so promoting page i+1 cannot evict page i.
@@ -184,7 +199,7 @@ class CacheTier:
             if slot is None:
                 break
             self.arena.view(slot)[:] = page
-            self.index.insert(key, L2Slot(slot), sealed=True)
+            self.index.insert(key, L2Slot(slot), sealed=True, namespace=namespace)
             leases.append(self.index.pin([key], lease_s=60.0).lease_id)
             self.stats.promotions += 1
         # Unpin at once: the lookup that follows pins what it answers.

@@ -25,6 +25,7 @@ def test_malformed_requests_are_refused():
             {"op": "commit", "keys": [KEY], "runs": [[60, 8]]},
             {"op": "commit", "keys": [KEY], "runs": []},
             {"op": "handle", "lease": 12345, "count": 1, "runs": [[0, 64]], "ns": KEY},
+            {"op": "reserve", "keys": [KEY], "ns": "not bytes"},
         ]
         for message in bad:
             with pytest.raises(ProtocolViolation):
@@ -38,8 +39,15 @@ def test_malformed_requests_are_refused():
                                "runs": [[0, 64]], "ns": KEY})  # fmt: skip
         assert server.handle({"op": "commit", "keys": [KEY], "runs": [[0, 64]]})["sealed"] == [True]
         assert server.handle({"op": "release", "lease": lease})["released"]
-        assert server.handle({"op": "lookup", "keys": [KEY]})["hits"] == 1
+        looked = server.handle({"op": "lookup", "keys": [KEY]})
+        assert looked["hits"] == 1
         assert server.handle({"op": "stats"})["tier"]["sealed_pages"] == 1
+        with pytest.raises(ProtocolViolation):
+            server.handle({"op": "flush", "ns": b"short"})
+        assert server.handle({"op": "flush", "ns": hashlib.sha256(b"x").digest()})["dropped"] == 0
+        assert server.handle({"op": "flush"})["dropped"] == 0  # pinned by the lookup
+        server.handle({"op": "release", "lease": looked["lease"]})
+        assert server.handle({"op": "flush"})["dropped"] == 1
         await server.close()
 
     asyncio.run(main())

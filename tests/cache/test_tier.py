@@ -187,3 +187,40 @@ def test_demote_all_writes_sealed_pages_back(tmp_path):
         await agent.close()
 
     run(main())
+
+
+def test_flush_one_namespace_drops_its_pages_from_l2_and_l3(tmp_path):
+    async def main():
+        agent, tier = await make_tier(tmp_path, slots=6, l3_policy="write-through")
+        other = hashlib.sha256(b"tenant b").digest()
+        fill(tier, 0)  # fill() reserves without a namespace
+        for i in (1, 2):
+            _, lease = tier.reserve([KEYS[i]], lease_s=30, namespace=NS)
+            tier.commit(KEYS[i], [(0, PAGE)])
+            tier.release(lease.lease_id)
+        _, lease = tier.reserve([KEYS[3]], lease_s=30, namespace=other)
+        tier.commit(KEYS[3], [(0, PAGE)])
+        tier.release(lease.lease_id)
+        held = tier.lookup(KEYS[2:3], lease_s=30)  # pinned: survives the flush
+        assert tier.flush(NS) == 1
+        assert KEYS[1] not in tier.index and KEYS[1] not in tier.l3
+        assert all(k in tier.index for k in (KEYS[0], KEYS[2], KEYS[3]))
+        assert KEYS[3] in tier.l3 and tier.index.get(KEYS[3]).namespace == other
+        tier.release(held.lease.lease_id)
+        assert tier.flush(NS) == 1 and tier.flush() == 2 and len(tier.index) == 0
+        assert tier.arena.free_slots == 6
+        await agent.close()
+
+    run(main())
+
+
+def test_promoted_pages_take_the_lookup_namespace(tmp_path):
+    async def main():
+        agent, tier = await make_tier(tmp_path, slots=1)
+        fill(tier, 0)
+        fill(tier, 1)  # 0 demoted
+        assert tier.lookup(KEYS[:1], namespace=NS).hits == 1
+        assert tier.index.get(KEYS[0]).namespace == NS
+        await agent.close()
+
+    run(main())
