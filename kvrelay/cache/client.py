@@ -210,6 +210,20 @@ class CacheClient:
             if lease is not None:
                 await self._release_all([(server, lease)])
 
+    async def server_stats(self) -> dict[str, dict | None]:
+        """Each server's tier and L3 statistics (evictions, demotions, promotions,
+        checksum failures, ...); None for a server that did not answer."""
+
+        async def one(server: str) -> dict | None:
+            try:
+                reply = await self._servers[server].call({"op": "stats"})
+            except ServerGone:
+                return None
+            return {k: v for k, v in reply.items() if k != "ok"}
+
+        replies = await asyncio.gather(*(one(s) for s in self._servers))
+        return dict(zip(self._servers, replies, strict=True))
+
     async def _release_all(self, leases: list[tuple[str, int]]) -> None:
         async def release(server: str, lease: int) -> None:
             # A lost release only keeps pages pinned until the lease expires.

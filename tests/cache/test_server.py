@@ -153,6 +153,12 @@ def test_two_writer_configs_fill_pages_a_third_config_reads(servers, backend, mo
         hits, pages = await read_pages(addresses, ParallelConfig(tp=4), PAGES, backend)
         assert hits == [PAGES] * 4
         assert pages == expected(PAGES)
+        agent, client, _ = await rank_client(addresses, ParallelConfig(tp=1), backend=backend)
+        stats = await client.server_stats()
+        assert sum(s["tier"]["sealed_pages"] for s in stats.values()) == PAGES
+        assert sum(s["pages"] for s in stats.values()) == PAGES
+        await client.close()
+        await agent.close()
 
     asyncio.run(main())
 
@@ -220,6 +226,8 @@ def test_killed_server_degrades_to_misses(servers):
         on_b = sum(client.ring.server_for(k) == b.address for k in fresh)
         assert await client.write(fresh, local, [i * PAGE for i in range(4)]) == on_b
         assert client.stats.errors >= 2
+        stats = await client.server_stats()
+        assert stats[a.address] is None and stats[b.address]["tier"]["lookups"] >= 1
         assert time.monotonic() - start < 10
         await client.close()
         await agent.close()
