@@ -36,6 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
     model_commands.add_make_model_arguments(make_model)
     make_model.set_defaults(func=model_commands.run_make_model)
 
+    launch = commands.add_parser("launch", help="run a kvrelay server process")
+    servers = launch.add_subparsers(dest="server", required=True)
+    from kvrelay.cache import launch as cache_launch
+
+    cache_parser = servers.add_parser("cache", help="a cache server (L2 arena, optional L3)")
+    cache_launch.add_arguments(cache_parser)
+    cache_parser.set_defaults(func=cache_launch.run)
+
     bench = commands.add_parser("bench", help="benchmarks: print a table, write JSON")
     benches = bench.add_subparsers(dest="bench", required=True)
     from kvrelay.bench import layout
@@ -57,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     transfer_parser = benches.add_parser("transfer", help="page pulls between two processes")
     transfer.add_arguments(transfer_parser)
     transfer_parser.set_defaults(func=transfer.run)
+    from kvrelay.bench import cache as cache_bench
+
+    cache_bench_parser = benches.add_parser(
+        "cache", help="replay a Mooncake trace: shared tier vs local caches vs infinite"
+    )
+    cache_bench.add_arguments(cache_bench_parser)
+    cache_bench_parser.set_defaults(func=cache_bench.run)
     return parser
 
 

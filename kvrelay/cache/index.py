@@ -1,0 +1,346 @@
+"""The page index of one cache server (DESIGN.md section 5).
+
+Maps a page key to where its bytes live (an L2 arena slot or an L3 object),
+tracks which byte runs of the page have been written so a page is sealed only
+once every rectangle is in (DESIGN.md section 3), and holds pins, leases and
+last use for LRU eviction.
+
+The index moves no bytes and owns no memory: the arena and the L3 stores act
+on what it returns (slots to free, pages to demote).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvrelay.layout import ModelKVSpec, Rectangle
+
+KEY_BYTES = 32  # a sha256 page key (kvrelay.layout.keys)
+
+
+class CacheIndexError(LookupError):
+    """A request the index cannot honour (unknown key, pinned page, bad run)."""
+
+
+@dataclass(frozen=True, slots=True)
+class L2Slot:
+    """A page slot of the host arena."""
+
+    slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class L3Object:
+    """A page held by an L3 store under its key."""
+
+    store: str
+
+
+Location = L2Slot | L3Object
+
+
+@dataclass(slots=True)
+class PageEntry:
+    key: bytes
+    location: Location
+    page_bytes: int
+    last_use: float
+    # Disjoint, sorted [start, end) byte intervals written so far.
+    filled: list[tuple[int, int]] = field(default_factory=list)
+    sealed: bool = False
+    pins: int = 0
+    # The namespace digest its writer or promoter named (b"": unknown); keys
+    # are opaque digests, so this is what lets admin flush one tenant.
+    namespace: bytes = b""
+
+    def filled_bytes(self) -> int:
+        return sum(end - start for start, end in self.filled)
+
+
+@dataclass(slots=True)
+class Lease:
+    lease_id: int
+    keys: tuple[bytes, ...]
+    expiry: float
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """The hit prefix of a lookup: entries in key order and, if pinned, their lease."""
+
+    entries: tuple[PageEntry, ...]
+    lease: Lease | None
+
+    @property
+    def hits(self) -> int:
+        return len(self.entries)
+
+
+def _check_key(key: bytes) -> None:
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise CacheIndexError(f"a page key is {KEY_BYTES} bytes, got {key!r:.80}")
+
+
+def _add_interval(intervals: list[tuple[int, int]], start: int, end: int) -> None:
+    """Insert [start, end) into sorted disjoint `intervals`, merging overlaps and neighbours."""
+    merged: list[tuple[int, int]] = []
+    placed = False
+    for lo, hi in intervals:
+        if hi < start:
+            merged.append((lo, hi))
+        elif end < lo:
+            if not placed:
+                merged.append((start, end))
+                placed = True
+            merged.append((lo, hi))
+        else:
+            start, end = min(start, lo), max(end, hi)
+    if not placed:
+        merged.append((start, end))
+    intervals[:] = merged
+
+
+class PageIndex:
+    """Page key -> location, seal state, pins, leases and LRU order.
+
+    `clock` returns seconds (monotonic by default); tests pass a fake one.
+    Expired leases are dropped lazily at the start of every public call.
+    """
+
+    def __init__(self, page_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
+        if page_bytes <= 0:
+            raise ValueError(f"page_bytes must be positive, got {page_bytes}")
+        self.page_bytes = page_bytes
+        self._clock = clock
+        self._entries: dict[bytes, PageEntry] = {}
+        # Sealed, unpinned pages, least recently used first: the eviction order.
+        self._evictable: OrderedDict[bytes, None] = OrderedDict()
+        self._leases: dict[int, Lease] = {}
+        self._expiries: list[tuple[float, int]] = []
+        self._lease_ids = itertools.count(1)
+
+    @classmethod
+    def for_spec(cls, spec: ModelKVSpec, clock: Callable[[], float] = time.monotonic) -> PageIndex:
+        return cls(spec.page_bytes, clock)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries
+
+    def get(self, key: bytes) -> PageEntry | None:
+        return self._entries.get(key)
+
+    def entries(self) -> Iterable[PageEntry]:
+        return self._entries.values()
+
+    @property
+    def num_leases(self) -> int:
+        self.expire_leases()
+        return len(self._leases)
+
+    # -- pages -------------------------------------------------------------------------
+
+    def insert(
+        self, key: bytes, location: Location, *, sealed: bool = False, namespace: bytes = b""
+    ) -> PageEntry:
+        """Add a page at `location`, empty (to be written) or already sealed (promoted)."""
+        _check_key(key)
+        self.expire_leases()
+        if key in self._entries:
+            raise CacheIndexError(f"page {key.hex()[:16]} is already indexed")
+        entry = PageEntry(key, location, self.page_bytes, self._clock(), namespace=namespace)
+        self._entries[key] = entry
+        if sealed:
+            entry.filled = [(0, self.page_bytes)]
+            self._seal(entry)
+        return entry
+
+    def record_runs(self, key: bytes, runs: Iterable[tuple[int, int]]) -> bool:
+        """Mark `runs` ((offset, length) inside the page) written; return whether sealed."""
+        entry = self._require(key)
+        self.expire_leases()
+        if entry.sealed:
+            return True
+        for offset, length in runs:
+            if length <= 0 or offset < 0 or offset + length > self.page_bytes:
+                raise CacheIndexError(
+                    f"run ({offset}, {length}) is outside a page of {self.page_bytes} bytes"
+                )
+            _add_interval(entry.filled, offset, offset + length)
+        if entry.filled == [(0, self.page_bytes)]:
+            self._seal(entry)
+        return entry.sealed
+
+    def record_rectangle(self, key: bytes, spec: ModelKVSpec, rect: Rectangle) -> bool:
+        """Mark a writer's rectangle of the page written; return whether the page is sealed."""
+        if spec.page_bytes != self.page_bytes:
+            raise CacheIndexError(
+                f"spec pages are {spec.page_bytes} bytes, index {self.page_bytes}"
+            )
+        return self.record_runs(key, rect.byte_runs(spec))
+
+    def move(self, key: bytes, location: Location) -> None:
+        """Point a page at a new location (demoted to L3, promoted to L2)."""
+        self._require(key).location = location
+
+    def remove(self, key: bytes) -> PageEntry:
+        """Drop a page from the index; refused while it is pinned."""
+        entry = self._require(key)
+        self.expire_leases()
+        if entry.pins:
+            raise CacheIndexError(f"page {key.hex()[:16]} is pinned {entry.pins} times")
+        del self._entries[key]
+        self._evictable.pop(key, None)
+        return entry
+
+    def evict(
+        self, count: int, where: Callable[[PageEntry], bool] | None = None
+    ) -> list[PageEntry]:
+        """Remove up to `count` sealed, unpinned pages, least recently used first.
+
+        `where` restricts the choice (e.g. to pages in L2); the caller frees or
+        demotes what comes back.
+        """
+        self.expire_leases()
+        victims: list[PageEntry] = []
+        for key in self._evictable:
+            if len(victims) >= count:
+                break
+            entry = self._entries[key]
+            if where is None or where(entry):
+                victims.append(entry)
+        for entry in victims:
+            del self._entries[entry.key]
+            del self._evictable[entry.key]
+        return victims
+
+    def drop_abandoned(self, where: Callable[[PageEntry], bool] | None = None) -> list[PageEntry]:
+        """Remove unsealed, unpinned pages: reservations whose writers' leases ran out."""
+        self.expire_leases()
+        dropped = [
+            e
+            for e in self._entries.values()
+            if not e.sealed and not e.pins and (where is None or where(e))
+        ]
+        for entry in dropped:
+            del self._entries[entry.key]
+        return dropped
+
+    # -- lookups and leases ------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes], lease_s: float | None = None) -> LookupResult:
+        """The longest run of consecutive sealed pages from the start of `keys`.
+
+        Hits count as a use (LRU). With `lease_s`, the hits are pinned under one
+        lease that expires after `lease_s` seconds unless released first.
+        """
+        self.expire_leases()
+        now = self._clock()
+        hits: list[PageEntry] = []
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is None or not entry.sealed:
+                break
+            hits.append(entry)
+        for entry in hits:
+            entry.last_use = now
+            if entry.key in self._evictable:
+                self._evictable.move_to_end(entry.key)
+        lease = None
+        if lease_s is not None and hits:
+            lease = self._grant([e.key for e in hits], lease_s)
+        return LookupResult(tuple(hits), lease)
+
+    def pin(self, keys: Sequence[bytes], lease_s: float) -> Lease:
+        """Pin indexed pages (sealed or not, e.g. reservations being written) under a lease."""
+        self.expire_leases()
+        for key in keys:
+            self._require(key)
+        return self._grant(list(keys), lease_s)
+
+    def lease(self, lease_id: int) -> Lease | None:
+        """The live lease of that id, or None once released or expired."""
+        self.expire_leases()
+        return self._leases.get(lease_id)
+
+    def seconds_left(self, lease: Lease) -> float:
+        return lease.expiry - self._clock()
+
+    def release(self, lease_id: int) -> bool:
+        """Unpin a lease's pages; False if it is unknown or has already expired."""
+        self.expire_leases()
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        self._unpin(lease)
+        return True
+
+    def extend(self, lease_id: int, lease_s: float) -> bool:
+        """Push a live lease's expiry to `lease_s` from now; False if it is gone."""
+        self.expire_leases()
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return False
+        lease.expiry = self._clock() + lease_s
+        heapq.heappush(self._expiries, (lease.expiry, lease_id))
+        return True
+
+    def expire_leases(self) -> list[int]:
+        """Unpin every lease whose expiry has passed; return their ids."""
+        now = self._clock()
+        expired = []
+        while self._expiries and self._expiries[0][0] <= now:
+            expiry, lease_id = heapq.heappop(self._expiries)
+            lease = self._leases.get(lease_id)
+            # A stale heap entry: released, or extended to a later expiry.
+            if lease is None or lease.expiry != expiry:
+                continue
+            del self._leases[lease_id]
+            self._unpin(lease)
+            expired.append(lease_id)
+        return expired
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _require(self, key: bytes) -> PageEntry:
+        _check_key(key)
+        entry = self._entries.get(key)
+        if entry is None:
+            raise CacheIndexError(f"page {key.hex()[:16]} is not indexed")
+        return entry
+
+    def _seal(self, entry: PageEntry) -> None:
+        entry.sealed = True
+        entry.last_use = self._clock()
+        if not entry.pins:
+            self._evictable[entry.key] = None
+
+    def _grant(self, keys: list[bytes], lease_s: float) -> Lease:
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be positive, got {lease_s}")
+        lease = Lease(next(self._lease_ids), tuple(keys), self._clock() + lease_s)
+        for key in keys:
+            entry = self._entries[key]
+            entry.pins += 1
+            self._evictable.pop(key, None)
+        self._leases[lease.lease_id] = lease
+        heapq.heappush(self._expiries, (lease.expiry, lease.lease_id))
+        return lease
+
+    def _unpin(self, lease: Lease) -> None:
+        for key in lease.keys:
+            entry = self._entries.get(key)
+            if entry is None:
+                continue
+            entry.pins -= 1
+            if entry.pins == 0 and entry.sealed:
+                # A reader was using the page until now: that is its last use.
+                entry.last_use = self._clock()
+                self._evictable[key] = None

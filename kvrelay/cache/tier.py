@@ -1,0 +1,207 @@
+"""One cache server's pages: the index over L2 arena slots, backed by an optional L3 store.
+
+The index holds only pages resident in L2. A page evicted from L2 is demoted
+to L3 (write-back, the default) or was already put there when it sealed
+(write-through); a lookup that runs out of L2 hits asks L3 for the next pages
+and promotes what it finds into L2 before answering. L3 is never indexed: a
+shared valkey store is filled by other servers too, and the file store evicts
+on its own.
+
+Synchronous and single-threaded: the server process calls it from its event
+loop (L3 calls block for at most the store's short timeout).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvrelay.cache.arena import PageArena
+from kvrelay.cache.index import L2Slot, Lease, PageEntry, PageIndex
+from kvrelay.cache.l3 import L3Store
+
+L3_POLICIES = ("write-back", "write-through")
+
+
+@dataclass(slots=True)
+class TierStats:
+    lookups: int = 0
+    lookup_pages: int = 0  # keys asked for
+    hit_pages: int = 0  # pages answered (L2 and promoted)
+    reserved_pages: int = 0
+    sealed_pages: int = 0
+    evictions: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    no_room: int = 0  # reservations refused: every slot pinned or being written
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    l3_policy: str = "write-back"
+    # A lookup asks L3 for at most this many pages past its L2 hits.
+    max_promote: int = 256
+
+    def __post_init__(self) -> None:
+        if self.l3_policy not in L3_POLICIES:
+            raise ValueError(f"l3_policy must be one of {L3_POLICIES}, got {self.l3_policy!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    entries: tuple[PageEntry, ...]
+    lease: Lease | None
+
+    @property
+    def hits(self) -> int:
+        return len(self.entries)
+
+    @property
+    def slots(self) -> list[int]:
+        return [e.location.slot for e in self.entries]
+
+
+class CacheTier:
+    def __init__(
+        self,
+        arena: PageArena,
+        l3: L3Store | None = None,
+        config: TierConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.arena = arena
+        self.l3 = l3
+        self.config = config or TierConfig()
+        self.index = PageIndex(arena.page_bytes, clock)
+        self.stats = TierStats()
+
+    def lookup(
+        self, keys: Sequence[bytes], lease_s: float | None = None, namespace: bytes = b""
+    ) -> Hit:
+        """Longest sealed prefix of `keys`, promoting from L3 past the L2 hits."""
+        self.stats.lookups += 1
+        self.stats.lookup_pages += len(keys)
+        hits = self.index.lookup(keys).hits
+        if self.l3 is not None and hits < len(keys):
+            self._promote(keys[hits : hits + self.config.max_promote], namespace)
+        result = self.index.lookup(keys, lease_s)
+        self.stats.hit_pages += result.hits
+        return Hit(result.entries, result.lease)
+
+    def reserve(
+        self, keys: Sequence[bytes], lease_s: float, namespace: bytes = b""
+    ) -> tuple[list[int | None], Lease]:
+        """Slots for writers to fill, pinned under one lease.
+
+        Per key: its slot, or None when the page is already sealed (nothing to
+        write) or no slot could be freed. A key already reserved by another
+        writer gets the same slot: rectangles of one page may come from
+        several writers.
+        """
+        slots: list[int | None] = []
+        pinned: list[bytes] = []
+        for key in keys:
+            entry = self.index.get(key)
+            if entry is not None and entry.sealed:
+                slots.append(None)
+                continue
+            if entry is None:
+                slot = self._take_slot()
+                if slot is None:
+                    self.stats.no_room += 1
+                    slots.append(None)
+                    continue
+                entry = self.index.insert(key, L2Slot(slot), namespace=namespace)
+                self.stats.reserved_pages += 1
+            slots.append(entry.location.slot)
+            pinned.append(key)
+        return slots, self.index.pin(pinned, lease_s)
+
+    def commit(self, key: bytes, runs: Sequence[tuple[int, int]]) -> bool:
+        """Record `runs` (page offsets) of a reserved page as written; True once sealed."""
+        was_sealed = self.index.get(key) is not None and self.index.get(key).sealed
+        sealed = self.index.record_runs(key, runs)
+        if sealed and not was_sealed:
+            self.stats.sealed_pages += 1
+            if self.l3 is not None and self.config.l3_policy == "write-through":
+                self.l3.put(key, self.arena.view(self.index.get(key).location.slot))
+        return sealed
+
+    def release(self, lease_id: int) -> bool:
+        return self.index.release(lease_id)
+
+    def flush(self, namespace: bytes | None = None) -> int:
+        """Drop unpinned pages (of one namespace, or all) from L2 and L3; return how many.
+
+        Only pages this tier indexes are found: L3 copies of pages not in L2
+        stay until L3 evicts them (keys do not reveal their namespace).
+        """
+
+        def chosen(entry: PageEntry) -> bool:
+            return namespace is None or entry.namespace == namespace
+
+        dropped = self.index.evict(len(self.index), where=chosen)
+        dropped += self.index.drop_abandoned(where=chosen)
+        for entry in dropped:
+            self.arena.free(entry.location.slot)
+            if self.l3 is not None and entry.sealed:
+                self.l3.delete(entry.key)
+        return len(dropped)
+
+    def demote_all(self) -> int:
+        """Write every sealed page to L3 (write-back, at shutdown); return how many went in.
+
+        Pages stay in L2; with write-through they are there already.
+        """
+        if self.l3 is None or self.config.l3_policy != "write-back":
+            return 0
+        stored = 0
+        for entry in list(self.index.entries()):
+            if entry.sealed and self.l3.put(entry.key, self.arena.view(entry.location.slot)):
+                stored += 1
+        self.stats.demotions += stored
+        return stored
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _take_slot(self) -> int | None:
+        slot = self.arena.alloc()
+        if slot is not None:
+            return slot
+        for entry in self.index.evict(1):
+            self.stats.evictions += 1
+            self._demote(entry)
+            self.arena.free(entry.location.slot)
+            return self.arena.alloc()
+        # Nothing evictable: reclaim slots of writers whose leases ran out.
+        for entry in self.index.drop_abandoned():
+            self.arena.free(entry.location.slot)
+        return self.arena.alloc()
+
+    def _demote(self, entry: PageEntry) -> None:
+        if self.l3 is None or self.config.l3_policy != "write-back":
+            return
+        if self.l3.put(entry.key, self.arena.view(entry.location.slot)):
+            self.stats.demotions += 1
+
+    def _promote(self, keys: Sequence[bytes], namespace: bytes) -> None:
+        """Bring the leading run of `keys` found in L3 into L2 slots, sealed."""
+        pages = self.l3.get_many(keys)
+        # Pin what is promoted so promoting page i+1 cannot evict page i.
+        leases: list[int] = []
+        for key, page in zip(keys, pages, strict=True):
+            if page is None or len(page) != self.arena.page_bytes:
+                break
+            if key in self.index:  # written meanwhile, or an unsealed reservation
+                break
+            slot = self._take_slot()
+            if slot is None:
+                break
+            self.arena.view(slot)[:] = page
+            self.index.insert(key, L2Slot(slot), sealed=True, namespace=namespace)
+            leases.append(self.index.pin([key], lease_s=60.0).lease_id)
+            self.stats.promotions += 1
+        # Unpin at once: the lookup that follows pins what it answers.
+        for lease_id in leases:
+            self.index.release(lease_id)

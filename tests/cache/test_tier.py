@@ -1,0 +1,226 @@
+"""CacheTier over a real registered arena (loopback agent) and a real file L3."""
+
+import asyncio
+import hashlib
+
+import pytest
+import torch
+
+from kvrelay.cache.arena import ArenaConfig, PageArena
+from kvrelay.cache.l3 import open_store
+from kvrelay.cache.tier import CacheTier, TierConfig
+from kvrelay.layout import ModelKVSpec, ParallelConfig, page_writers
+from kvrelay.transfer import create_agent
+
+SPEC = ModelKVSpec(
+    model_id="m",
+    weights_fingerprint="w",
+    num_layers=4,
+    num_kv_heads=4,
+    k_head_dim=8,
+    v_head_dim=8,
+    kv_dtype="float16",
+    page_size=4,
+)
+PAGE = SPEC.page_bytes
+NS = SPEC.namespace()
+KEYS = SPEC.page_keys(list(range(SPEC.page_size * 8)))
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def content(i: int) -> bytes:
+    return hashlib.shake_128(i.to_bytes(4, "little")).digest(PAGE)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def make_tier(tmp_path, slots: int, l3: bool = True, clock=None, **config):
+    agent = await create_agent("loopback", token="t")
+    arena = PageArena(agent, ArenaConfig(PAGE, capacity_pages=slots))
+    store = open_store(f"file:{tmp_path / 'l3'}", capacity_bytes=1 << 20) if l3 else None
+    kw = {"clock": clock} if clock else {}
+    return agent, CacheTier(arena, store, TierConfig(**config), **kw)
+
+
+def fill(tier: CacheTier, i: int) -> None:
+    """Reserve page i, write it as two TP=2 writers would, and commit both rectangles."""
+    slots, lease = tier.reserve([KEYS[i]], lease_s=30)
+    view = tier.arena.view(slots[0])
+    for _, rect in page_writers(SPEC, ParallelConfig(tp=2), 0):
+        runs = rect.byte_runs(SPEC)
+        for offset, length in runs:
+            view[offset : offset + length] = content(i)[offset : offset + length]
+        tier.commit(KEYS[i], runs)
+    tier.release(lease.lease_id)
+
+
+def test_arena_config_and_slots():
+    with pytest.raises(ValueError):
+        ArenaConfig(PAGE).num_slots()
+    with pytest.raises(ValueError):
+        ArenaConfig(PAGE, capacity_bytes=PAGE - 1).num_slots()
+    assert ArenaConfig(PAGE, capacity_bytes=3 * PAGE + 5).num_slots() == 3
+
+
+def test_writers_fill_through_handles_and_reader_pulls_sealed_pages(tmp_path):
+    async def main():
+        agent, tier = await make_tier(tmp_path, slots=4, l3=False)
+        writer = await create_agent("loopback", token="t")
+        local = writer.allocate_arena(PAGE)
+        slots, lease = tier.reserve(KEYS[:2], lease_s=30)
+        assert slots == [0, 1]
+        # Two TP x PP writer groups push their rectangles of page 0 one-sided.
+        for config in (ParallelConfig(tp=2, pp=2), ParallelConfig(tp=4)):
+            for _, rect in page_writers(SPEC, config, 0):
+                runs = rect.byte_runs(SPEC)
+                local.tensor.copy_(torch.frombuffer(bytearray(content(0)), dtype=torch.uint8))
+                handle = agent.publish(tier.arena.arena, tier.arena.runs(slots[0], runs), NS)
+                await writer.write(handle, local, [o for o, _ in runs], namespace=NS)
+                tier.commit(KEYS[0], runs)
+        assert tier.lookup(KEYS[:2]).slots == [0]  # page 1 reserved, never written
+        assert tier.reserve(KEYS[:1], lease_s=30)[0] == [None]  # already sealed
+        tier.release(lease.lease_id)
+        hit = tier.lookup(KEYS[:3], lease_s=30)
+        handle = agent.publish(tier.arena.arena, tier.arena.runs(hit.slots[0], [(0, PAGE)]), NS)
+        reader = await create_agent("loopback", token="t")
+        dest = reader.allocate_arena(PAGE)
+        await reader.read(handle, dest, [0], namespace=NS)
+        assert bytes(dest.buffer(0, PAGE)) == content(0)
+        for a in (agent, writer, reader):
+            await a.close()
+
+    run(main())
+
+
+def test_eviction_demotes_to_l3_and_lookup_promotes_back(tmp_path):
+    async def main():
+        agent, tier = await make_tier(tmp_path, slots=3)
+        for i in range(6):
+            fill(tier, i)
+        assert tier.stats.evictions == 3 and tier.stats.demotions == 3
+        assert len(tier.l3) == 3  # pages 0..2 went down
+        hit = tier.lookup(KEYS[:6], lease_s=30)
+        # 0..2 come back from L3, evicting 3..5 (demoted in turn); only 3 slots.
+        assert hit.hits == 3 and tier.stats.promotions == 3
+        assert [bytes(tier.arena.view(s)) for s in hit.slots] == [content(i) for i in range(3)]
+        tier.release(hit.lease.lease_id)
+        assert tier.lookup(KEYS[3:6]).hits == 3  # promoted again in their turn
+        await agent.close()
+
+    run(main())
+
+
+def test_write_through_puts_on_seal(tmp_path):
+    async def main():
+        agent, tier = await make_tier(tmp_path, slots=3, l3_policy="write-through")
+        fill(tier, 0)
+        assert tier.l3.get(KEYS[0]) == content(0)
+        assert tier.stats.demotions == 0
+        await agent.close()
+
+    run(main())
+
+
+def test_corrupt_l3_page_ends_the_promoted_run(tmp_path):
+    async def main():
+        agent, tier = await make_tier(tmp_path, slots=2)
+        for i in range(4):
+            fill(tier, i)  # 0 and 1 demoted
+        path = tier.l3._path(KEYS[1])
+        path.write_bytes(path.read_bytes()[:-1] + b"?")
+        assert tier.lookup(KEYS[:4]).hits == 1
+        assert tier.l3.stats.checksum_failures == 1 and KEYS[1] not in tier.l3
+        await agent.close()
+
+    run(main())
+
+
+def test_full_arena_refuses_then_reclaims_abandoned_reservations(tmp_path):
+    async def main():
+        clock = FakeClock()
+        agent, tier = await make_tier(tmp_path, slots=2, l3=False, clock=clock)
+        slots, _ = tier.reserve(KEYS[:2], lease_s=5)  # a writer that dies
+        assert slots == [0, 1]
+        assert tier.reserve(KEYS[2:3], lease_s=5)[0] == [None]
+        assert tier.stats.no_room == 1
+        clock.now = 6
+        assert tier.reserve(KEYS[2:3], lease_s=5)[0] != [None]
+        assert KEYS[0] not in tier.index or KEYS[1] not in tier.index
+        await agent.close()
+
+    run(main())
+
+
+def test_flush_drops_unpinned_pages(tmp_path):
+    async def main():
+        agent, tier = await make_tier(tmp_path, slots=3, l3=False)
+        fill(tier, 0)
+        fill(tier, 1)
+        hit = tier.lookup(KEYS[1:2], lease_s=30)
+        assert tier.flush() == 1
+        assert tier.lookup(KEYS[:1]).hits == 0 and tier.lookup(KEYS[1:2]).hits == 1
+        assert tier.arena.free_slots == 2
+        tier.release(hit.lease.lease_id)
+        await agent.close()
+
+    run(main())
+
+
+def test_demote_all_writes_sealed_pages_back(tmp_path):
+    async def main():
+        agent, tier = await make_tier(tmp_path, slots=4)
+        fill(tier, 0)
+        fill(tier, 1)
+        tier.reserve(KEYS[2:3], lease_s=30)  # unsealed: not demoted
+        assert len(tier.l3) == 0
+        assert tier.demote_all() == 2
+        assert tier.l3.get(KEYS[1]) == content(1) and KEYS[2] not in tier.l3
+        await agent.close()
+
+    run(main())
+
+
+def test_flush_one_namespace_drops_its_pages_from_l2_and_l3(tmp_path):
+    async def main():
+        agent, tier = await make_tier(tmp_path, slots=6, l3_policy="write-through")
+        other = hashlib.sha256(b"tenant b").digest()
+        fill(tier, 0)  # fill() reserves without a namespace
+        for i in (1, 2):
+            _, lease = tier.reserve([KEYS[i]], lease_s=30, namespace=NS)
+            tier.commit(KEYS[i], [(0, PAGE)])
+            tier.release(lease.lease_id)
+        _, lease = tier.reserve([KEYS[3]], lease_s=30, namespace=other)
+        tier.commit(KEYS[3], [(0, PAGE)])
+        tier.release(lease.lease_id)
+        held = tier.lookup(KEYS[2:3], lease_s=30)  # pinned: survives the flush
+        assert tier.flush(NS) == 1
+        assert KEYS[1] not in tier.index and KEYS[1] not in tier.l3
+        assert all(k in tier.index for k in (KEYS[0], KEYS[2], KEYS[3]))
+        assert KEYS[3] in tier.l3 and tier.index.get(KEYS[3]).namespace == other
+        tier.release(held.lease.lease_id)
+        assert tier.flush(NS) == 1 and tier.flush() == 2 and len(tier.index) == 0
+        assert tier.arena.free_slots == 6
+        await agent.close()
+
+    run(main())
+
+
+def test_promoted_pages_take_the_lookup_namespace(tmp_path):
+    async def main():
+        agent, tier = await make_tier(tmp_path, slots=1)
+        fill(tier, 0)
+        fill(tier, 1)  # 0 demoted
+        assert tier.lookup(KEYS[:1], namespace=NS).hits == 1
+        assert tier.index.get(KEYS[0]).namespace == NS
+        await agent.close()
+
+    run(main())
