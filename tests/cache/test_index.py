@@ -5,7 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvrelay.cache import CacheIndexError, L2Slot, L3Object, PageIndex
-from kvrelay.layout import ModelKVSpec, ParallelConfig, page_writers
+from kvrelay.layout import ParallelConfig, page_writers
+from tests.cache.specs import SPEC
 from tests.layout.strategies import kv_specs, parallel_configs
 
 
@@ -22,18 +23,6 @@ class FakeClock:
 
 def key(i: int) -> bytes:
     return hashlib.sha256(i.to_bytes(8, "little")).digest()
-
-
-SPEC = ModelKVSpec(
-    model_id="m",
-    weights_fingerprint="w",
-    num_layers=4,
-    num_kv_heads=4,
-    k_head_dim=8,
-    v_head_dim=8,
-    kv_dtype="float16",
-    page_size=4,
-)
 
 
 def sealed_index(n: int, clock: FakeClock | None = None) -> PageIndex:

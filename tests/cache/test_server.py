@@ -13,20 +13,11 @@ import time
 import pytest
 
 from kvrelay.cache.client import CacheClient, CacheClientConfig
-from kvrelay.layout import ModelKVSpec, ParallelConfig, rank_rectangle
+from kvrelay.layout import ParallelConfig, rank_rectangle
 from kvrelay.transfer import create_agent
+from tests.cache.specs import SPEC
 
 TOKEN = "cache-test"
-SPEC = ModelKVSpec(
-    model_id="m",
-    weights_fingerprint="w",
-    num_layers=4,
-    num_kv_heads=4,
-    k_head_dim=8,
-    v_head_dim=8,
-    kv_dtype="float16",
-    page_size=4,
-)
 PAGE = SPEC.page_bytes
 PAGES = 12
 KEYS = SPEC.page_keys(list(range(SPEC.page_size * PAGES)))

@@ -9,19 +9,10 @@ import torch
 from kvrelay.cache.arena import ArenaConfig, PageArena
 from kvrelay.cache.l3 import open_store
 from kvrelay.cache.tier import CacheTier, TierConfig
-from kvrelay.layout import ModelKVSpec, ParallelConfig, page_writers
+from kvrelay.layout import ParallelConfig, page_writers
 from kvrelay.transfer import create_agent
+from tests.cache.specs import SPEC
 
-SPEC = ModelKVSpec(
-    model_id="m",
-    weights_fingerprint="w",
-    num_layers=4,
-    num_kv_heads=4,
-    k_head_dim=8,
-    v_head_dim=8,
-    kv_dtype="float16",
-    page_size=4,
-)
 PAGE = SPEC.page_bytes
 NS = SPEC.namespace()
 KEYS = SPEC.page_keys(list(range(SPEC.page_size * 8)))
