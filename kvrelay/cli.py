@@ -19,59 +19,48 @@ def _info(_: argparse.Namespace) -> None:
     print(json.dumps(info, indent=2))
 
 
+def _subcommand(group, name: str, help_text: str, add_arguments, run) -> None:
+    """One subcommand: its parser, its arguments (from the module that owns
+    them), and the function that runs it."""
+    parser = group.add_parser(name, help=help_text)
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrelay", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     info = commands.add_parser("info", help="show the build: backends, versions")
     info.set_defaults(func=_info)
 
-    from kvrelay.model import commands as model_commands
+    from kvrelay.model import commands as model
 
-    generate = commands.add_parser("generate", help="generate tokens with the reference runner")
-    model_commands.add_generate_arguments(generate)
-    generate.set_defaults(func=model_commands.run_generate)
-    make_model = commands.add_parser(
-        "make-model", help="write a random Llama/Qwen2 model in HF format (config + safetensors)"
-    )
-    model_commands.add_make_model_arguments(make_model)
-    make_model.set_defaults(func=model_commands.run_make_model)
+    _subcommand(commands, "generate", "generate tokens with the reference runner",
+                model.add_generate_arguments, model.run_generate)  # fmt: skip
+    _subcommand(commands, "make-model",
+                "write a random Llama/Qwen2 model in HF format (config + safetensors)",
+                model.add_make_model_arguments, model.run_make_model)  # fmt: skip
 
     launch = commands.add_parser("launch", help="run a kvrelay server process")
     servers = launch.add_subparsers(dest="server", required=True)
     from kvrelay.cache import launch as cache_launch
 
-    cache_parser = servers.add_parser("cache", help="a cache server (L2 arena, optional L3)")
-    cache_launch.add_arguments(cache_parser)
-    cache_parser.set_defaults(func=cache_launch.run)
+    _subcommand(servers, "cache", "a cache server (L2 arena, optional L3)",
+                cache_launch.add_arguments, cache_launch.run)  # fmt: skip
 
     bench = commands.add_parser("bench", help="benchmarks: print a table, write JSON")
     benches = bench.add_subparsers(dest="bench", required=True)
-    from kvrelay.bench import layout
-
-    layout_parser = benches.add_parser(
-        "layout", help="gather/scatter between a paged pool and unified pages vs memcpy"
-    )
-    layout.add_arguments(layout_parser)
-    layout_parser.set_defaults(func=layout.run)
+    from kvrelay.bench import cache, layout, transfer
     from kvrelay.bench import model as model_bench
 
-    model_parser = benches.add_parser(
-        "model", help="prefill/decode tokens/s vs HF transformers; prefill saved by prefix reuse"
-    )
-    model_bench.add_arguments(model_parser)
-    model_parser.set_defaults(func=model_bench.run)
-    from kvrelay.bench import transfer
-
-    transfer_parser = benches.add_parser("transfer", help="page pulls between two processes")
-    transfer.add_arguments(transfer_parser)
-    transfer_parser.set_defaults(func=transfer.run)
-    from kvrelay.bench import cache as cache_bench
-
-    cache_bench_parser = benches.add_parser(
-        "cache", help="replay a Mooncake trace: shared tier vs local caches vs infinite"
-    )
-    cache_bench.add_arguments(cache_bench_parser)
-    cache_bench_parser.set_defaults(func=cache_bench.run)
+    for name, module, help_text in (
+        ("layout", layout, "gather/scatter between a paged pool and unified pages vs memcpy"),
+        ("model", model_bench,
+         "prefill/decode tokens/s vs HF transformers; prefill saved by prefix reuse"),
+        ("transfer", transfer, "page pulls between two processes"),
+        ("cache", cache, "replay a Mooncake trace: shared tier vs local caches vs infinite"),
+    ):  # fmt: skip
+        _subcommand(benches, name, help_text, module.add_arguments, module.run)
     return parser
 
 
