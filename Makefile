@@ -10,7 +10,7 @@ PIP := $(PY) -m pip -q --disable-pip-version-check
 EXT_SOURCES := $(wildcard kvrelay/cuda_ext/csrc/*) $(wildcard kvrelay/transfer/csrc/*)
 NVCC ?= nvcc
 
-.PHONY: setup test test-numba lint cuda-check bench clean
+.PHONY: setup test test-numba lint cuda-check bench demo clean
 
 setup: $(VENV)/.ext-stamp
 
@@ -51,6 +51,12 @@ cuda-check:
 
 bench: setup
 	$(VENV)/bin/kvrelay bench layout --json bench-layout.json
+
+# The local cluster (control, cache, prefill and decode pools) on an agentic
+# multi-turn workload: shared tier vs local caches vs no cache, then a
+# redeploy of the prefill pool in another parallel config.
+demo: setup
+	$(VENV)/bin/kvrelay demo $(DEMO_ARGS)
 
 clean:
 	rm -rf build kvrelay/*.so .pytest_cache .hypothesis

@@ -41,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
                 "write a random Llama/Qwen2 model in HF format (config + safetensors)",
                 model.add_make_model_arguments, model.run_make_model)  # fmt: skip
 
+    from kvrelay.demo import command as demo
+
+    _subcommand(commands, "demo",
+                "a local cluster replaying an agentic multi-turn workload, per cache mode",
+                demo.add_arguments, demo.run)  # fmt: skip
+
     launch = commands.add_parser("launch", help="run a kvrelay server process")
     servers = launch.add_subparsers(dest="server", required=True)
     from kvrelay.cache import launch as cache_launch

@@ -119,6 +119,8 @@ def add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-bias", action="store_true", help="Llama: q/k/v/o biases")
     parser.add_argument("--mlp-bias", action="store_true", help="Llama: MLP biases")
     parser.add_argument("--rope-theta", type=float, default=10000.0)
+    parser.add_argument("--max-positions", type=int, default=16384,
+                        help="max_position_embeddings")  # fmt: skip
     parser.add_argument("--std", type=float, default=0.05, help="weight init std")
     parser.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="float32")
     parser.add_argument("--shards", type=int, default=1, help="safetensors files (indexed)")
@@ -139,6 +141,7 @@ def run_make_model(args: argparse.Namespace) -> None:
         attention_bias=args.attention_bias,
         mlp_bias=args.mlp_bias,
         rope_theta=args.rope_theta,
+        max_positions=args.max_positions,
         std=args.std,
         seed=args.seed,
         dtype=args.dtype,

@@ -1,0 +1,193 @@
+"""`kvrelay demo`: the agentic multi-turn workload on a local cluster, per cache mode.
+
+For each mode (shared tier, per-worker local caches only, no cache) it starts
+a fresh cluster, replays the first turns of every session with the prefill
+pool in one parallel config, redeploys the prefill pool in another config,
+replays the remaining turns, and stops the cluster. Then it prints the table,
+writes JSON and a PNG, and checks that every mode generated the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from kvrelay.demo.cluster import ClusterConfig, LocalCluster, PoolConfig
+from kvrelay.demo.replay import TurnRecord, replay
+from kvrelay.demo.report import plot, summarize, table
+from kvrelay.demo.workload import Session, WorkloadConfig, optimum_hit_tokens
+
+DEMO_MODEL = dict(layers=2, hidden=128, heads=4, kv_heads=2, vocab=256, max_positions=65536)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=".kvrelay-demo/model",
+        help="model directory (a random demo model is written there if absent)",
+    )
+    parser.add_argument("--out", default="demo-out", help="logs, JSON and PNG go here")
+    parser.add_argument(
+        "--modes", default="shared,local,none", help="comma list of: shared, local, none"
+    )
+    parser.add_argument("--prefill", default="1xtp2", help="prefill pool, e.g. 2xtp1, 1xtp2")
+    parser.add_argument(
+        "--redeploy",
+        default="1xtp1pp2",
+        help="prefill pool config after the redeploy ('' for none)",
+    )
+    parser.add_argument(
+        "--redeploy-turns", type=int, default=2, help="turns replayed after the redeploy"
+    )
+    parser.add_argument("--decode", default="1xtp1", help="decode pool")
+    parser.add_argument("--backend", default="tcp", choices=["tcp", "ucx"])
+    parser.add_argument("--sessions", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--system-tokens", type=int, default=2048)
+    parser.add_argument("--user-tokens", type=int, default=256)
+    parser.add_argument("--tool-tokens", type=int, default=1536)
+    parser.add_argument("--answer-tokens", type=int, default=24)
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="per request")
+    parser.add_argument("--json", default=None, help="default: OUT/demo.json")
+    parser.add_argument("--plot", default=None, help="default: OUT/demo.png")  # fmt: skip
+
+
+def ensure_model(path: Path) -> Path:
+    if not (path / "config.json").exists():
+        from kvrelay.model.make_model import RandomModelSpec, write_model
+
+        print(f"writing a random demo model to {path}", flush=True)
+        write_model(path, RandomModelSpec(**DEMO_MODEL))
+    return path
+
+
+def page_bytes_of(model_dir: Path, dtype: str, page_size: int) -> int:
+    from kvrelay.model.config import ModelConfig
+    from kvrelay.model.loader import kv_spec
+
+    return kv_spec(model_dir, ModelConfig.from_dir(model_dir), dtype, page_size).page_bytes
+
+
+def optimum_by_turn(config: WorkloadConfig, records: list[TurnRecord], page_size: int) -> dict:
+    """The infinite-cache optimum per (session, turn), requests taken turn by
+    turn (every session's turn t before any turn t + 1)."""
+    answers = {(r.session, r.turn): r.tokens for r in records if r.error is None}
+    sessions = [Session(i, config) for i in range(config.sessions)]
+    order, pairs = [], []
+    for turn in range(config.turns):
+        for session in sessions:
+            answer = answers.get((session.index, turn))
+            if answer is None:
+                continue
+            order.append((session.index, turn))
+            pairs.append((session.prompt(), answer))
+            session.answered(answer)
+    return dict(zip(order, optimum_hit_tokens(pairs, page_size), strict=True))
+
+
+def run_mode(mode: str, args, workload: WorkloadConfig, model: Path, page_bytes: int):
+    from tqdm import tqdm
+
+    prefill = PoolConfig.parse(args.prefill)
+    redeploy = PoolConfig.parse(args.redeploy) if args.redeploy else None
+    split = workload.turns - args.redeploy_turns if redeploy else workload.turns
+    config = ClusterConfig(
+        model_dir=model, log_dir=Path(args.out) / "logs" / mode, cache=mode,
+        prefill=prefill, decode=PoolConfig.parse(args.decode), page_bytes=page_bytes,
+        page_size=args.page_size, backend=args.backend,
+    )  # fmt: skip
+    total = workload.sessions * workload.turns
+    with LocalCluster(config) as cluster:
+        url = cluster.control_url
+        bar = tqdm(total=total, desc=f"{mode:>6} {prefill.label()}", unit="req", file=sys.stdout)
+        start = time.perf_counter()
+        records, sessions = asyncio.run(
+            replay(url, workload, turns=range(split), timeout_s=args.timeout_s, progress=bar)
+        )
+        if redeploy:
+            bar.set_description(f"{mode:>6} {redeploy.label()}")
+            cluster.redeploy("prefill", redeploy)
+            more, _ = asyncio.run(
+                replay(url, workload, turns=range(split, workload.turns), sessions=sessions,
+                       timeout_s=args.timeout_s, progress=bar)
+            )  # fmt: skip
+            records += more
+        wall = time.perf_counter() - start
+        bar.close()
+        stats = _control_stats(url)
+    return records, split, wall, stats
+
+
+def _control_stats(url: str) -> dict | None:
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/stats", timeout=10).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def compare_tokens(runs: dict[str, list[TurnRecord]]) -> list[str]:
+    """Differences between modes' generated tokens, turn by turn."""
+    if len(runs) < 2:
+        return []
+    names = list(runs)
+    reference = {(r.session, r.turn): r.tokens for r in runs[names[-1]] if r.error is None}
+    problems = []
+    for name in names[:-1]:
+        tokens = {(r.session, r.turn): r.tokens for r in runs[name] if r.error is None}
+        for key in sorted(set(tokens) | set(reference)):
+            if tokens.get(key) != reference.get(key):
+                problems.append(f"{name} vs {names[-1]}: session {key[0]} turn {key[1] + 1}")
+    return problems
+
+
+def run(args: argparse.Namespace) -> None:
+    workload = WorkloadConfig(
+        sessions=args.sessions, turns=args.turns, system_tokens=args.system_tokens,
+        user_tokens=args.user_tokens, tool_tokens=args.tool_tokens,
+        answer_tokens=args.answer_tokens, seed=args.seed,
+    )  # fmt: skip
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = set(modes) - {"shared", "local", "none"}
+    if unknown or not modes:
+        raise SystemExit(f"kvrelay demo: unknown modes {sorted(unknown)}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = ensure_model(Path(args.model))
+    page_bytes = page_bytes_of(model, "float32", args.page_size)
+    print(f"workload: {workload.sessions} sessions x {workload.turns} turns, context "
+          f"{workload.system_tokens + workload.user_tokens} -> {workload.final_context()} "
+          f"tokens; prefill {args.prefill} then {args.redeploy or 'no redeploy'}, "
+          f"decode {args.decode}, {args.backend}", flush=True)  # fmt: skip
+    runs, summaries, stats = {}, [], {}
+    for mode in modes:
+        records, split, wall, stats[mode] = run_mode(mode, args, workload, model, page_bytes)
+        runs[mode] = records
+        optimum = optimum_by_turn(workload, records, args.page_size)
+        summaries.append(summarize(mode, records, optimum, split, wall))
+    print()
+    print(table(summaries))
+    problems = compare_tokens(runs)
+    same = "identical" if not problems else f"DIFFERENT in {len(problems)} turns"
+    print(f"\ngenerated tokens across modes ({', '.join(modes)}): {same}")
+    for line in problems[:10]:
+        print("  ", line)
+    errors = sum(s.errors for s in summaries)
+    json_path = Path(args.json or out / "demo.json")
+    json_path.write_text(json.dumps({
+        "workload": asdict(workload), "args": vars(args) | {"func": None},
+        "summaries": [asdict(s) for s in summaries], "token_differences": problems,
+        "records": {m: [asdict(r) for r in rs] for m, rs in runs.items()}, "control_stats": stats,
+    }, indent=1, default=str))  # fmt: skip
+    plot(Path(args.plot or out / "demo.png"), runs, summaries)
+    print(f"wrote {json_path} and {args.plot or out / 'demo.png'}; logs in {out / 'logs'}")
+    if errors or problems:
+        raise SystemExit(1)

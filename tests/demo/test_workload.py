@@ -1,0 +1,92 @@
+import pytest
+
+from kvrelay.demo.cluster import PoolConfig
+from kvrelay.demo.command import compare_tokens, optimum_by_turn
+from kvrelay.demo.replay import TurnRecord
+from kvrelay.demo.report import summarize, table
+from kvrelay.demo.workload import Session, WorkloadConfig, optimum_hit_tokens
+
+SMALL = WorkloadConfig(sessions=3, turns=3, system_tokens=40, user_tokens=8, tool_tokens=20,
+                       answer_tokens=4)  # fmt: skip
+
+
+def test_sessions_share_the_system_prompt_and_resend_their_conversation():
+    a, b = Session(0, SMALL), Session(1, SMALL)
+    assert a.prompt()[:40] == b.prompt()[:40]
+    assert a.prompt()[40:] != b.prompt()[40:]
+    first = a.prompt()
+    a.answered([1, 2, 3, 4])
+    second = a.prompt()
+    assert second[: len(first)] == first
+    assert second[len(first) : len(first) + 4] == [1, 2, 3, 4]
+    assert len(second) == len(first) + 4 + SMALL.tool_tokens
+    # Same seed, same tool output; another seed, other tokens.
+    again = Session(0, SMALL)
+    again.answered([1, 2, 3, 4])
+    assert again.prompt() == second
+    other = Session(0, WorkloadConfig(**{**_fields(SMALL), "seed": 1}))
+    assert other.prompt() != Session(0, SMALL).prompt()
+    assert all(0 <= t < 256 for t in second)
+
+
+def _fields(config):
+    return {name: getattr(config, name) for name in config.__slots__}
+
+
+def test_final_context_and_validation():
+    assert SMALL.final_context() == 40 + 8 + 2 * 24
+    with pytest.raises(ValueError, match="turns"):
+        WorkloadConfig(turns=0)
+
+
+def test_optimum_counts_full_pages_seen_before_short_of_the_last_token():
+    ps = 4
+    first = list(range(10))  # pages [0..3], [4..7] full; 8, 9 partial
+    answer = [50, 51, 52]
+    second = first + answer + [60, 61, 62, 63, 64]  # 18 tokens
+    hits = optimum_hit_tokens([(first, answer), (second, [7])], ps)
+    # First request: nothing seen. Second: first + answer[:-1] = 12 tokens have KV,
+    # three full pages; the prompt's last token is computed (17 // 4 = 4 usable).
+    assert hits == [0, 12]
+    # A prompt that is exactly what was seen still computes its last token.
+    hits = optimum_hit_tokens([(first, answer), (first[:8], [1])], ps)
+    assert hits == [0, 4]
+
+
+def test_optimum_by_turn_replays_the_answers_turn_by_turn():
+    records = [TurnRecord(s, t, 0, tokens=[s, t, 0, 1]) for s in range(3) for t in range(3)]
+    optimum = optimum_by_turn(SMALL, records, page_size=8)
+    assert set(optimum) == {(s, t) for s in range(3) for t in range(3)}
+    # Session 0 turn 0 sees nothing; sessions 1 and 2 hit the 40-token system
+    # prompt (5 pages of 8); later turns hit their previous context.
+    assert optimum[(0, 0)] == 0
+    assert optimum[(1, 0)] == optimum[(2, 0)] == 40
+    assert optimum[(0, 1)] == 48  # 48 prompt + 3 answer tokens with KV: 6 full pages
+
+
+def test_pool_config_parse():
+    assert PoolConfig.parse("2xtp2") == PoolConfig(workers=2, tp=2, pp=1)
+    assert PoolConfig.parse("1xtp1pp2") == PoolConfig(workers=1, tp=1, pp=2)
+    assert PoolConfig.parse("tp=2,pp=2,workers=3") == PoolConfig(workers=3, tp=2, pp=2)
+    assert PoolConfig.parse("3") == PoolConfig(workers=3)
+    with pytest.raises(ValueError):
+        PoolConfig.parse("tp0")
+    with pytest.raises(ValueError):
+        PoolConfig.parse("banana")
+
+
+def test_compare_tokens_and_table():
+    same = [TurnRecord(0, 0, 10, tokens=[1, 2])]
+    other = [TurnRecord(0, 0, 10, tokens=[1, 3])]
+    assert compare_tokens({"shared": same, "none": list(same)}) == []
+    assert compare_tokens({"shared": other, "none": same}) == ["shared vs none: session 0 turn 1"]
+    shared = [TurnRecord(0, t, 100, tokens=[1], ttft_s=0.1, cached_tier=80) for t in range(2)]
+    none = [TurnRecord(0, t, 100, tokens=[1], ttft_s=1.0) for t in range(2)]
+    optimum = {(0, 0): 0, (0, 1): 90}
+    rows = [summarize("shared", shared, optimum, 1, 2.0), summarize("none", none, optimum, 1, 4.0)]
+    assert rows[0].hit_rate == pytest.approx(0.8)
+    assert rows[0].optimum == pytest.approx(0.45)
+    assert rows[0].after_redeploy_hit == pytest.approx(0.8)
+    text = table(rows)
+    assert "shared tier" in text and "no cache" in text
+    assert "10.0x" in text  # p50 TTFT 1.0 s vs 0.1 s
