@@ -13,7 +13,7 @@ UCX_HOME when set (a system UCX, e.g. with verbs) or else from the
 import os
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 from torch.utils import cpp_extension
 
 ROOT = Path(__file__).parent
@@ -96,6 +96,15 @@ def ucx_extension():
     ]
 
 
+def run_copy_extension():
+    """The same-host fast path's batch copier: plain CPython, no torch, no UCX."""
+    return Extension(
+        "kvrelay.transfer._runcopy",
+        [str(UCX_CSRC / "run_copy.cpp")],
+        extra_compile_args={"cxx": ["-O3", "-std=c++17", "-Wall"]},
+    )
+
+
 setup(
     name="kvrelay",
     version="0.1.0",
@@ -117,7 +126,7 @@ setup(
         "uvicorn",
         "httpx",
     ],
-    ext_modules=extensions() + ucx_extension(),
+    ext_modules=extensions() + ucx_extension() + [run_copy_extension()],
     cmdclass={"build_ext": IncrementalBuildExt},
     entry_points={"console_scripts": ["kvrelay=kvrelay.cli:main"]},
 )

@@ -272,23 +272,23 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _copy_same_runs(source: torch.Tensor, run_list, runs: int) -> Summary:
-    from kvrelay.transfer.arena import copy_runs, split_by_bytes
-    from kvrelay.transfer.fastpath import _BYTES_PER_COPY_THREAD, _copy_pool
+    """The fast path's copy (the same compiled copier, threads and streaming
+    threshold) of the same runs inside one process: what a pull costs with no
+    peer, handle or event loop around it."""
+    import numpy as np
+
+    from kvrelay.transfer.arena import copy_runs
+    from kvrelay.transfer.fastpath import _BYTES_PER_COPY_THREAD, _STREAM_MIN_BYTES
 
     nbytes = sum(n for _, n in run_list)
     dst = torch.zeros(nbytes, dtype=torch.uint8)
-    triples, at = [], 0
-    for offset, n in run_list:
-        triples.append((at, offset, n))
-        at += n
-    parts = max(1, min(torch.get_num_threads(), nbytes // _BYTES_PER_COPY_THREAD))
-    groups = split_by_bytes(triples, parts)
-    pool = _copy_pool()
+    rows = np.zeros((len(run_list), 3), dtype=np.uint64)
+    rows[:, 1:] = np.asarray(run_list, dtype=np.uint64)
+    rows[1:, 0] = np.cumsum(rows[:-1, 2])
+    threads = max(1, min(torch.get_num_threads(), nbytes // _BYTES_PER_COPY_THREAD))
 
     def once():
-        jobs = [pool.submit(copy_runs, dst.data_ptr(), source.data_ptr(), g) for g in groups]
-        for job in jobs:
-            job.result()
+        copy_runs(dst.data_ptr(), source.data_ptr(), rows, threads, _STREAM_MIN_BYTES)
 
     once()
     return Summary.of([time_once(once) for _ in range(runs)])

@@ -144,9 +144,9 @@ class Agent:
         if self.arenas.get(arena.arena_id) is not arena:
             raise UnknownArena(f"arena {arena.arena_id} is not registered with this agent")
         runs = tuple((int(o), int(n)) for o, n in runs)
-        check_runs(runs, arena.size, "published")
+        array = check_runs(runs, arena.size, "published")
         lease = self.leases.grant(arena.arena_id, runs, lease_seconds or self.config.lease_seconds)
-        return BlockHandle(
+        handle = BlockHandle(
             backend=self.transport.name,
             agent=self.address,
             agent_id=self.agent_id,
@@ -158,6 +158,8 @@ class Agent:
             lease_expiry=lease.expiry,
             namespace=bytes(namespace),
         )
+        object.__setattr__(handle, "_array", array)
+        return handle
 
     # -- moving bytes ----------------------------------------------------------
     async def read(self, handle, local: Arena, local_offsets, *, namespace, timeout=None):
@@ -174,7 +176,7 @@ class Agent:
         handle.check(namespace)
         if len(local_offsets) != len(handle.runs):
             raise ValueError(f"{len(local_offsets)} local offsets for {len(handle.runs)} runs")
-        triples = plan(handle.runs, local_offsets)
+        triples = plan(handle.run_array, local_offsets)
         check_runs(triples[:, 1:], local.size, "local")
         timeout = self.config.timeout if timeout is None else timeout
         peer = None

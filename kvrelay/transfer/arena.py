@@ -154,26 +154,23 @@ class RemoteMapping:
             self.size = 0
 
 
-def copy_runs(dst_base: int, src_base: int, triples) -> None:
-    """memmove of (dst offset, src offset, length) triples; ctypes drops the GIL per call."""
+def copy_runs_reference(
+    dst_base: int, src_base: int, triples, threads: int = 1, stream_min_bytes: int = 0
+) -> None:
+    """memmove of uint64 (dst offset, src offset, length) rows, one ctypes call
+    each: the reference of the compiled `kvrelay.transfer._runcopy.copy_runs`
+    (same signature; `threads` and `stream_min_bytes` change only its speed)."""
     move = ctypes.memmove
-    for dst, src, length in triples:
+    for dst, src, length in np.asarray(triples, dtype=np.uint64).reshape(-1, 3).tolist():
         move(dst_base + dst, src_base + src, length)
 
 
-def split_by_bytes(triples: list, parts: int) -> list[list]:
-    """Splits (dst, src, length) triples into at most `parts` groups of about
-    equal bytes, cutting a long run where a group is full."""
-    total = sum(t[2] for t in triples)
-    share = -(-total // max(1, parts))
-    groups: list[list] = [[]]
-    room = share
-    for dst, src, length in triples:
-        while length > 0:
-            if room == 0:
-                groups.append([])
-                room = share
-            take = min(length, room)
-            groups[-1].append((dst, src, take))
-            dst, src, length, room = dst + take, src + take, length - take, room - take
-    return [g for g in groups if g]
+def _compiled_copy_runs():
+    try:
+        from kvrelay.transfer._runcopy import copy_runs
+    except ImportError:  # built without it: same results, slower
+        return copy_runs_reference
+    return copy_runs
+
+
+copy_runs = _compiled_copy_runs()

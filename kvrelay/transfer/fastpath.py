@@ -13,21 +13,25 @@ import concurrent.futures
 import functools
 import os
 
+import numpy as np
 import torch
 
-from kvrelay.transfer.arena import RemoteMapping, copy_runs, split_by_bytes
+from kvrelay.transfer.arena import RemoteMapping, copy_runs
 from kvrelay.transfer.errors import PeerError
 from kvrelay.transfer.handle import ArenaInfo
 
 _INLINE_COPY_BYTES = 1 << 20  # smaller copies skip the thread hop
 _BYTES_PER_COPY_THREAD = 8 << 20
+# Batches of at least this many bytes are copied with non-temporal stores: the
+# pulled pages are scattered into a pool later, long after they would have
+# left the cache, and streaming stores skip reading each destination line.
+_STREAM_MIN_BYTES = 8 << 20
 
 
 @functools.cache
 def _copy_pool() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(
-        max_workers=os.cpu_count() or 2, thread_name_prefix="kvrelay-copy"
-    )
+    # One job per batch: the compiled copier starts its own threads.
+    return concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvrelay-copy")
 
 
 def host_id() -> str:
@@ -46,26 +50,22 @@ async def copy_shared(peer, info: ArenaInfo, local, triples, read) -> None:
         except OSError as exc:
             raise PeerError(f"cannot map the peer's arena {info.shm}: {exc}") from None
         peer.mappings[info.arena_id] = mapping
-    if read:
-        args = (local.address, mapping.address, triples[:, [1, 0, 2]].tolist())
-    else:
-        args = (mapping.address, local.address, triples.tolist())
-    nbytes = int(triples[:, 2].sum())
+    rows = np.ascontiguousarray(triples[:, [1, 0, 2]] if read else triples, dtype=np.uint64)
+    dst, src = (local.address, mapping.address) if read else (mapping.address, local.address)
+    nbytes = int(rows[:, 2].sum())
     if nbytes <= _INLINE_COPY_BYTES:
-        copy_runs(*args)
+        copy_runs(dst, src, rows, 1, _STREAM_MIN_BYTES)
     else:
         # As many copying threads as torch uses (the memcpy it is measured
-        # against), at least 8 MiB each.
-        parts = max(1, min(torch.get_num_threads(), nbytes // _BYTES_PER_COPY_THREAD))
-        dst, src, rows = args
-        pool = _copy_pool()
-        jobs = [pool.submit(copy_runs, dst, src, g) for g in split_by_bytes(rows, parts)]
+        # against), at least 8 MiB each; one call copies the whole batch.
+        threads = max(1, min(torch.get_num_threads(), nbytes // _BYTES_PER_COPY_THREAD))
+        job = _copy_pool().submit(copy_runs, dst, src, rows, threads, _STREAM_MIN_BYTES)
         try:
-            await asyncio.gather(*(asyncio.wrap_future(job) for job in jobs))
+            await asyncio.wrap_future(job)
         except asyncio.CancelledError:
-            # A running memmove cannot be stopped; wait for it (it is
-            # bounded) so nothing writes into `local` after we return.
-            concurrent.futures.wait(jobs)
+            # A running copy cannot be stopped; wait for it (it is bounded)
+            # so nothing writes into `local` after we return.
+            concurrent.futures.wait([job])
             raise
     # A mapping outlives its owner; a dead owner cannot honour its lease.
     if peer.conn is not None and peer.conn.closed_by_peer():

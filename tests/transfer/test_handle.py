@@ -1,10 +1,12 @@
 import time
 
+import numpy as np
 import pytest
+import torch
 
 from kvrelay.layout import ModelKVSpec, ParallelConfig, rank_rectangle
 from kvrelay.transfer import BlockHandle, MalformedHandle, coalesce
-from kvrelay.transfer.arena import split_by_bytes
+from kvrelay.transfer.arena import copy_runs_reference
 from kvrelay.transfer.lease import LeaseTable
 
 SPEC = ModelKVSpec(
@@ -69,12 +71,31 @@ def test_coalesce_merges_runs_adjacent_on_both_sides_only():
     assert coalesce([]) == []
 
 
-def test_split_by_bytes_cuts_long_runs_into_equal_shares():
-    triples = [(0, 1000, 30), (100, 2000, 70)]
-    groups = split_by_bytes(triples, 2)
-    assert groups == [[(0, 1000, 30), (100, 2000, 20)], [(120, 2020, 50)]]
-    assert split_by_bytes(triples, 1) == [triples]
-    assert split_by_bytes([], 4) == []
+@pytest.mark.parametrize("threads", [1, 2, 3, 7])
+@pytest.mark.parametrize("stream_min", [0, 1 << 62])
+def test_compiled_run_copier_matches_the_reference_bit_for_bit(threads, stream_min):
+    compiled = pytest.importorskip("kvrelay.transfer._runcopy").copy_runs
+    rng = np.random.default_rng(threads)
+    src = torch.from_numpy(rng.integers(0, 256, 1 << 20, dtype=np.uint8))
+    # Odd lengths and offsets (unaligned heads and tails), a zero-length row,
+    # a long run that the thread split must cut, rows in no particular order.
+    rows = np.array([[5, 17, 1000], [2000, 99, 0], [3001, 4000, 70001], [90000, 1, 3],
+                     [100000, 300000, 600000], [80000, 700001, 9999]], dtype=np.uint64)  # fmt: skip
+    expected = torch.zeros(1 << 20, dtype=torch.uint8)
+    got = torch.zeros(1 << 20, dtype=torch.uint8)
+    copy_runs_reference(expected.data_ptr(), src.data_ptr(), rows)
+    compiled(got.data_ptr(), src.data_ptr(), rows, threads, stream_min)
+    assert torch.equal(got, expected)
+    assert int(expected[5:1005].sum()) > 0
+
+
+def test_compiled_run_copier_refuses_malformed_rows():
+    compiled = pytest.importorskip("kvrelay.transfer._runcopy").copy_runs
+    buf = torch.zeros(64, dtype=torch.uint8)
+    with pytest.raises(ValueError):
+        compiled(buf.data_ptr(), buf.data_ptr(), np.zeros(4, dtype=np.uint64), 1, 0)
+    with pytest.raises(ValueError):
+        compiled(buf.data_ptr(), buf.data_ptr(), np.zeros(3, dtype=np.uint64), 0, 0)
 
 
 def test_leases_expire_and_release():

@@ -56,7 +56,9 @@ def test_hostile_handles_are_refused_before_any_byte_moves(mode, start_peer):
         (b"\xc1", MalformedHandle),
         (patch_raw(good, runs=[[0]]), MalformedHandle),
         (patch_raw(good, base=-1), MalformedHandle),
-        (patch_raw(good, v=2), HandleVersionError),
+        (patch_raw(good, v=1), HandleVersionError),
+        (patch_raw(good, runs=[[0, 4096]]), MalformedHandle),  # version 1's list form
+        (patch_raw(good, runs=b"\x00" * 15), MalformedHandle),
         (forge(good, lease_expiry=time.time() - 1), LeaseExpired),
     ]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from kvrelay.transfer.arena import copy_runs
 from kvrelay.transfer.base import Transport
 
@@ -13,6 +15,7 @@ class LoopbackTransport(Transport):
         # Runs were checked against the owner's arena table; the base is its address.
         remote = handle.base
         if read:
-            copy_runs(local.address, remote, triples[:, [1, 0, 2]].tolist())
+            rows = np.ascontiguousarray(triples[:, [1, 0, 2]], dtype=np.uint64)
+            copy_runs(local.address, remote, rows, 1, 1 << 62)
         else:
-            copy_runs(remote, local.address, triples.tolist())
+            copy_runs(remote, local.address, np.ascontiguousarray(triples), 1, 1 << 62)
