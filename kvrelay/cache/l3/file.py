@@ -11,6 +11,7 @@ tenant removes one directory's files and leaves the others alone.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -43,6 +44,7 @@ class FileStore(L3Store):
             raise ValueError(f"capacity_bytes must be positive, got {config.capacity_bytes}")
         self.config = config
         self.root = Path(config.directory)
+        self._root = str(self.root)
         self._tmp = self.root / _TMP_DIR
         self._tmp.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
@@ -63,9 +65,15 @@ class FileStore(L3Store):
         return any(k == key for _, k in self._files)
 
     def _path(self, key: bytes, namespace: bytes = b"") -> Path:
+        return Path(self._file(key, namespace))
+
+    def _file(self, key: bytes, namespace: bytes) -> str:
+        # Strings, not Paths: this runs for every page moved.
         name = key.hex()
         # Two hex digits of fan-out keep directories small.
-        return self._ns_dir(namespace) / name[:2] / (name + _SUFFIX)
+        return (
+            f"{self._root}/{record.normalize_namespace(namespace).hex()}/{name[:2]}/{name}{_SUFFIX}"
+        )
 
     def _ns_dir(self, namespace: bytes) -> Path:
         return self.root / record.normalize_namespace(namespace).hex()
@@ -96,8 +104,8 @@ class FileStore(L3Store):
         if size > self.config.capacity_bytes:
             return False
         header = record.encode_header(key, page, ns)
-        path = self._path(key, ns)
-        tmp = self._tmp / f"{key.hex()}.{os.getpid()}.{threading.get_ident()}"
+        path = self._file(key, ns)
+        tmp = f"{self._tmp}/{key.hex()}.{os.getpid()}.{threading.get_ident()}"
         try:
             with open(tmp, "wb") as f:
                 f.write(header)
@@ -105,15 +113,19 @@ class FileStore(L3Store):
                 if self.config.fsync:
                     f.flush()
                     os.fsync(f.fileno())
-            path.parent.mkdir(parents=True, exist_ok=True)
             with self._lock:
-                os.replace(tmp, path)
+                try:
+                    os.replace(tmp, path)
+                except FileNotFoundError:  # the page's first directory
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    os.replace(tmp, path)
                 self._bytes -= self._files.pop((ns, key), 0)
                 self._files[ns, key] = size
                 self._bytes += size
                 self._make_room(0)
         except OSError:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
             self.stats.errors += 1
             return False
         self.stats.puts += 1
@@ -128,9 +140,10 @@ class FileStore(L3Store):
             if (ns, key) not in self._files:
                 return None
             self._files.move_to_end((ns, key))
-        path = self._path(key, ns)
+        path = self._file(key, ns)
         try:
-            blob = path.read_bytes()
+            with open(path, "rb") as f:
+                blob = f.read()
         except FileNotFoundError:
             self._forget(ns, key)
             return None
@@ -156,7 +169,7 @@ class FileStore(L3Store):
         ns = record.normalize_namespace(namespace)
         present = self._forget(ns, key)
         try:
-            self._path(key, ns).unlink()
+            os.unlink(self._file(key, ns))
         except FileNotFoundError:
             pass
         except OSError:
@@ -196,5 +209,6 @@ class FileStore(L3Store):
         while self._files and self._bytes + incoming > self.config.capacity_bytes:
             (namespace, key), size = self._files.popitem(last=False)
             self._bytes -= size
-            self._path(key, namespace).unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._file(key, namespace))
             self.stats.evictions += 1
