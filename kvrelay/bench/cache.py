@@ -86,9 +86,9 @@ class Counts:
     """One policy's replay: hits of the global prefix and bytes moved, per tier."""
 
     __slots__ = (
-        "bytes_in", "bytes_out", "checksum_failures", "demotions", "hit_pages", "hit_tokens",
-        "l2_hit_pages", "l3_bytes_in", "l3_bytes_out", "l3_hit_pages", "pages", "promotions",
-        "tokens", "wrong_pages",
+        "bytes_in", "bytes_out", "checksum_failures", "clean_evictions", "demotions",
+        "hit_pages", "hit_tokens", "l2_hit_pages", "l3_bytes_in", "l3_bytes_out", "l3_hit_pages",
+        "pages", "promotions", "tokens", "wrong_pages",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -108,6 +108,7 @@ class Counts:
         for tier in tiers:
             self.promotions += tier.stats.promotions
             self.demotions += tier.stats.demotions
+            self.clean_evictions += tier.stats.clean_evictions
             if tier.l3 is not None:
                 self.l3_bytes_in += tier.l3.stats.bytes_in
                 self.l3_bytes_out += tier.l3.stats.bytes_out
@@ -123,6 +124,7 @@ class Counts:
             "l3_hit_pages": self.l3_hit_pages,  # prefix pages promoted from L3
             "l3_promotions": self.promotions,
             "l3_demotions": self.demotions,
+            "l3_clean_evictions": self.clean_evictions,  # promoted pages: nothing to write
             # Counted at the nominal page size, like the L2 bytes ...
             "l3_bytes_demoted": self.demotions * page_bytes,
             "l3_bytes_promoted": self.promotions * page_bytes,
@@ -372,17 +374,20 @@ def plot(payload: dict, path: str | Path) -> None:
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     caps = [e["capacity_pages"] for e in payload["capacities"]]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.axhline(payload["infinite"]["block_hit_rate"], color="k", ls="--", label="infinite")
-    for policy, label in (("shared_l3", "shared + L3"), ("shared", "shared"), ("local", "local")):
+    l3_label = f"shared + L3 of {payload['l3_pages']} pages"
+    for policy, label in (("shared_l3", l3_label), ("shared", "shared"), ("local", "local")):
         if policy not in payload["capacities"][0]:
             continue
         count = payload["workers" if policy == "local" else "servers"]
         rates = [e[policy]["block_hit_rate"] for e in payload["capacities"]]
         ax.plot(caps, rates, "o-", label=f"{label} ({count})")
     ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(NullFormatter())  # minor labels collide on a short axis
     ax.set_xlabel("L2 capacity (pages, total)")
     ax.set_ylabel("block hit rate")
     ax.set_ylim(0, 1)

@@ -33,6 +33,7 @@ class TierStats:
     sealed_pages: int = 0
     evictions: int = 0
     demotions: int = 0
+    clean_evictions: int = 0  # evicted pages L3 already held (promoted): not written again
     promotions: int = 0
     no_room: int = 0  # reservations refused: every slot pinned or being written
 
@@ -75,6 +76,9 @@ class CacheTier:
         self.config = config or TierConfig()
         self.index = PageIndex(arena.page_bytes, clock)
         self.stats = TierStats()
+        # L2 pages whose bytes L3 holds already (they were promoted from it; a
+        # sealed page never changes): evicting one writes nothing.
+        self._clean: set[bytes] = set()
 
     def lookup(
         self, keys: Sequence[bytes], lease_s: float | None = None, namespace: bytes = b""
@@ -147,6 +151,9 @@ class CacheTier:
         dropped += self.index.drop_abandoned(where=chosen)
         for entry in dropped:
             self.arena.free(entry.location.slot)
+            self._clean.discard(entry.key)
+        # Pinned pages that stay lose their L3 copy below.
+        self._clean -= {e.key for e in self.index.entries() if chosen(e)}
         l3_dropped = self.l3.flush(namespace) if self.l3 is not None else 0
         return len(dropped), l3_dropped
 
@@ -159,8 +166,10 @@ class CacheTier:
             return 0
         stored = 0
         for entry in list(self.index.entries()):
+            if not entry.sealed or entry.key in self._clean:
+                continue
             view = self.arena.view(entry.location.slot)
-            if entry.sealed and self.l3.put(entry.key, view, entry.namespace):
+            if self.l3.put(entry.key, view, entry.namespace):
                 stored += 1
         self.stats.demotions += stored
         return stored
@@ -182,6 +191,10 @@ class CacheTier:
         return self.arena.alloc()
 
     def _demote(self, entry: PageEntry) -> None:
+        if entry.key in self._clean:
+            self._clean.discard(entry.key)
+            self.stats.clean_evictions += 1
+            return
         if self.l3 is None or self.config.l3_policy != "write-back":
             return
         if self.l3.put(entry.key, self.arena.view(entry.location.slot), entry.namespace):
@@ -202,6 +215,7 @@ class CacheTier:
                 break
             self.arena.view(slot)[:] = page
             self.index.insert(key, L2Slot(slot), sealed=True, namespace=namespace)
+            self._clean.add(key)
             leases.append(self.index.pin([key], lease_s=60.0).lease_id)
             self.stats.promotions += 1
         # Unpin at once: the lookup that follows pins what it answers.

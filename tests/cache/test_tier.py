@@ -105,6 +105,12 @@ def test_eviction_demotes_to_l3_and_lookup_promotes_back(tmp_path):
         assert [bytes(tier.arena.view(s)) for s in hit.slots] == [content(i) for i in range(3)]
         tier.release(hit.lease.lease_id)
         assert tier.lookup(KEYS[3:6]).hits == 3  # promoted again in their turn
+        # Evicting 0..2 now writes nothing: L3 holds the bytes they came from.
+        assert tier.stats.demotions == 6 and tier.stats.clean_evictions == 3
+        assert tier.lookup(KEYS[:3]).hits == 3  # and they are still there
+        assert [bytes(tier.arena.view(e.location.slot)) for e in tier.lookup(KEYS[:3]).entries] == [
+            content(i) for i in range(3)
+        ]
         await agent.close()
 
     run(main())
