@@ -35,6 +35,7 @@ import struct
 import tempfile
 from pathlib import Path
 
+from kvrelay.bench.cache_report import HEADERS, L3_HEADERS, l3_row, plot, progress_bar, row
 from kvrelay.bench.stats import format_table, machine_info, write_json
 from kvrelay.cache.arena import ArenaConfig, PageArena
 from kvrelay.cache.l3 import L3Store, open_store, record
@@ -243,7 +244,7 @@ async def _run(args: argparse.Namespace) -> dict:
         capacities = [max(args.workers, int(unique * f)) for f in (0.05, 0.1, 0.25, 0.5, 1.0)]
     with_l3 = args.l3 != "none"
     runs_each = 3 if with_l3 else 2
-    bar = _progress_bar(len(requests) * (1 + runs_each * len(capacities)), args.no_progress)
+    bar = progress_bar(len(requests) * (1 + runs_each * len(capacities)), args.no_progress)
     agent = await create_agent("loopback", token="bench-cache", fast_path=False)
     page_bytes = args.page_bytes
     results = {"infinite": _replay_infinite(requests, key_lists, args, bar.update).to_json(0)}
@@ -294,10 +295,10 @@ async def _run(args: argparse.Namespace) -> dict:
         "machine": machine_info(),
         **results,
     }
-    print(format_table(HEADERS, [_row(e, results["infinite"]) for e in payload["capacities"]]))
+    print(format_table(HEADERS, [row(e, results["infinite"]) for e in payload["capacities"]]))
     if with_l3:
         print()
-        print(format_table(L3_HEADERS, [_l3_row(e, page_bytes) for e in payload["capacities"]]))
+        print(format_table(L3_HEADERS, [l3_row(e, page_bytes) for e in payload["capacities"]]))
     wrong = sum(
         e[p]["wrong_pages"] for e in payload["capacities"] for p in ("local", "shared", "shared_l3")
         if p in e
@@ -305,97 +306,6 @@ async def _run(args: argparse.Namespace) -> dict:
     if wrong:
         raise SystemExit(f"bench cache: {wrong} hit pages had the wrong bytes")
     return payload
-
-
-HEADERS = ["pages", "GiB", "infinite", "local", "shared", "shared/inf", "shared tok",
-           "+L3", "+L3/inf", "+L3 tok", "pulled GiB"]  # fmt: skip
-L3_HEADERS = ["pages", "L2 hit pages", "L3 hit pages", "promotions", "demotions",
-              "L2 pulled GiB", "L3 in GiB", "L3 out GiB", "checksum fail", "wrong"]  # fmt: skip
-
-
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.0f}"
-
-
-def _row(entry: dict, infinite: dict) -> list:
-    inf = infinite["block_hit_rate"]
-    shared = entry["shared"]
-    l3 = entry.get("shared_l3")
-    best = l3 or shared
-    return [
-        entry["capacity_pages"],
-        _gib(entry["capacity_bytes"]),
-        f"{inf:.3f}",
-        f"{entry['local']['block_hit_rate']:.3f}",
-        f"{shared['block_hit_rate']:.3f}",
-        f"{shared['block_hit_rate'] / inf:.3f}" if inf else "-",
-        f"{shared['token_hit_rate']:.3f}",
-        f"{l3['block_hit_rate']:.3f}" if l3 else "-",
-        f"{l3['block_hit_rate'] / inf:.3f}" if l3 and inf else "-",
-        f"{l3['token_hit_rate']:.3f}" if l3 else "-",
-        _gib(best["bytes_pulled"]),
-    ]
-
-
-def _l3_row(entry: dict, page_bytes: int) -> list:
-    l3 = entry["shared_l3"]
-    return [
-        entry["capacity_pages"],
-        l3["l2_hit_pages"],
-        l3["l3_hit_pages"],
-        l3["l3_promotions"],
-        l3["l3_demotions"],
-        _gib(l3["l2_hit_pages"] * page_bytes),
-        _gib(l3["l3_bytes_demoted"]),
-        _gib(l3["l3_bytes_promoted"]),
-        l3["l3_checksum_failures"],
-        l3["wrong_pages"],
-    ]
-
-
-class _NoBar:
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress_bar(total: int, disabled: bool):
-    if disabled:
-        return _NoBar()
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="replay", unit="req", mininterval=0.5)
-
-
-def plot(payload: dict, path: str | Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-    from matplotlib.ticker import NullFormatter
-
-    caps = [e["capacity_pages"] for e in payload["capacities"]]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.axhline(payload["infinite"]["block_hit_rate"], color="k", ls="--", label="infinite")
-    l3_label = f"shared + L3 of {payload['l3_pages']} pages"
-    for policy, label in (("shared_l3", l3_label), ("shared", "shared"), ("local", "local")):
-        if policy not in payload["capacities"][0]:
-            continue
-        count = payload["workers" if policy == "local" else "servers"]
-        rates = [e[policy]["block_hit_rate"] for e in payload["capacities"]]
-        ax.plot(caps, rates, "o-", label=f"{label} ({count})")
-    ax.set_xscale("log")
-    ax.xaxis.set_minor_formatter(NullFormatter())  # minor labels collide on a short axis
-    ax.set_xlabel("L2 capacity (pages, total)")
-    ax.set_ylabel("block hit rate")
-    ax.set_ylim(0, 1)
-    ax.legend()
-    ax.set_title(f"{Path(payload['trace']).name}: {payload['requests']} requests")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
