@@ -219,6 +219,8 @@ class CacheClient:
         A page seals on its server when every writer rectangle is in. Replica
         ranks that do not write (`rect.writer` False) write nothing.
         """
+        if len(page_offsets) != len(keys):
+            raise ValueError(f"{len(page_offsets)} page offsets for {len(keys)} keys")
         if not self.rect.writer or not keys:
             return 0
         if self.config.write_policy == "write-back":

@@ -84,6 +84,8 @@ def test_write_back_queues_without_the_server_then_flush_pushes_copies(servers):
         assert await client.flush() == PAGES
         assert client.stats.pending_pages == 0 and client.stats.written_pages == PAGES
         assert await read_all([server.address]) == (PAGES, expected(PAGES))
+        with pytest.raises(ValueError):
+            await client.write(KEYS[:2], local, OFFSETS[:1])
         # Already sealed: queued, pushed, not written again.
         assert await client.write(KEYS[:2], local, OFFSETS[:2]) == 2
         assert await client.flush() == 0 and client.stats.written_pages == PAGES
