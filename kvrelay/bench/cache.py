@@ -4,17 +4,24 @@ Each trace line has `hash_ids`; a hash id stands for one block of
 `--block-tokens` (512) tokens whose content is deterministic per id, and its
 page key is the key chain of kvrelay.layout over those tokens (one page per
 block). Requests go round robin to `--workers` simulated prefill workers.
-Per L2 capacity (total pages), three policies side by side:
+Per L2 capacity (total pages), the policies side by side:
 
 - `infinite`: every page ever written stays (the optimum);
 - `local`: each worker has its own CacheTier of capacity / workers pages;
-- `shared`: `--servers` CacheTiers, pages placed by HashRing, the same total.
+- `shared`: `--servers` CacheTiers, pages placed by HashRing, the same total;
+- `shared_l3`: the same with an L3 behind each tier (`--l3`: a file store per
+  server in a temp dir, `--l3-pages` in total, by default the whole working
+  set; or one valkey server): evicted pages are demoted (write-back), L2
+  misses found in L3 are promoted.
 
 A request looks up its keys (longest sealed prefix, as a worker would) and
 writes the pages it missed. The tiers are the real CacheTier (index, arena
-slots, LRU); page bytes are not copied, since hit rates do not depend on
-them, and the arenas use tiny slots. Bytes moved are counted at
-`--page-bytes` per page. No L3 in this replay yet.
+slots, LRU, L3 stores). Pages are `--slot-bytes` long (small, for speed;
+hit rates do not depend on it) with content fixed per key, written into the
+slot on commit, moved for real through L3 on demotion and promotion, and
+compared with the key's content on every hit: a wrong page fails the run, a
+corrupt L3 record is a checksum failure and a miss. Bytes moved are counted
+at `--page-bytes` per page.
 """
 
 from __future__ import annotations
@@ -23,16 +30,19 @@ import argparse
 import asyncio
 import hashlib
 import json
+import os
 import struct
+import tempfile
 from pathlib import Path
 
+from kvrelay.bench.cache_report import HEADERS, L3_HEADERS, l3_row, plot, progress_bar, row
 from kvrelay.bench.stats import format_table, machine_info, write_json
 from kvrelay.cache.arena import ArenaConfig, PageArena
+from kvrelay.cache.l3 import L3Store, open_store, record
 from kvrelay.cache.ring import HashRing
 from kvrelay.cache.tier import CacheTier
 from kvrelay.transfer import create_agent
 
-SLOT_BYTES = 64  # arena slot size in the replay; hit rates do not depend on it
 NAMESPACE = hashlib.sha256(b"kvrelay bench cache").digest()
 
 
@@ -74,11 +84,17 @@ class KeyChain:
 
 
 class Counts:
-    __slots__ = ("bytes_in", "bytes_out", "hit_pages", "hit_tokens", "pages", "tokens")
+    """One policy's replay: hits of the global prefix and bytes moved, per tier."""
+
+    __slots__ = (
+        "bytes_in", "bytes_out", "checksum_failures", "clean_evictions", "demotions",
+        "hit_pages", "hit_tokens", "l2_hit_pages", "l3_bytes_in", "l3_bytes_out", "l3_hit_pages",
+        "pages", "promotions", "tokens", "wrong_pages",
+    )  # fmt: skip
 
     def __init__(self) -> None:
-        self.pages = self.hit_pages = self.tokens = self.hit_tokens = 0
-        self.bytes_in = self.bytes_out = 0
+        for name in self.__slots__:
+            setattr(self, name, 0)
 
     def add(self, pages: int, hits: int, input_tokens: int, block_tokens: int, page_bytes: int):
         self.pages += pages
@@ -88,39 +104,85 @@ class Counts:
         self.bytes_in += hits * page_bytes
         self.bytes_out += (pages - hits) * page_bytes
 
-    def to_json(self) -> dict:
+    def add_tiers(self, tiers: list[CacheTier]) -> None:
+        """The tiers' own L3 counters (promotions also count pages past the prefix)."""
+        for tier in tiers:
+            self.promotions += tier.stats.promotions
+            self.demotions += tier.stats.demotions
+            self.clean_evictions += tier.stats.clean_evictions
+            if tier.l3 is not None:
+                self.l3_bytes_in += tier.l3.stats.bytes_in
+                self.l3_bytes_out += tier.l3.stats.bytes_out
+                self.checksum_failures += tier.l3.stats.checksum_failures
+
+    def to_json(self, page_bytes: int) -> dict:
         return {
             "block_hit_rate": self.hit_pages / max(self.pages, 1),
             "token_hit_rate": self.hit_tokens / max(self.tokens, 1),
             "bytes_pulled": self.bytes_in,
             "bytes_written": self.bytes_out,
+            "l2_hit_pages": self.l2_hit_pages,
+            "l3_hit_pages": self.l3_hit_pages,  # prefix pages promoted from L3
+            "l3_promotions": self.promotions,
+            "l3_demotions": self.demotions,
+            "l3_clean_evictions": self.clean_evictions,  # promoted pages: nothing to write
+            # Counted at the nominal page size, like the L2 bytes ...
+            "l3_bytes_demoted": self.demotions * page_bytes,
+            "l3_bytes_promoted": self.promotions * page_bytes,
+            # ... and the replay's slot bytes the store really moved.
+            "l3_store_bytes_in": self.l3_bytes_in,
+            "l3_store_bytes_out": self.l3_bytes_out,
+            "l3_checksum_failures": self.checksum_failures,
+            "wrong_pages": self.wrong_pages,
         }
+
+
+def page_content(key: bytes, size: int) -> bytes:
+    """A page's deterministic bytes in the replay: its key, repeated."""
+    return (key * (size // len(key) + 1))[:size]
 
 
 def _replay_tiers(tiers: list[CacheTier], route, requests, key_lists, args, progress) -> Counts:
     counts = Counts()
+    slot_bytes = tiers[0].arena.page_bytes
     for number, (request, keys) in enumerate(zip(requests, key_lists, strict=True)):
         groups: dict[int, list[int]] = {}
         for position, key in enumerate(keys):
             groups.setdefault(route(number, key), []).append(position)
+        found, in_l2 = {}, {}
+        for t, positions in groups.items():
+            mine = [keys[p] for p in positions]
+            # Leading pages resident before the lookup; the rest of its hits are promoted.
+            in_l2[t] = next((i for i, k in enumerate(mine) if k not in tiers[t].index), len(mine))
+            found[t] = tiers[t].lookup(mine, namespace=NAMESPACE).entries
         # Global prefix: up to the first key its tier does not hold sealed.
-        found = {t: tiers[t].lookup([keys[p] for p in ps]).hits for t, ps in groups.items()}
         taken = dict.fromkeys(groups, 0)
         hits = 0
         for key in keys:
-            tier = route(number, key)
-            if taken[tier] >= found[tier]:
+            t = route(number, key)
+            if taken[t] >= len(found[t]):
                 break
-            taken[tier] += 1
+            # What a reader would pull: the page must be this key's bytes.
+            if tiers[t].arena.view(found[t][taken[t]].location.slot) != page_content(
+                key, slot_bytes
+            ):
+                counts.wrong_pages += 1
+                break
+            taken[t] += 1
             hits += 1
+        for t, count in taken.items():
+            counts.l2_hit_pages += min(count, in_l2[t])
+            counts.l3_hit_pages += max(0, count - in_l2[t])
         for key in keys[hits:]:
             tier = tiers[route(number, key)]
-            slots, lease = tier.reserve([key], lease_s=60)
+            slots, lease = tier.reserve([key], lease_s=60, namespace=NAMESPACE)
             if slots[0] is not None:
-                tier.commit(key, [(0, SLOT_BYTES)])
+                tier.arena.view(slots[0])[:] = page_content(key, slot_bytes)
+                tier.commit(key, [(0, slot_bytes)])
             tier.release(lease.lease_id)
         counts.add(len(keys), hits, request["input_length"], args.block_tokens, args.page_bytes)
         progress()
+    counts.add_tiers(tiers)
     return counts
 
 
@@ -137,11 +199,39 @@ def _replay_infinite(requests, key_lists, args, progress) -> Counts:
     return counts
 
 
-async def _tiers(agent, count: int, pages_each: int) -> list[CacheTier]:
+def _tiers(agent, count: int, pages_each: int, slot_bytes: int, l3_stores=None) -> list[CacheTier]:
+    stores = l3_stores or [None] * count
     return [
-        CacheTier(PageArena(agent, ArenaConfig(SLOT_BYTES, capacity_pages=pages_each)))
-        for _ in range(count)
+        CacheTier(PageArena(agent, ArenaConfig(slot_bytes, capacity_pages=pages_each)), store)
+        for store in stores
     ]
+
+
+def _l3_stores(args, directory: Path, count: int, unique: int, run: int) -> list[L3Store]:
+    """One L3 per shared server: file stores in `directory` sized to `--l3-pages` in total,
+    or stores of one valkey server (its own capacity), flushed of the bench's pages first."""
+    if args.l3.startswith(("valkey://", "redis://")):
+        stores = [open_store(args.l3) for _ in range(count)]
+        stores[0].flush(NAMESPACE)
+        return stores
+    pages_each = max(1, (args.l3_pages or unique) // count)
+    capacity = pages_each * (record.HEADER_BYTES + args.slot_bytes)
+    return [
+        open_store(f"file:{directory / f'run{run}-server{i}'}", capacity_bytes=capacity)
+        for i in range(count)
+    ]
+
+
+def _l3_dir(args: argparse.Namespace) -> str | None:
+    """Where the file L3 stores go: `--l3-dir`, else tmpfs (/dev/shm) when there is one.
+
+    The replay measures hit rates and bytes, not a disk: on this machine's
+    ext4 volume unlinking and renaming small files costs ~0.5 ms each.
+    """
+    if args.l3_dir:
+        return args.l3_dir
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
 
 
 async def _run(args: argparse.Namespace) -> dict:
@@ -152,33 +242,42 @@ async def _run(args: argparse.Namespace) -> dict:
     capacities = [int(c) for c in args.capacities.split(",")] if args.capacities else None
     if not capacities:
         capacities = [max(args.workers, int(unique * f)) for f in (0.05, 0.1, 0.25, 0.5, 1.0)]
-    bar = _progress_bar(len(requests) * (1 + 2 * len(capacities)), args.no_progress)
+    with_l3 = args.l3 != "none"
+    runs_each = 3 if with_l3 else 2
+    bar = progress_bar(len(requests) * (1 + runs_each * len(capacities)), args.no_progress)
     agent = await create_agent("loopback", token="bench-cache", fast_path=False)
-    results = {"infinite": _replay_infinite(requests, key_lists, args, bar.update).to_json()}
-    rows = []
+    page_bytes = args.page_bytes
+    results = {"infinite": _replay_infinite(requests, key_lists, args, bar.update).to_json(0)}
     ring = HashRing([f"server-{i}" for i in range(args.servers)])
     server_of = {name: i for i, name in enumerate(ring.servers)}
+
+    def by_worker(n, _k):
+        return n % args.workers
+
+    def by_ring(_n, k):
+        return server_of[ring.server_for(k)]
+
     results["capacities"] = []
-    for capacity in capacities:
-        local = await _tiers(agent, args.workers, max(1, capacity // args.workers))
-        local_counts = _replay_tiers(
-            local, lambda n, _k: n % args.workers, requests, key_lists, args, bar.update
-        )
-        shared = await _tiers(agent, args.servers, max(1, capacity // args.servers))
-        shared_counts = _replay_tiers(
-            shared, lambda _n, k: server_of[ring.server_for(k)], requests, key_lists, args,
-            bar.update,
-        )  # fmt: skip
-        for tier in local + shared:
-            tier.arena.close(force=True)
-        entry = {
-            "capacity_pages": capacity,
-            "capacity_bytes": capacity * args.page_bytes,
-            "local": local_counts.to_json(),
-            "shared": shared_counts.to_json(),
-        }
-        results["capacities"].append(entry)
-        rows.append(_row(entry, results["infinite"]))
+    with tempfile.TemporaryDirectory(prefix="kvrelay-bench-l3-", dir=_l3_dir(args)) as scratch:
+        for run, capacity in enumerate(capacities):
+            policies = {
+                "local": (args.workers, by_worker, None),
+                "shared": (args.servers, by_ring, None),
+            }
+            if with_l3:
+                stores = _l3_stores(args, Path(scratch), args.servers, unique, run)
+                policies["shared_l3"] = (args.servers, by_ring, stores)
+            entry = {"capacity_pages": capacity, "capacity_bytes": capacity * page_bytes}
+            for name, (count, route, stores) in policies.items():
+                tiers = _tiers(agent, count, max(1, capacity // count), args.slot_bytes, stores)
+                counts = _replay_tiers(tiers, route, requests, key_lists, args, bar.update)
+                entry[name] = counts.to_json(page_bytes)
+                for tier in tiers:
+                    tier.arena.close(force=True)
+                    if tier.l3 is not None:
+                        tier.l3.flush(NAMESPACE)
+                        tier.l3.close()
+            results["capacities"].append(entry)
     bar.close()
     await agent.close()
     payload = {
@@ -189,81 +288,24 @@ async def _run(args: argparse.Namespace) -> dict:
         "workers": args.workers,
         "servers": args.servers,
         "block_tokens": args.block_tokens,
-        "page_bytes": args.page_bytes,
+        "page_bytes": page_bytes,
+        "slot_bytes": args.slot_bytes,
+        "l3": args.l3,
+        "l3_pages": (args.l3_pages or unique) if with_l3 else 0,
         "machine": machine_info(),
         **results,
     }
-    print(
-        format_table(
-            [
-                "pages",
-                "GiB",
-                "infinite",
-                "local",
-                "shared",
-                "shared/inf",
-                "shared tok",
-                "pulled GiB",
-            ],
-            rows,
-        )
-    )
+    print(format_table(HEADERS, [row(e, results["infinite"]) for e in payload["capacities"]]))
+    if with_l3:
+        print()
+        print(format_table(L3_HEADERS, [l3_row(e, page_bytes) for e in payload["capacities"]]))
+    wrong = sum(
+        e[p]["wrong_pages"] for e in payload["capacities"] for p in ("local", "shared", "shared_l3")
+        if p in e
+    )  # fmt: skip
+    if wrong:
+        raise SystemExit(f"bench cache: {wrong} hit pages had the wrong bytes")
     return payload
-
-
-def _row(entry: dict, infinite: dict) -> list:
-    inf = infinite["block_hit_rate"]
-    shared = entry["shared"]
-    return [
-        entry["capacity_pages"],
-        f"{entry['capacity_bytes'] / (1 << 30):.1f}",
-        f"{inf:.3f}",
-        f"{entry['local']['block_hit_rate']:.3f}",
-        f"{shared['block_hit_rate']:.3f}",
-        f"{shared['block_hit_rate'] / inf:.3f}" if inf else "-",
-        f"{shared['token_hit_rate']:.3f}",
-        f"{shared['bytes_pulled'] / (1 << 30):.1f}",
-    ]
-
-
-class _NoBar:
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress_bar(total: int, disabled: bool):
-    if disabled:
-        return _NoBar()
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="replay", unit="req", mininterval=0.5)
-
-
-def plot(payload: dict, path: str | Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    caps = [e["capacity_pages"] for e in payload["capacities"]]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.axhline(payload["infinite"]["block_hit_rate"], color="k", ls="--", label="infinite")
-    for policy in ("shared", "local"):
-        count = payload["servers" if policy == "shared" else "workers"]
-        rates = [e[policy]["block_hit_rate"] for e in payload["capacities"]]
-        ax.plot(caps, rates, "o-", label=f"{policy} ({count})")
-    ax.set_xscale("log")
-    ax.set_xlabel("L2 capacity (pages, total)")
-    ax.set_ylabel("block hit rate")
-    ax.set_ylim(0, 1)
-    ax.legend()
-    ax.set_title(f"{Path(payload['trace']).name}: {payload['requests']} requests")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -276,6 +318,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--page-bytes", type=int, default=64 << 20, help="bytes of one page (for bytes moved)"
     )
+    parser.add_argument(
+        "--l3", default="file",
+        help="L3 of the shared tier: file (per-server stores in a temp dir), valkey://HOST:PORT"
+        " (one shared server), or none",
+    )  # fmt: skip
+    parser.add_argument(
+        "--l3-pages", type=int, default=None,
+        help="total file L3 capacity in pages (default: the trace's distinct pages)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--l3-dir", default=None, help="directory for the file L3 stores (default: /dev/shm)"
+    )
+    parser.add_argument(
+        "--slot-bytes", type=int, default=256,
+        help="bytes of a page in the replay (L2 slots, L3 records); hit rates do not depend on it",
+    )  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="write the results here")
     parser.add_argument("--plot", metavar="PNG", help="plot hit rate vs capacity here")
     parser.add_argument("--no-progress", action="store_true")

@@ -8,6 +8,14 @@ written (writes): the tier never fails a request.
 Local memory is a transfer `Arena` of the caller's agent in which page i of a
 call sits in unified-page layout at `page_offsets[i]`; only the caller's
 rectangle of each page is moved.
+
+Writes follow `write_policy`: `write-through` (default) pushes in `write()`;
+`write-back` copies the rectangles into the client's `WriteBackQueue` and a
+background task pushes them once `write_back_batch` pages wait or
+`write_back_delay_s` after the first was queued, so the request is not slowed
+by the network. `flush()` pushes everything now and `close()` flushes first,
+so a clean close loses nothing. Waiting pages also answer this client's own
+lookups, past the servers' prefix.
 """
 
 from __future__ import annotations
@@ -18,9 +26,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvrelay.cache.ring import HashRing
+from kvrelay.cache.writeback import WriteBackQueue
 from kvrelay.layout import ModelKVSpec, Rectangle
 from kvrelay.transfer import Agent, Arena, TransferError
 from kvrelay.transfer.wire import WIRE_VERSION, Connection
+
+WRITE_POLICIES = ("write-through", "write-back")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,14 +40,33 @@ class CacheClientConfig:
     token: str
     timeout_s: float = 2.0
     lease_s: float = 30.0
+    write_policy: str = "write-through"  # or "write-back"
+    # Write-back: pages the client can hold (its staging arena holds this many
+    # rectangles; pages offered beyond it are dropped, not waited for) ...
+    write_back_pages: int = 64
+    # ... pushed as soon as this many wait, or this long after one was queued.
+    write_back_batch: int = 16
+    write_back_delay_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}")
+        if not 0 < self.write_back_batch <= self.write_back_pages:
+            raise ValueError("need 0 < write_back_batch <= write_back_pages")
+        if self.write_back_delay_s < 0 or self.timeout_s <= 0:
+            raise ValueError("write_back_delay_s must be >= 0 and timeout_s > 0")
 
 
 @dataclass(slots=True)
 class ClientStats:
     lookups: int = 0
     lookup_pages: int = 0
-    hit_pages: int = 0
-    written_pages: int = 0
+    hit_pages: int = 0  # from the servers and from the write-back queue
+    queue_hit_pages: int = 0  # of those, answered from the write-back queue
+    written_pages: int = 0  # went into a server (pages already sealed there do not count)
+    queued_pages: int = 0  # write-back: accepted into the queue
+    pending_pages: int = 0  # write-back: waiting now
+    dropped_pages: int = 0  # write-back: queue full, or the push failed
     bytes_in: int = 0  # pulled from the tier
     bytes_out: int = 0  # pushed to the tier
     errors: int = 0  # server calls that failed and were answered as misses
@@ -97,8 +127,22 @@ class CacheClient:
         self.ring = HashRing(config.servers)
         self.stats = ClientStats()
         self._servers = {a: _Server(a, config, spec.page_bytes) for a in config.servers}
+        self._queue: WriteBackQueue | None = None
+        self._pusher: asyncio.Task | None = None
+        self._queued = asyncio.Event()  # a page waits
+        self._batch_ready = asyncio.Event()  # write_back_batch pages wait, or the queue is full
+        self._push_lock = asyncio.Lock()
 
     async def close(self) -> None:
+        """Push what waits (write-back), then drop connections and the staging arena."""
+        if self._queue is not None:
+            await self.flush()
+            self._pusher.cancel()
+            results = await asyncio.gather(self._pusher, return_exceptions=True)
+            self._queue.close()
+            self._queue = None
+            if isinstance(results[0], Exception):
+                raise results[0]
         for server in self._servers.values():
             server.drop()
 
@@ -135,6 +179,13 @@ class CacheClient:
             # A pull failed midway: which pages arrived is unknown, so none count.
             self.stats.errors += 1
             return 0
+        # Pages this client wrote back but has not pushed yet continue the prefix.
+        if self._queue is not None:
+            while prefix < len(keys) and self._queue.copy_out(
+                keys[prefix], dest, page_offsets[prefix]
+            ):
+                prefix += 1
+                self.stats.queue_hit_pages += 1
         self.stats.hit_pages += prefix
         return prefix
 
@@ -160,21 +211,82 @@ class CacheClient:
         self.stats.bytes_in += len(positions) * self.rect.num_bytes(self.spec)
 
     async def write(self, keys: Sequence[bytes], src: Arena, page_offsets: Sequence[int]) -> int:
-        """Push this rank's rectangle of full pages `keys`; return how many pages went in.
+        """Write this rank's rectangle of full pages `keys`.
 
+        Write-through: pushes now and returns how many pages went in (not
+        those already sealed there). Write-back: copies them into the queue
+        and returns how many it took (the rest are dropped: the queue is full).
         A page seals on its server when every writer rectangle is in. Replica
-        ranks that do not write (`rect.writer` False) push nothing.
+        ranks that do not write (`rect.writer` False) write nothing.
         """
+        if len(page_offsets) != len(keys):
+            raise ValueError(f"{len(page_offsets)} page offsets for {len(keys)} keys")
         if not self.rect.writer or not keys:
             return 0
-        groups = self.ring.group(keys)
-        written = await asyncio.gather(
-            *(self._write_one(s, ps, keys, src, page_offsets) for s, ps in groups.items())
-        )
-        self.stats.written_pages += sum(written)
-        return sum(written)
+        if self.config.write_policy == "write-back":
+            return self._enqueue(keys, src, page_offsets)
+        offsets = [[page_offsets[p] + o for o, _ in self.runs] for p in range(len(keys))]
+        written, _ = await self._push(keys, src, offsets)
+        return written
 
-    async def _write_one(self, server, positions, keys, src, page_offsets) -> int:
+    async def flush(self) -> int:
+        """Push every page the write-back queue holds now; return how many went in."""
+        if self._queue is None:
+            return 0
+        async with self._push_lock:
+            keys = list(self._queue.pending)
+            if not keys:
+                return 0
+            offsets = [self._queue.local_offsets(k) for k in keys]
+            written, failed = await self._push(keys, self._queue.arena, offsets)
+            self._queue.remove(keys)
+            self.stats.dropped_pages += failed
+            self.stats.pending_pages = len(self._queue)
+            return written
+
+    def _enqueue(self, keys: Sequence[bytes], src: Arena, page_offsets: Sequence[int]) -> int:
+        if self._queue is None:
+            self._queue = WriteBackQueue(self.agent, self.config.write_back_pages, self.runs)
+            self._pusher = asyncio.get_running_loop().create_task(self._push_loop())
+        taken = 0
+        for key, offset in zip(keys, page_offsets, strict=True):
+            if not self._queue.add(key, src, offset):
+                break
+            taken += 1
+        self.stats.queued_pages += taken
+        self.stats.dropped_pages += len(keys) - taken
+        self.stats.pending_pages = len(self._queue)
+        if taken:
+            self._queued.set()
+        if len(self._queue) >= self.config.write_back_batch or self._queue.full:
+            self._batch_ready.set()
+        return taken
+
+    async def _push_loop(self) -> None:
+        while True:
+            await self._queued.wait()
+            if not self._batch_ready.is_set():
+                # Let a batch gather, but push the first page within the delay.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.config.write_back_delay_s):
+                        await self._batch_ready.wait()
+            self._queued.clear()
+            self._batch_ready.clear()
+            await self.flush()
+
+    async def _push(
+        self, keys: Sequence[bytes], src: Arena, offsets: Sequence[list[int]]
+    ) -> tuple[int, int]:
+        """Push page i's runs from `src` at `offsets[i]`; return (pages in, pages failed)."""
+        groups = self.ring.group(keys)
+        results = await asyncio.gather(
+            *(self._write_one(s, ps, keys, src, offsets) for s, ps in groups.items())
+        )
+        written = sum(w for w, _ in results)
+        self.stats.written_pages += written
+        return written, sum(f for _, f in results)
+
+    async def _write_one(self, server, positions, keys, src, offsets) -> tuple[int, int]:
         conn = self._servers[server]
         mine = [keys[p] for p in positions]
         lease = None
@@ -188,7 +300,7 @@ class CacheClient:
                 p for p, slot in zip(positions, reply["slots"], strict=True) if slot is not None
             ]
             if not todo:
-                return 0
+                return 0, 0
             reply = await conn.call(
                 {"op": "handle", "lease": lease, "count": len(todo), "runs": self.runs,
                  "ns": self.namespace}
@@ -196,16 +308,16 @@ class CacheClient:
             await self.agent.write(
                 reply["handle"],
                 src,
-                self._local_offsets(page_offsets, todo),
+                [o for p in todo for o in offsets[p]],
                 namespace=self.namespace,
                 timeout=self.config.timeout_s,
             )
             await conn.call({"op": "commit", "keys": [keys[p] for p in todo], "runs": self.runs})
             self.stats.bytes_out += len(todo) * self.rect.num_bytes(self.spec)
-            return len(todo)
+            return len(todo), 0
         except (ServerGone, TransferError):
             self.stats.errors += 1
-            return 0
+            return 0, len(positions)
         finally:
             if lease is not None:
                 await self._release_all([(server, lease)])
@@ -220,6 +332,21 @@ class CacheClient:
             except ServerGone:
                 return None
             return {k: v for k, v in reply.items() if k != "ok"}
+
+        replies = await asyncio.gather(*(one(s) for s in self._servers))
+        return dict(zip(self._servers, replies, strict=True))
+
+    async def admin_flush(self, namespace: bytes | None = None) -> dict[str, dict | None]:
+        """Drop one namespace's pages (None: every page) from every server's L2 and L3;
+        per server `{"dropped", "l3_dropped"}`, None for a server that did not answer."""
+        message = {"op": "flush"} if namespace is None else {"op": "flush", "ns": namespace}
+
+        async def one(server: str) -> dict | None:
+            try:
+                reply = await self._servers[server].call(message)
+            except ServerGone:
+                return None
+            return {"dropped": reply["dropped"], "l3_dropped": reply["l3_dropped"]}
 
         replies = await asyncio.gather(*(one(s) for s in self._servers))
         return dict(zip(self._servers, replies, strict=True))

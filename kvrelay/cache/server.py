@@ -12,7 +12,8 @@ reply:
 - `reserve {keys, lease_s}` -> `slots` (an int per key to write, None for a
   page already sealed or no room), `lease`
 - `commit {keys, runs}` -> `sealed` per key
-- `release {lease}`, `stats`, `flush {ns?}` (unpinned pages of one namespace, or all)
+- `release {lease}`, `stats`, `flush {ns?}` -> `dropped`, `l3_dropped`: the
+  unpinned L2 pages and the L3 pages of one namespace, or all
 
 `lookup` and `reserve` may carry `ns`, the namespace digest, recorded with
 each page so `flush` can drop one tenant's pages.
@@ -209,7 +210,8 @@ class CacheServer:
                 stats["l3"] = dataclasses.asdict(tier.l3.stats)
             return {"ok": True, **stats}
         if op == "flush":
-            return {"ok": True, "dropped": tier.flush(_namespace(message))}
+            l2, l3 = tier.flush(_namespace(message))
+            return {"ok": True, "dropped": l2, "l3_dropped": l3}
         raise ProtocolViolation(f"unknown op {op!r}")
 
     def _forget_dead_leases(self) -> None:

@@ -33,6 +33,7 @@ class TierStats:
     sealed_pages: int = 0
     evictions: int = 0
     demotions: int = 0
+    clean_evictions: int = 0  # evicted pages L3 already held (promoted): not written again
     promotions: int = 0
     no_room: int = 0  # reservations refused: every slot pinned or being written
 
@@ -75,6 +76,9 @@ class CacheTier:
         self.config = config or TierConfig()
         self.index = PageIndex(arena.page_bytes, clock)
         self.stats = TierStats()
+        # L2 pages whose bytes L3 holds already (they were promoted from it; a
+        # sealed page never changes): evicting one writes nothing.
+        self._clean: set[bytes] = set()
 
     def lookup(
         self, keys: Sequence[bytes], lease_s: float | None = None, namespace: bytes = b""
@@ -125,17 +129,19 @@ class CacheTier:
         if sealed and not was_sealed:
             self.stats.sealed_pages += 1
             if self.l3 is not None and self.config.l3_policy == "write-through":
-                self.l3.put(key, self.arena.view(self.index.get(key).location.slot))
+                entry = self.index.get(key)
+                self.l3.put(key, self.arena.view(entry.location.slot), entry.namespace)
         return sealed
 
     def release(self, lease_id: int) -> bool:
         return self.index.release(lease_id)
 
-    def flush(self, namespace: bytes | None = None) -> int:
-        """Drop unpinned pages (of one namespace, or all) from L2 and L3; return how many.
+    def flush(self, namespace: bytes | None = None) -> tuple[int, int]:
+        """Drop the pages of one namespace (or all) from L2 and L3; return how many from each.
 
-        Only pages this tier indexes are found: L3 copies of pages not in L2
-        stay until L3 evicts them (keys do not reveal their namespace).
+        L2 keeps pages pinned by readers or writers (they go when unpinned, by
+        eviction). L3 files pages under their namespace, so its flush also
+        finds pages that only L3 holds; a pinned L2 page loses its L3 copy.
         """
 
         def chosen(entry: PageEntry) -> bool:
@@ -145,9 +151,11 @@ class CacheTier:
         dropped += self.index.drop_abandoned(where=chosen)
         for entry in dropped:
             self.arena.free(entry.location.slot)
-            if self.l3 is not None and entry.sealed:
-                self.l3.delete(entry.key)
-        return len(dropped)
+            self._clean.discard(entry.key)
+        # Pinned pages that stay lose their L3 copy below.
+        self._clean -= {e.key for e in self.index.entries() if chosen(e)}
+        l3_dropped = self.l3.flush(namespace) if self.l3 is not None else 0
+        return len(dropped), l3_dropped
 
     def demote_all(self) -> int:
         """Write every sealed page to L3 (write-back, at shutdown); return how many went in.
@@ -158,7 +166,10 @@ class CacheTier:
             return 0
         stored = 0
         for entry in list(self.index.entries()):
-            if entry.sealed and self.l3.put(entry.key, self.arena.view(entry.location.slot)):
+            if not entry.sealed or entry.key in self._clean:
+                continue
+            view = self.arena.view(entry.location.slot)
+            if self.l3.put(entry.key, view, entry.namespace):
                 stored += 1
         self.stats.demotions += stored
         return stored
@@ -180,14 +191,18 @@ class CacheTier:
         return self.arena.alloc()
 
     def _demote(self, entry: PageEntry) -> None:
+        if entry.key in self._clean:
+            self._clean.discard(entry.key)
+            self.stats.clean_evictions += 1
+            return
         if self.l3 is None or self.config.l3_policy != "write-back":
             return
-        if self.l3.put(entry.key, self.arena.view(entry.location.slot)):
+        if self.l3.put(entry.key, self.arena.view(entry.location.slot), entry.namespace):
             self.stats.demotions += 1
 
     def _promote(self, keys: Sequence[bytes], namespace: bytes) -> None:
         """Bring the leading run of `keys` found in L3 into L2 slots, sealed."""
-        pages = self.l3.get_many(keys)
+        pages = self.l3.get_many(keys, namespace)
         # Pin what is promoted so promoting page i+1 cannot evict page i.
         leases: list[int] = []
         for key, page in zip(keys, pages, strict=True):
@@ -200,6 +215,7 @@ class CacheTier:
                 break
             self.arena.view(slot)[:] = page
             self.index.insert(key, L2Slot(slot), sealed=True, namespace=namespace)
+            self._clean.add(key)
             leases.append(self.index.pin([key], lease_s=60.0).lease_id)
             self.stats.promotions += 1
         # Unpin at once: the lookup that follows pins what it answers.

@@ -2,9 +2,7 @@
 
 import asyncio
 import hashlib
-import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -15,56 +13,15 @@ import pytest
 from kvrelay.cache.client import CacheClient, CacheClientConfig
 from kvrelay.layout import ParallelConfig, rank_rectangle
 from kvrelay.transfer import create_agent
+from tests.cache.server_process import PAGE, TOKEN
 from tests.cache.specs import SPEC
 
-TOKEN = "cache-test"
-PAGE = SPEC.page_bytes
 PAGES = 12
 KEYS = SPEC.page_keys(list(range(SPEC.page_size * PAGES)))
 
 
 def content(i: int) -> bytes:
     return hashlib.shake_128(b"page" + i.to_bytes(4, "little")).digest(PAGE)
-
-
-class ServerProcess:
-    def __init__(self, *args: str, listen: str = "127.0.0.1:0", backend: str = "tcp") -> None:
-        self.args = args
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvrelay.cli", "launch", "cache", "--token", TOKEN,
-             "--page-bytes", str(PAGE), "--arena-gb", str(64 * PAGE / (1 << 30)),
-             "--listen", listen, "--backend", backend, *args],
-            stdout=subprocess.PIPE,
-        )  # fmt: skip
-        ready, _, _ = select.select([self.process.stdout], [], [], 60)
-        if not ready:
-            self.process.kill()
-            raise RuntimeError("cache server did not start within 60 s")
-        self.address = json.loads(self.process.stdout.readline())["listen"]
-
-    def stop(self, sig=signal.SIGTERM) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
-        self.process.stdout.close()
-
-
-@pytest.fixture
-def servers():
-    started = []
-
-    def start(*args, **kw):
-        server = ServerProcess(*args, **kw)
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.stop()
 
 
 async def rank_client(addresses, config: ParallelConfig, timeout_s=5.0, backend="tcp"):
@@ -168,7 +125,7 @@ def test_restart_with_file_l3_keeps_pages_and_corruption_is_a_miss(servers, tmp_
     asyncio.run(main())
     second.stop()
     # Flip a byte of page 5's file; a fresh server promotes pages 0-4 only.
-    path = next((tmp_path / "l3").glob(f"??/{KEYS[5].hex()}.page"))
+    path = next((tmp_path / "l3").glob(f"*/??/{KEYS[5].hex()}.page"))
     data = bytearray(path.read_bytes())
     data[-1] ^= 1
     path.write_bytes(bytes(data))

@@ -42,9 +42,9 @@ async def make_tier(tmp_path, slots: int, l3: bool = True, clock=None, **config)
     return agent, CacheTier(arena, store, TierConfig(**config), **kw)
 
 
-def fill(tier: CacheTier, i: int) -> None:
+def fill(tier: CacheTier, i: int, namespace: bytes = b"") -> None:
     """Reserve page i, write it as two TP=2 writers would, and commit both rectangles."""
-    slots, lease = tier.reserve([KEYS[i]], lease_s=30)
+    slots, lease = tier.reserve([KEYS[i]], lease_s=30, namespace=namespace)
     view = tier.arena.view(slots[0])
     for _, rect in page_writers(SPEC, ParallelConfig(tp=2), 0):
         runs = rect.byte_runs(SPEC)
@@ -105,6 +105,12 @@ def test_eviction_demotes_to_l3_and_lookup_promotes_back(tmp_path):
         assert [bytes(tier.arena.view(s)) for s in hit.slots] == [content(i) for i in range(3)]
         tier.release(hit.lease.lease_id)
         assert tier.lookup(KEYS[3:6]).hits == 3  # promoted again in their turn
+        # Evicting 0..2 now writes nothing: L3 holds the bytes they came from.
+        assert tier.stats.demotions == 6 and tier.stats.clean_evictions == 3
+        assert tier.lookup(KEYS[:3]).hits == 3  # and they are still there
+        assert [bytes(tier.arena.view(e.location.slot)) for e in tier.lookup(KEYS[:3]).entries] == [
+            content(i) for i in range(3)
+        ]
         await agent.close()
 
     run(main())
@@ -157,7 +163,7 @@ def test_flush_drops_unpinned_pages(tmp_path):
         fill(tier, 0)
         fill(tier, 1)
         hit = tier.lookup(KEYS[1:2], lease_s=30)
-        assert tier.flush() == 1
+        assert tier.flush() == (1, 0)
         assert tier.lookup(KEYS[:1]).hits == 0 and tier.lookup(KEYS[1:2]).hits == 1
         assert tier.arena.free_slots == 2
         tier.release(hit.lease.lease_id)
@@ -193,25 +199,51 @@ def test_flush_one_namespace_drops_its_pages_from_l2_and_l3(tmp_path):
         tier.commit(KEYS[3], [(0, PAGE)])
         tier.release(lease.lease_id)
         held = tier.lookup(KEYS[2:3], lease_s=30)  # pinned: survives the flush
-        assert tier.flush(NS) == 1
+        # L3 held the written-through copies of 1 and 2 (pinned 2 loses its copy).
+        assert tier.flush(NS) == (1, 2)
         assert KEYS[1] not in tier.index and KEYS[1] not in tier.l3
         assert all(k in tier.index for k in (KEYS[0], KEYS[2], KEYS[3]))
         assert KEYS[3] in tier.l3 and tier.index.get(KEYS[3]).namespace == other
         tier.release(held.lease.lease_id)
-        assert tier.flush(NS) == 1 and tier.flush() == 2 and len(tier.index) == 0
+        assert tier.flush(NS) == (1, 0) and tier.flush() == (2, 2) and len(tier.index) == 0
+        assert len(tier.l3) == 0
         assert tier.arena.free_slots == 6
         await agent.close()
 
     run(main())
 
 
-def test_promoted_pages_take_the_lookup_namespace(tmp_path):
+def test_l3_pages_are_found_in_their_own_namespace_only(tmp_path):
     async def main():
         agent, tier = await make_tier(tmp_path, slots=1)
-        fill(tier, 0)
-        fill(tier, 1)  # 0 demoted
+        fill(tier, 0, namespace=NS)
+        fill(tier, 1, namespace=NS)  # 0 demoted, filed under NS
+        other = hashlib.sha256(b"tenant b").digest()
+        assert tier.lookup(KEYS[:1], namespace=other).hits == 0
+        assert tier.lookup(KEYS[:1]).hits == 0
         assert tier.lookup(KEYS[:1], namespace=NS).hits == 1
         assert tier.index.get(KEYS[0]).namespace == NS
+        await agent.close()
+
+    run(main())
+
+
+def test_flush_reaches_pages_only_l3_holds(tmp_path):
+    async def main():
+        agent, tier = await make_tier(tmp_path, slots=2)
+        other = hashlib.sha256(b"tenant b").digest()
+        for i in range(4):
+            fill(tier, i, namespace=NS)
+        for i in range(4, 8):
+            fill(tier, i, namespace=other)
+        # L2 holds 6 and 7; L3 holds 0..5 (4 and 5 demoted when 6 and 7 came).
+        assert tier.stats.demotions == 6 and len(tier.l3) == 6
+        assert tier.flush(NS) == (0, 4)
+        assert len(tier.l3) == 2 and all(KEYS[i] in tier.l3 for i in (4, 5))
+        assert tier.lookup(KEYS[:4], namespace=NS).hits == 0
+        # Promoted back, demoting 6 and 7: L2 holds 4 and 5, L3 holds 4..7.
+        assert tier.lookup(KEYS[4:6], namespace=other).hits == 2
+        assert tier.flush(other) == (2, 4) and len(tier.l3) == 0
         await agent.close()
 
     run(main())

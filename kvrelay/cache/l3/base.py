@@ -32,6 +32,10 @@ class L3Store(abc.ABC):
     Never raises for a store-side failure: `get` answers None (a miss) for an
     absent, corrupt or unreachable page, `put` answers False when the page
     was not stored. Invalid arguments still raise.
+
+    Every page is filed under its namespace digest (b"": none given, filed
+    under all zeros) as well as its key: a get in another namespace is a miss,
+    and `flush(namespace)` finds a tenant's pages without an index.
     """
 
     name: str
@@ -40,19 +44,23 @@ class L3Store(abc.ABC):
         self.stats = L3Stats()
 
     @abc.abstractmethod
-    def put(self, key: bytes, page: bytes | memoryview) -> bool:
+    def put(self, key: bytes, page: bytes | memoryview, namespace: bytes = b"") -> bool:
         """Store `page` under `key`, replacing any older copy; True if stored."""
 
     @abc.abstractmethod
-    def get(self, key: bytes) -> bytes | None:
+    def get(self, key: bytes, namespace: bytes = b"") -> bytes | None:
         """The page stored under `key`, or None."""
 
     @abc.abstractmethod
-    def delete(self, key: bytes) -> bool:
+    def delete(self, key: bytes, namespace: bytes = b"") -> bool:
         """Drop `key`; True if it was there."""
 
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        return [self.get(key) for key in keys]
+    @abc.abstractmethod
+    def flush(self, namespace: bytes | None = None) -> int:
+        """Drop every page of `namespace` (None: every kvrelay page); return how many."""
+
+    def get_many(self, keys: Sequence[bytes], namespace: bytes = b"") -> list[bytes | None]:
+        return [self.get(key, namespace) for key in keys]
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release connections or handles."""

@@ -4,10 +4,14 @@ Writes go to a temporary file in the same directory and are renamed into
 place, so a reader (or a restarted server) sees a whole page or none. The
 store keeps its own byte capacity with LRU eviction; the LRU order lives in
 memory and in file mtimes (touched on every hit), so a restart rebuilds it.
+
+Layout: `DIR/<namespace hex>/<2 hex of key>/<key hex>.page`, so flushing one
+tenant removes one directory's files and leaves the others alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -40,11 +44,12 @@ class FileStore(L3Store):
             raise ValueError(f"capacity_bytes must be positive, got {config.capacity_bytes}")
         self.config = config
         self.root = Path(config.directory)
+        self._root = str(self.root)
         self._tmp = self.root / _TMP_DIR
         self._tmp.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        # key -> file size, least recently used first.
-        self._files: OrderedDict[bytes, int] = OrderedDict()
+        # (namespace, key) -> file size, least recently used first.
+        self._files: OrderedDict[tuple[bytes, bytes], int] = OrderedDict()
         self._bytes = 0
         self._scan()
 
@@ -56,39 +61,51 @@ class FileStore(L3Store):
         return len(self._files)
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._files
+        """Whether `key` is stored, in any namespace."""
+        return any(k == key for _, k in self._files)
 
-    def _path(self, key: bytes) -> Path:
+    def _path(self, key: bytes, namespace: bytes = b"") -> Path:
+        return Path(self._file(key, namespace))
+
+    def _file(self, key: bytes, namespace: bytes) -> str:
+        # Strings, not Paths: this runs for every page moved.
         name = key.hex()
         # Two hex digits of fan-out keep directories small.
-        return self.root / name[:2] / (name + _SUFFIX)
+        return (
+            f"{self._root}/{record.normalize_namespace(namespace).hex()}/{name[:2]}/{name}{_SUFFIX}"
+        )
+
+    def _ns_dir(self, namespace: bytes) -> Path:
+        return self.root / record.normalize_namespace(namespace).hex()
 
     def _scan(self) -> None:
         """Rebuild the LRU from the directory; drop temporaries of interrupted writes."""
         for leftover in self._tmp.iterdir():
             leftover.unlink(missing_ok=True)
         found = []
-        for path in self.root.glob(f"??/*{_SUFFIX}"):
+        for path in self.root.glob(f"*/??/*{_SUFFIX}"):
             try:
+                namespace = bytes.fromhex(path.parent.parent.name)
                 key = bytes.fromhex(path.name[: -len(_SUFFIX)])
                 stat = path.stat()
             except (ValueError, OSError):
                 continue
-            if len(key) == record.KEY_BYTES:
-                found.append((stat.st_mtime_ns, key, stat.st_size))
-        for _, key, size in sorted(found):
-            self._files[key] = size
+            if len(key) == record.KEY_BYTES and len(namespace) == record.NAMESPACE_BYTES:
+                found.append((stat.st_mtime_ns, namespace, key, stat.st_size))
+        for _, namespace, key, size in sorted(found):
+            self._files[namespace, key] = size
             self._bytes += size
         self._make_room(0)
 
-    def put(self, key: bytes, page: bytes | memoryview) -> bool:
+    def put(self, key: bytes, page: bytes | memoryview, namespace: bytes = b"") -> bool:
         check_key(key)
+        ns = record.normalize_namespace(namespace)
         size = record.HEADER_BYTES + len(page)
         if size > self.config.capacity_bytes:
             return False
-        header = record.encode_header(key, page)
-        path = self._path(key)
-        tmp = self._tmp / f"{key.hex()}.{os.getpid()}.{threading.get_ident()}"
+        header = record.encode_header(key, page, ns)
+        path = self._file(key, ns)
+        tmp = f"{self._tmp}/{key.hex()}.{os.getpid()}.{threading.get_ident()}"
         try:
             with open(tmp, "wb") as f:
                 f.write(header)
@@ -96,41 +113,47 @@ class FileStore(L3Store):
                 if self.config.fsync:
                     f.flush()
                     os.fsync(f.fileno())
-            path.parent.mkdir(exist_ok=True)
             with self._lock:
-                os.replace(tmp, path)
-                self._bytes -= self._files.pop(key, 0)
-                self._files[key] = size
+                try:
+                    os.replace(tmp, path)
+                except FileNotFoundError:  # the page's first directory
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    os.replace(tmp, path)
+                self._bytes -= self._files.pop((ns, key), 0)
+                self._files[ns, key] = size
                 self._bytes += size
                 self._make_room(0)
         except OSError:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
             self.stats.errors += 1
             return False
         self.stats.puts += 1
         self.stats.bytes_in += len(page)
         return True
 
-    def get(self, key: bytes) -> bytes | None:
+    def get(self, key: bytes, namespace: bytes = b"") -> bytes | None:
         check_key(key)
+        ns = record.normalize_namespace(namespace)
         self.stats.gets += 1
         with self._lock:
-            if key not in self._files:
+            if (ns, key) not in self._files:
                 return None
-            self._files.move_to_end(key)
-        path = self._path(key)
+            self._files.move_to_end((ns, key))
+        path = self._file(key, ns)
         try:
-            blob = path.read_bytes()
+            with open(path, "rb") as f:
+                blob = f.read()
         except FileNotFoundError:
-            self._forget(key)
+            self._forget(ns, key)
             return None
         except OSError:
             self.stats.errors += 1
             return None
-        page = record.decode(key, blob)
+        page = record.decode(key, blob, ns)
         if page is None:
             self.stats.checksum_failures += 1
-            self.delete(key)
+            self.delete(key, ns)
             return None
         try:
             now = time.time_ns()
@@ -141,20 +164,41 @@ class FileStore(L3Store):
         self.stats.bytes_out += len(page)
         return bytes(page)
 
-    def delete(self, key: bytes) -> bool:
+    def delete(self, key: bytes, namespace: bytes = b"") -> bool:
         check_key(key)
-        present = self._forget(key)
+        ns = record.normalize_namespace(namespace)
+        present = self._forget(ns, key)
         try:
-            self._path(key).unlink()
+            os.unlink(self._file(key, ns))
         except FileNotFoundError:
             pass
         except OSError:
             self.stats.errors += 1
         return present
 
-    def _forget(self, key: bytes) -> bool:
+    def flush(self, namespace: bytes | None = None) -> int:
+        """Remove the namespace's files, those this store knows and any others in its
+        directory (left by another process sharing it); return how many."""
+        ns = None if namespace is None else record.normalize_namespace(namespace)
         with self._lock:
-            size = self._files.pop(key, None)
+            chosen = [name for name in self._files if ns is None or name[0] == ns]
+            for name in chosen:
+                self._bytes -= self._files.pop(name)
+        removed = 0
+        pattern = f"{'*' if ns is None else ns.hex()}/??/*{_SUFFIX}"
+        for path in self.root.glob(pattern):
+            try:
+                path.unlink()
+                removed += 1
+            except FileNotFoundError:
+                pass
+            except OSError:
+                self.stats.errors += 1
+        return removed
+
+    def _forget(self, namespace: bytes, key: bytes) -> bool:
+        with self._lock:
+            size = self._files.pop((namespace, key), None)
             if size is None:
                 return False
             self._bytes -= size
@@ -163,7 +207,8 @@ class FileStore(L3Store):
     def _make_room(self, incoming: int) -> None:
         """Evict least recently used files until `incoming` more bytes fit (lock held)."""
         while self._files and self._bytes + incoming > self.config.capacity_bytes:
-            key, size = self._files.popitem(last=False)
+            (namespace, key), size = self._files.popitem(last=False)
             self._bytes -= size
-            self._path(key).unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._file(key, namespace))
             self.stats.evictions += 1

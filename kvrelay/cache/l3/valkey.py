@@ -5,6 +5,10 @@ page another demoted. Values are checked records (`record.py`). Capacity and
 eviction are the server's (`maxmemory` with `allkeys-lru`), since several
 cache servers share it.
 
+A page is the value `<prefix><namespace hex>:<key>` (the key as 32 raw
+bytes), so flushing one tenant is a SCAN for its prefix and UNLINKs, even for
+pages no cache server indexes any more.
+
 A store that is down or slow must not fail requests: every call runs with a
 short socket timeout and no retries, and a failure answers a miss (or "not
 stored") and keeps the store off for `backoff_s`, so a dead server costs one
@@ -57,9 +61,12 @@ class ValkeyStore(L3Store):
         self._lock = threading.Lock()
         self._down_until = 0.0
 
-    def _name(self, key: bytes) -> bytes:
+    def _name(self, key: bytes, namespace: bytes) -> bytes:
         check_key(key)
-        return self.config.prefix + key
+        return self._ns_prefix(namespace) + key
+
+    def _ns_prefix(self, namespace: bytes) -> bytes:
+        return self.config.prefix + record.normalize_namespace(namespace).hex().encode() + b":"
 
     def _available(self) -> bool:
         return time.monotonic() >= self._down_until
@@ -71,12 +78,12 @@ class ValkeyStore(L3Store):
         # Connections of a dead or stuck server are useless; start afresh.
         self._client.connection_pool.disconnect()
 
-    def put(self, key: bytes, page: bytes | memoryview) -> bool:
-        name = self._name(key)
+    def put(self, key: bytes, page: bytes | memoryview, namespace: bytes = b"") -> bool:
+        name = self._name(key, namespace)
         if not self._available():
             return False
         try:
-            self._client.set(name, record.encode(key, page), ex=self.config.ttl_s)
+            self._client.set(name, record.encode(key, page, namespace), ex=self.config.ttl_s)
         except (redis.RedisError, OSError):
             self._failed()
             return False
@@ -84,11 +91,11 @@ class ValkeyStore(L3Store):
         self.stats.bytes_in += len(page)
         return True
 
-    def get(self, key: bytes) -> bytes | None:
-        return self.get_many([key])[0]
+    def get(self, key: bytes, namespace: bytes = b"") -> bytes | None:
+        return self.get_many([key], namespace)[0]
 
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        names = [self._name(key) for key in keys]
+    def get_many(self, keys: Sequence[bytes], namespace: bytes = b"") -> list[bytes | None]:
+        names = [self._name(key, namespace) for key in keys]
         self.stats.gets += len(keys)
         if not names or not self._available():
             return [None] * len(keys)
@@ -100,7 +107,7 @@ class ValkeyStore(L3Store):
         pages: list[bytes | None] = []
         corrupt = []
         for key, blob in zip(keys, blobs, strict=True):
-            page = None if blob is None else record.decode(key, blob)
+            page = None if blob is None else record.decode(key, blob, namespace)
             if blob is not None and page is None:
                 corrupt.append(key)
             pages.append(None if page is None else bytes(page))
@@ -109,11 +116,11 @@ class ValkeyStore(L3Store):
                 self.stats.bytes_out += len(page)
         for key in corrupt:
             self.stats.checksum_failures += 1
-            self.delete(key)
+            self.delete(key, namespace)
         return pages
 
-    def delete(self, key: bytes) -> bool:
-        name = self._name(key)
+    def delete(self, key: bytes, namespace: bytes = b"") -> bool:
+        name = self._name(key, namespace)
         if not self._available():
             return False
         try:
@@ -122,6 +129,37 @@ class ValkeyStore(L3Store):
             self._failed()
             return False
 
+    def flush(self, namespace: bytes | None = None) -> int:
+        """SCAN for the namespace's names (every kvrelay page with None) and UNLINK them
+        in batches; return how many went. A failure midway stops with what was done."""
+        prefix = self.config.prefix if namespace is None else self._ns_prefix(namespace)
+        pattern = _glob_escape(prefix) + b"*"
+        removed = 0
+        if not self._available():
+            return 0
+        try:
+            batch: list[bytes] = []
+            for name in self._client.scan_iter(match=pattern, count=1000):
+                batch.append(name)
+                if len(batch) >= 1000:
+                    removed += self._client.unlink(*batch)
+                    batch = []
+            if batch:
+                removed += self._client.unlink(*batch)
+        except (redis.RedisError, OSError):
+            self._failed()
+        return removed
+
     def close(self) -> None:
         self._client.close()
         self._client.connection_pool.disconnect()
+
+
+def _glob_escape(text: bytes) -> bytes:
+    """`text` matched literally in a SCAN MATCH pattern."""
+    out = bytearray()
+    for byte in text:
+        if byte in b"*?[]\\":
+            out += b"\\"
+        out.append(byte)
+    return bytes(out)

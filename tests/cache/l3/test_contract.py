@@ -47,6 +47,19 @@ def test_put_replaces(store):
     assert store.get(key(0)) == page(7, 100)
 
 
+def test_namespaces_are_apart_and_flush_one(store):
+    a, b = key(100), key(200)
+    assert store.put(key(0), page(0), a)
+    assert store.put(key(1), page(1), a)
+    assert store.put(key(0), page(5), b)
+    assert store.get(key(0), b) == page(5) and store.get(key(0)) is None
+    assert store.get_many([key(0), key(1)], a) == [page(0), page(1)]
+    assert store.flush(a) == 2
+    assert store.get_many([key(0), key(1)], a) == [None, None]
+    assert store.get(key(0), b) == page(5)
+    assert not store.delete(key(0), a) and store.delete(key(0), b)
+
+
 def test_bad_keys_raise(store):
     with pytest.raises(ValueError):
         store.put(b"short", b"x")

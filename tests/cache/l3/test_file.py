@@ -21,7 +21,7 @@ def make(tmp_path, pages: int = 4, **kw) -> FileStore:
 
 
 def page_files(store: FileStore) -> list:
-    return sorted(store.root.glob("??/*.page"))
+    return sorted(store.root.glob("*/??/*.page"))
 
 
 def test_lru_eviction_at_capacity(tmp_path):
@@ -110,3 +110,35 @@ def test_a_file_removed_behind_the_store_is_a_miss(tmp_path):
 def test_fsync_option_writes_the_same(tmp_path):
     store = make(tmp_path, fsync=True)
     assert store.put(key(0), page(0)) and store.get(key(0)) == page(0)
+
+
+def test_flush_one_namespace_keeps_others_and_survives_restart(tmp_path):
+    a, b = key(100), key(200)
+    store = make(tmp_path, pages=8)
+    for i in range(3):
+        store.put(key(i), page(i), a)
+    store.put(key(0), page(9), b)  # the same key in another namespace is another page
+    assert store.get(key(0), a) == page(0) and store.get(key(0), b) == page(9)
+    assert store.get(key(0)) is None
+    # A restart finds every namespace's files; another process's stray file too.
+    reopened = make(tmp_path, pages=8)
+    assert len(reopened) == 4 and reopened.get(key(2), a) == page(2)
+    stray = reopened._path(key(7), a)
+    stray.parent.mkdir(parents=True, exist_ok=True)
+    stray.write_bytes(b"left by another process")
+    assert reopened.flush(a) == 4
+    assert reopened.get(key(1), a) is None and not stray.exists()
+    assert len(reopened) == 1 and reopened.used_bytes == RECORD
+    assert reopened.get(key(0), b) == page(9)
+    assert reopened.flush() == 1 and page_files(reopened) == []
+
+
+def test_a_file_moved_to_another_namespace_is_a_miss(tmp_path):
+    a, b = key(100), key(200)
+    store = make(tmp_path)
+    store.put(key(0), page(0), a)
+    target = store._path(key(0), b)
+    target.parent.mkdir(parents=True)
+    store._path(key(0), a).rename(target)
+    reopened = make(tmp_path)
+    assert reopened.get(key(0), b) is None and reopened.stats.checksum_failures == 1

@@ -1,5 +1,7 @@
 import hashlib
 
+import pytest
+
 from kvrelay.cache.l3 import record
 
 KEY = hashlib.sha256(b"k").digest()
@@ -29,3 +31,21 @@ def test_truncated_extended_or_foreign_records_are_rejected():
     assert record.decode(KEY, blob + b"\0") is None
     assert record.decode(KEY, blob[:10]) is None
     assert record.decode(OTHER, blob) is None  # stored under the wrong key
+    assert record.decode(KEY, blob, OTHER) is None  # or in the wrong namespace
+
+
+def test_namespace_is_part_of_the_record():
+    blob = record.encode(KEY, PAGE, OTHER)
+    assert len(blob) == 96 + len(PAGE)
+    assert bytes(record.decode(KEY, blob, OTHER)) == PAGE
+    assert record.decode(KEY, blob) is None
+    # b"" (no namespace) is stored as all zeros.
+    assert bytes(record.decode(KEY, record.encode(KEY, PAGE), record.NO_NAMESPACE)) == PAGE
+    with pytest.raises(ValueError):
+        record.encode(KEY, PAGE, b"short")
+
+
+def test_version_1_records_are_rejected():
+    blob = bytearray(record.encode(KEY, PAGE))
+    blob[4] = 1
+    assert record.decode(KEY, bytes(blob)) is None
