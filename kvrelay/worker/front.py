@@ -79,6 +79,7 @@ class WorkerFront:
         self._listener: socket.socket | None = None
         self._inflight = 0
         self._last_status: dict | None = None
+        self._accept_task: asyncio.Task | None = None
 
     # -- lifecycle -------------------------------------------------------------
     async def start(self) -> WorkerFront:
@@ -105,7 +106,7 @@ class WorkerFront:
         self._listener = listener
         bound_host, bound_port = listener.getsockname()[:2]
         self.address = f"{bound_host}:{bound_port}"
-        self._spawn(self._accept_loop())
+        self._accept_task = self._spawn(self._accept_loop())
         self._spawn(self.scheduler())
         if c.control:
             self.registrar = Registrar(c.control, c.token, self.registration(), self.heartbeat)
@@ -136,7 +137,11 @@ class WorkerFront:
         """Deregister, refuse new requests, let in-flight ones finish (or fail
         them at the drain deadline), stop the ranks."""
         self.draining = True
-        if self._listener is not None:
+        if self._listener is not None and self._accept_task is not None:
+            # Stop accepting first: closing a socket the loop still watches
+            # would hand its fd number, still registered, to the next socket.
+            self._accept_task.cancel()
+            await asyncio.gather(self._accept_task, return_exceptions=True)
             self._listener.close()
         if self.registrar is not None:
             await self.registrar.deregister()
