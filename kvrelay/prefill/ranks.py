@@ -33,6 +33,7 @@ class PrefillRanks:
         }
 
     def counters(self) -> dict:
+        self.sweep()  # rows of released or expired handles count as free
         return self.rt.counters() | {"leases": len(self.outstanding)}
 
     # -- staging rows held by published handles ----------------------------

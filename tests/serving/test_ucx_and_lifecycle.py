@@ -16,14 +16,16 @@ from tests.serving.test_workers import addr, fc_params
 ucx = pytest.importorskip("kvrelay._ucx", reason="kvrelay._ucx was not built")
 
 UCX_ENV = {"UCX_TLS": "sm,self"}
+STAGING = 8
 
 
 @pytest.fixture(scope="module")
 def pair(launch, control, model_dir):
     """No tier: prefill without its pool's prefix index (the baseline), decode normal."""
+    # Staging for two 4-page prompts at a time, at most 3 requests queued.
+    extra = ["--no-local-cache", "--staging-pages", STAGING, "--max-queue", 3]
     prefill = launch(
-        *worker_args("prefill", model_dir, control, backend="ucx", extra=["--no-local-cache"]),
-        env=UCX_ENV,
+        *worker_args("prefill", model_dir, control, backend="ucx", extra=extra), env=UCX_ENV
     )
     decode = launch(*worker_args("decode", model_dir, control, backend="ucx"), env=UCX_ENV)
     return prefill, decode
@@ -43,6 +45,39 @@ def test_ucx_pair_matches_one_process_without_any_cache(pair, model_dir):
         assert got["done"]["pulled"]["prefill_pages"] + got["done"]["pulled"]["local_pages"] == 4
     stats = asyncio.run(fc.call(addr(prefill), {"op": "stats"}))["stats"]
     assert stats["computed_tokens"] == 2 * len(prompt) and stats["local_hit_tokens"] == 0
+
+
+def test_staging_rows_held_by_handles_hold_back_the_queue(pair):
+    prefill, _ = pair
+    prompt = prompt_tokens(3 * PAGE + 2, seed=40)  # 4 pages: two fit in staging
+
+    async def burst():
+        return await asyncio.gather(
+            *(
+                fc.prefill(addr(prefill), f"b{i}", prompt, fc.params(4), lease_s=1.0)
+                for i in range(6)
+            )
+        )
+
+    replies = asyncio.run(burst())
+    served = [r for r in replies if r["ok"]]
+    busy = [r for r in replies if not r["ok"]]
+    assert busy and all(r["error"] == "Busy" for r in busy)
+    assert len(served) >= 3
+    # The third waited for the first two handles' leases to run out.
+    assert max(r["timings"]["queue_s"] for r in served) > 0.5
+    too_big = asyncio.run(fc.prefill(addr(prefill), "big", prompt_tokens(9 * PAGE), fc.params()))
+    assert too_big["error"] == "PoolExhausted"
+
+    async def staging_free():
+        return (await fc.call(addr(prefill), {"op": "stats"}))["stats"]["staging_free"]
+
+    async def wait_for_rows():
+        async with asyncio.timeout(10):
+            while await staging_free() != STAGING:
+                await asyncio.sleep(0.1)
+
+    asyncio.run(wait_for_rows())  # every lease expired: every row is back
 
 
 def test_drain_then_sigterm_deregisters(pair, control):

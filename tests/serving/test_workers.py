@@ -87,6 +87,15 @@ def test_workers_register_with_control(cluster, control):
         time.sleep(0.1)
     beat = control.heartbeats[cluster["decode"].info["node_id"]]
     assert beat["free_pages"] > 0 and "requests" in beat["stats"]
+    # Control forgets a node (a restart): its next heartbeat registers it again.
+    forgotten = cluster["prefill_pp2"].info["node_id"]
+    with control.lock:
+        del control.nodes[forgotten]
+    while not any(
+        body["address"] == addr(cluster["prefill_pp2"]) for body in control.nodes.values()
+    ):
+        assert time.monotonic() < deadline + 10, "no registration after a 404 heartbeat"
+        time.sleep(0.1)
 
 
 @pytest.mark.parametrize(
@@ -100,6 +109,8 @@ def test_prefill_then_decode_equals_one_process(cluster, reference, sampling, se
     assert got["ok"], got
     assert got["tokens"] == reference(prompt, sampling)
     answer = got["prefill"]
+    # decode released prefill's handle: its staging rows are free again
+    assert run(stats(cluster["prefill"]))["staging_free"] == 128
     assert answer["pages"] == 4 and answer["tier_pages"] == 3
     assert answer["spec"] == {"tp": 1, "pp": 1} and len(answer["handles"]) == 1
     pulled = got["done"]["pulled"]
