@@ -118,13 +118,20 @@ class DecodeWorker(WorkerFront):
                     await self._wake.wait()
             except Exception as exc:  # the ranks are gone or out of step
                 log.error("decode scheduler: %r", exc)
-                jobs = list(self._waiting) + list(self._running.values())
+                running = dict(self._running)
+                jobs = list(self._waiting) + list(running.values())
                 self._waiting.clear()
                 self._running.clear()
                 for job in jobs:
-                    job.frames.put_nowait(error_reply(exc, job.rid))
+                    self._fail(job, exc)
                 if not self.engine.alive:
                     return
+                # The ranks are still up: give the failed sequences' pages back.
+                for seq_id in running:
+                    try:
+                        await self.ranks("cancel", seq_id)
+                    except Exception as again:
+                        log.error("decode: cancelling %d failed: %r", seq_id, again)
 
     _blocked = False
 
