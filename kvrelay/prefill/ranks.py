@@ -11,6 +11,7 @@ import time
 
 from kvrelay.model.engine import Request
 from kvrelay.model.transfer import export_prefix, import_prefix
+from kvrelay.transfer import BlockHandle
 from kvrelay.worker.protocol import pages_of, sampling
 from kvrelay.worker.rank import RankOptions, RankRuntime
 
@@ -27,6 +28,7 @@ class PrefillRanks:
         return {
             "prefill_batch": self.prefill_batch,
             "sweep": self.sweep,
+            "drop_handles": self.drop_handles,
             "counters": self.counters,
             "agent_address": lambda: self.rt.agent.address,
             "close": self.rt.close,
@@ -50,6 +52,22 @@ class PrefillRanks:
         for lid in self.rt.run(ended()):
             self.rt.rows.give_back(self.outstanding.pop(lid))
         return self.rt.rows.free
+
+    def drop_handles(self, handles: list[bytes]) -> int:
+        """Ends this rank's leases among `handles` (control went away before
+        decode could read them) and returns their rows."""
+        mine = []
+        for data in handles:
+            handle = BlockHandle.from_bytes(data)
+            if handle.agent_id == self.rt.agent.agent_id:
+                mine.append(handle.lease_id)
+
+        async def end() -> None:
+            for lease_id in mine:
+                self.rt.agent.leases.release(lease_id)
+
+        self.rt.run(end())
+        return self.sweep()
 
     # -- the batch -----------------------------------------------------------
     def prefill_batch(self, batch: list[dict]) -> list[dict]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from kvrelay.model.errors import PoolExhausted, RequestError
 from kvrelay.prefill.ranks import prefill_rank_setup
+from kvrelay.transfer import PeerError
 from kvrelay.transfer.wire import Connection
 from kvrelay.worker.front import WorkerConfig, WorkerFront, log
 from kvrelay.worker.protocol import Busy, check_params, check_tokens, error_reply, pages_of
@@ -24,6 +25,7 @@ class _Pending:
     item: dict
     future: asyncio.Future
     queued_at: float = field(default_factory=time.perf_counter)
+    abandoned: bool = False  # control closed the connection before the answer
 
 
 class PrefillWorker(WorkerFront):
@@ -34,6 +36,7 @@ class PrefillWorker(WorkerFront):
         self._queue: list[_Pending] = []
         self._wake = asyncio.Event()
         self._running = 0
+        self._batch: list[_Pending] = []  # the requests the ranks are working on
 
     def queued(self) -> int:
         return len(self._queue)
@@ -63,16 +66,38 @@ class PrefillWorker(WorkerFront):
         pending = _Pending(rid, item, asyncio.get_running_loop().create_future())
         self._queue.append(pending)
         self._wake.set()
+        # Control sends nothing more: a recv that returns means it closed.
+        closed = asyncio.create_task(conn.recv())
         try:
-            answer = await pending.future
-        except Exception as exc:
-            self.counters.errors += 1
-            await conn.send(error_reply(exc, rid))
-            return
+            await asyncio.wait({pending.future, closed}, return_when=asyncio.FIRST_COMPLETED)
+            if not pending.future.done():
+                # Gone before the answer: a queued request leaves the queue; one
+                # the ranks are running drops its handles when it is done.
+                pending.abandoned = True
+                if pending not in self._batch and pending in self._queue:
+                    self._queue.remove(pending)
+                return
+            exc = pending.future.exception()
+            if exc is not None:
+                self.counters.errors += 1
+                await conn.send(error_reply(exc, rid))
+                return
+            answer = pending.future.result()
+            if closed.done() or conn.closed_by_peer():
+                await self._drop(answer)  # nobody will read or release them
+                return
+            try:
+                await conn.send({"ok": True, "rid": rid, **answer})
+            except PeerError:
+                await self._drop(answer)
         finally:
-            if pending in self._queue:  # cancelled while queued
-                self._queue.remove(pending)
-        await conn.send({"ok": True, "rid": rid, **answer})
+            closed.cancel()
+
+    async def _drop(self, answer: dict) -> None:
+        """End the leases of an answer's handles now, freeing their staging rows."""
+        handles = [h["handle"] for h in answer.get("handles", [])]
+        if handles:
+            await self.ranks("drop_handles", handles)
 
     async def scheduler(self) -> None:
         while True:
@@ -82,6 +107,7 @@ class PrefillWorker(WorkerFront):
                 continue
             batch = self._queue[: self.config.max_batch]
             self._running = len(batch)
+            self._batch = batch
             try:
                 answers = await self.ranks("prefill_batch", [p.item for p in batch])
             except Exception as exc:
@@ -89,7 +115,7 @@ class PrefillWorker(WorkerFront):
                 for pending in batch:
                     if pending in self._queue:
                         self._queue.remove(pending)
-                    if not pending.future.done():
+                    if not pending.future.done() and not pending.abandoned:
                         pending.future.set_exception(exc)
                 if not self.engine.alive:
                     self._fail_queue(RuntimeError("the worker's ranks are gone"))
@@ -97,6 +123,7 @@ class PrefillWorker(WorkerFront):
                 continue
             finally:
                 self._running = 0
+                self._batch = []
             done = len(answers[0])
             if not done:
                 await asyncio.sleep(RETRY_S)  # staging full: wait for releases
@@ -104,8 +131,12 @@ class PrefillWorker(WorkerFront):
             for i, pending in enumerate(batch[:done]):
                 self._queue.remove(pending)
                 answer = self._merge([rank[i] for rank in answers], pending)
-                if not pending.future.done():
+                if pending.abandoned:
+                    await self._drop(answer)
+                elif not pending.future.done():
                     pending.future.set_result(answer)
+            # Abandoned while their batch ran but not taken: nobody waits for them.
+            self._queue = [p for p in self._queue if not p.abandoned]
 
     def _merge(self, per_rank: list[dict], pending: _Pending) -> dict:
         first = per_rank[0]

@@ -157,7 +157,8 @@ def test_second_turn_hits_the_tier_for_the_whole_conversation(cluster, reference
 def test_a_redeployed_prefill_with_another_config_still_hits(cluster, reference):
     prompt = prompt_tokens(4 * PAGE + 2, seed=90)
     sampling = fc.params(6)
-    first = run(fc.prefill(addr(cluster["prefill"]), "d1", prompt, sampling))
+    # Nobody decodes this one: a short lease gives its staging rows back soon.
+    first = run(fc.prefill(addr(cluster["prefill"]), "d1", prompt, sampling, lease_s=1.0))
     assert first["ok"] and first["cached_tokens"]["tier"] == 0
     # Same model, PP=2 in its own process group: the tier serves the prompt.
     again = run(fc.serve(addr(cluster["prefill_pp2"]), addr(cluster["decode"]), "d2", prompt,
@@ -187,6 +188,45 @@ def test_bad_requests_get_typed_errors(cluster):
 
     with pytest.raises(RuntimeError, match="AuthError"):
         run(bad_token())
+
+
+def test_prefill_abandoned_by_control_returns_its_staging_rows(cluster):
+    prefill = cluster["prefill"]
+
+    async def send_and_close(rid, length):
+        conn = await fc.open_worker(addr(prefill))
+        await conn.send({"op": "prefill", "rid": rid, "tokens": prompt_tokens(length, seed=7),
+                         "params": fc.params(4), "lease_s": 600})  # fmt: skip
+        conn.close()
+
+    async def abandon():
+        # Several at once: some are dropped while queued, some after computing.
+        await asyncio.gather(*(send_and_close(f"a{i}", 5 * PAGE + i) for i in range(4)))
+        async with asyncio.timeout(20):
+            while (await stats(prefill))["staging_free"] != 128:
+                await asyncio.sleep(0.1)
+
+    run(abandon())  # the 600 s leases ended at once, not by expiry
+
+
+@pytest.mark.parametrize("length", [1, 2 * PAGE], ids=["one-token", "whole-pages"])
+def test_prompts_without_full_or_partial_pages(cluster, reference, length):
+    prompt = prompt_tokens(length, seed=60 + length)
+    sampling = fc.params(7)
+    got = run(fc.serve(addr(cluster["prefill_tp2"]), addr(cluster["decode"]), "e", prompt,
+                       sampling))  # fmt: skip
+    assert got["ok"], got
+    assert got["tokens"] == reference(prompt, sampling)
+    assert got["prefill"]["pages"] == -(-length // PAGE)
+
+
+def test_a_first_token_that_stops_needs_no_decode(cluster, reference):
+    prompt = prompt_tokens(PAGE + 3, seed=61)
+    first = reference(prompt, fc.params(1))[0]
+    answer = run(fc.prefill(addr(cluster["prefill"]), "s", prompt, fc.params(5, stop=[first])))
+    assert answer["ok"] and answer["first_token"] == first
+    assert answer["finish_reason"] == "stop" and answer["handles"] == []
+    assert run(stats(cluster["prefill"]))["staging_free"] == 128
 
 
 def test_cancelled_decode_returns_its_pages(cluster):
