@@ -10,6 +10,8 @@ agreed with `min_all`, so every rank raises the same error or none.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+from dataclasses import dataclass
 
 from kvrelay.layout import rank_rectangle
 from kvrelay.model.engine import Request
@@ -32,15 +34,28 @@ def intersect(mine, theirs) -> list[tuple[int, int, int]]:
     return out
 
 
+@dataclass(slots=True)
+class _Load:
+    item: dict
+    request: Request
+    hit: list[int]  # pool pages of the prompt, referenced until the load ends
+    local: int
+    rows: list[int]
+    need: int
+    pulls: concurrent.futures.Future
+
+
 class DecodeRanks:
     def __init__(self, engine, options: RankOptions) -> None:
         self.rt = RankRuntime(engine, options)
         self.engine = engine
         self.ps = engine.spec.page_size
+        self.loads: dict[int, _Load] = {}  # in start order
+        self.reserved = 0  # pool pages promised to loads in flight
 
     def handlers(self) -> dict:
         return {
-            "load": self.load,
+            "load_start": self.load_start,
             "step": self.step,
             "cancel": self.engine.cancel,
             "counters": self.rt.counters,
@@ -48,7 +63,11 @@ class DecodeRanks:
         }
 
     # -- bringing the prompt's KV in ---------------------------------------------
-    def load(self, item: dict) -> dict:
+    def load_start(self, load_id: int, item: dict) -> dict:
+        """Reserves room for a request and starts pulling its pages on the
+        agent's loop (the tier, then the prefill handles); the running batch
+        keeps stepping meanwhile. `step` finishes the load once every rank's
+        pulls are done. PoolExhausted (agreed) when the room is not there now."""
         tokens, first = item["tokens"], item["first_token"]
         keys = self.engine.spec.page_keys(tokens)
         pages = pages_of(len(tokens), self.ps)
@@ -61,52 +80,78 @@ class DecodeRanks:
             skip_draws=1,
         )
         pool = self.engine.pool
+        # References on the pool's pages of the prompt keep them through the load.
         hit = pool.match_prefix(keys) if self.rt.options.local_cache else []
         local = self.rt.agree(len(hit))
-        try:
-            # Pages of the whole sequence, plus one for the copy of the
-            # partial page the admission makes.
-            need = pages_of(len(tokens) + params.max_new_tokens - 1, self.ps) + 1 - local
-            rows_need = pages - local
-            fits = pool.free_pages >= need and self.rt.rows.free >= rows_need
-            if not self.rt.agree(fits):
-                raise PoolExhausted(need, pool.free_pages)
-            rows = self.rt.rows.take(rows_need)
-            try:
-                pulled = self._pull(item, keys, local, pages, rows)
-                ids = [rows[0]] * local + rows if rows else []
-                if rows:
-                    import_prefix(self.engine, tokens, self.rt.staging, ids)
-            finally:
-                self.rt.rows.give_back(rows)
-            seq_id = self.engine.admit(request)
-        finally:
+        # Pages of the whole sequence, plus one for the copy of the partial
+        # page the admission makes; loads in flight have reserved theirs.
+        need = pages_of(len(tokens) + params.max_new_tokens - 1, self.ps) + 1 - local
+        room = pool.free_pages - self.reserved
+        fits = room >= need and self.rt.rows.free >= pages - local
+        if not self.rt.agree(fits):
             pool.release(hit)
-        if not self.rt.options.local_cache:
-            self.rt.clear_cache()
-        return {"seq_id": seq_id, "local_pages": local, **pulled}
+            raise PoolExhausted(need, max(room, 0))
+        rows = self.rt.rows.take(pages - local)
+        self.reserved += need
+        pulls = asyncio.run_coroutine_threadsafe(
+            self._pull(item, keys, local, pages, rows), self.rt.loop
+        )
+        self.loads[load_id] = _Load(item, request, hit, local, rows, need, pulls)
+        return {"local_pages": local}
 
-    def _pull(self, item, keys, local, pages, rows) -> dict:
-        full = len(keys)
-        tier_end = max(local, min(int(item["tier_pages"]), full))
-        tier = self.rt.tier_lookup(keys[local:tier_end], rows[: tier_end - local])
-        start = local + tier
-        ok, why, nbytes = 1, "", 0
+    async def _pull(self, item, keys, local, pages, rows) -> dict:
+        """This rank's pages [local, pages): what the tier has of
+        [local, tier_pages), the rest from the prefill handles."""
+        tier = 0
+        tier_end = max(local, min(int(item["tier_pages"]), len(keys)))
+        if self.rt.cache is not None and tier_end > local:
+            tier = await self.rt.cache.lookup(
+                keys[local:tier_end], self.rt.arena, self.rt.offsets(rows[: tier_end - local])
+            )
+        start, nbytes = local + tier, 0
         if start < pages:
+            nbytes = await self._from_prefill(item["handles"], start, pages, rows, local)
+        return {"tier_pages": tier, "prefill_pages": pages - start, "bytes_from_prefill": nbytes}
+
+    def _finish_loads(self) -> list[dict]:
+        """Loads whose pulls are done on every rank: scatter into the pool and
+        admit, or fail (PullFailed on every rank). Answers per load."""
+        answers = []
+        for load_id, load in list(self.loads.items()):
+            if not self.rt.agree(load.pulls.done()):
+                continue
+            why = ""
             try:
-                nbytes = self.rt.run(self._from_prefill(item["handles"], start, pages, rows, local))
-            except (TransferError, RequestError, TimeoutError, ValueError) as exc:
-                ok, why = 0, f"{type(exc).__name__}: {exc}"
-        # Also a barrier: every rank has finished reading before rank 0 releases.
-        if not self.rt.agree(ok):
-            raise PullFailed(why or "another rank failed to pull its pages from prefill")
-        if self.engine.parallel.rank == 0:
-            self.rt.run(self._release(item["handles"]))
-        return {
-            "tier_pages": tier,
-            "prefill_pages": pages - start,
-            "bytes_from_prefill": nbytes,
-        }
+                pulled = load.pulls.result()
+            except Exception as exc:
+                why, pulled = f"{type(exc).__name__}: {exc}", {}
+            # Also the barrier: every rank has read before rank 0 releases.
+            ok = self.rt.agree(not why)
+            if self.engine.parallel.rank == 0:
+                # In the background: a slow or dead prefill must not hold the batch.
+                asyncio.run_coroutine_threadsafe(self._release(load.item["handles"]), self.rt.loop)
+            answer = {"load_id": load_id, "local_pages": load.local}
+            try:
+                if not ok:
+                    raise PullFailed(why or "another rank failed to pull its pages")
+                if load.rows:
+                    ids = [load.rows[0]] * load.local + load.rows
+                    import_prefix(self.engine, load.item["tokens"], self.rt.staging, ids)
+                answer["seq_id"] = self.engine.admit(load.request)
+                answer["tier_pages"] = self.rt.agree(pulled["tier_pages"])
+                answer["prefill_pages"] = pulled["prefill_pages"]
+                answer["bytes_from_prefill"] = pulled["bytes_from_prefill"]
+            except (PullFailed, PoolExhausted, RequestError) as exc:
+                answer["error"] = [type(exc).__name__, str(exc)]
+            finally:
+                del self.loads[load_id]
+                self.rt.rows.give_back(load.rows)
+                self.engine.pool.release(load.hit)
+                self.reserved -= load.need
+            answers.append(answer)
+        if answers and not self.rt.options.local_cache:
+            self.rt.clear_cache()
+        return answers
 
     async def _from_prefill(self, handles, start, pages, rows, local) -> int:
         """Each prefill writer's handle, narrowed to the overlap of its
@@ -140,15 +185,20 @@ class DecodeRanks:
         return covered * (pages - start)
 
     async def _release(self, handles) -> None:
-        for entry in handles:
+        async def one(entry) -> None:
             try:
                 handle = BlockHandle.from_bytes(entry["handle"])
                 await self.rt.agent.release_remote(handle, timeout=2.0)
-            except (TransferError, TimeoutError, OSError):
+            except (TransferError, TimeoutError, OSError, ValueError):
                 pass  # the lease expires on its own
 
+        await asyncio.gather(*(one(entry) for entry in handles))
+
     # -- generation ----------------------------------------------------------------
-    def step(self) -> list[dict]:
+    def step(self) -> dict:
+        """Finish the loads that are done (their sequences join the batch),
+        then one step of the batch."""
+        loads = self._finish_loads()
         out = []
         for output in self.engine.step():
             written = None
@@ -162,7 +212,7 @@ class DecodeRanks:
                     "written": written,
                 }
             )
-        return out
+        return {"loads": loads, "outputs": out}
 
     def _write_back(self, tokens: list[int]) -> int | None:
         """Full pages of a finished sequence (prompt and answer) to the tier;

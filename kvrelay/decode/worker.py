@@ -6,6 +6,7 @@ connection. A closed connection cancels its sequence."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -15,7 +16,9 @@ from kvrelay.transfer import PeerError
 from kvrelay.transfer.wire import Connection
 from kvrelay.worker.front import WorkerConfig, WorkerFront, log
 from kvrelay.worker.protocol import Busy, check_params, check_tokens, error_reply
-from kvrelay.worker.rank import PullFailed
+
+# How often the ranks are asked whether pulls finished while nothing runs.
+LOAD_POLL_S = 0.002
 
 
 @dataclass(slots=True)
@@ -55,13 +58,16 @@ class DecodeWorker(WorkerFront):
         super().__init__(config, decode_rank_setup)
         self._waiting: deque[_Job] = deque()
         self._running: dict[int, _Job] = {}
+        self._loading: dict[int, _Job] = {}  # pulls in flight, by load id
+        self._load_ids = itertools.count(1)
+        self._blocked = False
         self._wake = asyncio.Event()
 
     def queued(self) -> int:
         return len(self._waiting)
 
     def active(self) -> int:
-        return len(self._running)
+        return len(self._running) + len(self._loading)
 
     async def handle(self, conn: Connection, message: dict) -> None:
         rid = message.get("rid")
@@ -109,18 +115,22 @@ class DecodeWorker(WorkerFront):
     async def scheduler(self) -> None:
         while True:
             try:
-                await self._admit_waiting()
+                await self._start_loads()
                 await self._drop_cancelled()
-                if self._running:
+                if self._running or self._loading:
                     await self._step()
+                    if not self._running:
+                        # Only pulls in flight: poll them without spinning.
+                        await asyncio.sleep(LOAD_POLL_S)
                 elif not self._waiting or self._blocked:
                     self._wake.clear()
                     await self._wake.wait()
             except Exception as exc:  # the ranks are gone or out of step
                 log.error("decode scheduler: %r", exc)
                 running = dict(self._running)
-                jobs = list(self._waiting) + list(running.values())
+                jobs = [*self._waiting, *self._loading.values(), *running.values()]
                 self._waiting.clear()
+                self._loading.clear()  # a load finishing later is cancelled in _step
                 self._running.clear()
                 for job in jobs:
                     self._fail(job, exc)
@@ -133,44 +143,59 @@ class DecodeWorker(WorkerFront):
                     except Exception as again:
                         log.error("decode: cancelling %d failed: %r", seq_id, again)
 
-    _blocked = False
-
-    async def _admit_waiting(self) -> None:
+    async def _start_loads(self) -> None:
         self._blocked = False
-        while self._waiting and len(self._running) < self.config.max_batch:
+        while self._waiting and len(self._running) + len(self._loading) < self.config.max_batch:
             job = self._waiting[0]
             if job.cancelled:
                 self._waiting.popleft()
                 continue
+            load_id = next(self._load_ids)
             try:
-                answers = await self.ranks("load", job.item)
+                answers = await self.ranks("load_start", load_id, job.item)
             except PoolExhausted as exc:
-                if self._running:
+                if self._running or self._loading:
                     self._blocked = True  # pages come back as sequences finish
                     return
                 self._waiting.popleft()
                 self._fail(job, exc)
                 continue
-            except (RequestError, PullFailed) as exc:
+            except RequestError as exc:
                 self._waiting.popleft()
                 self._fail(job, exc)
                 continue
             self._waiting.popleft()
-            first = answers[0]
-            job.seq_id = first["seq_id"]
-            job.pulled = {
-                "local_pages": first["local_pages"],
-                "tier_pages": first["tier_pages"],
-                "prefill_pages": first["prefill_pages"],
-            }
+            job.pulled = {"local_pages": answers[0]["local_pages"]}
+            self._loading[load_id] = job
+
+    def _loaded(self, per_rank: list[dict]) -> list[int]:
+        """Loads the ranks finished: their jobs run, or fail. Returns the
+        sequences to cancel (their job is gone)."""
+        orphans = []
+        for i, answer in enumerate(per_rank[0]):
+            job = self._loading.pop(answer["load_id"], None)
+            if "error" in answer:
+                if job is not None:
+                    name, message = answer["error"]
+                    self.counters.errors += 1
+                    job.frames.put_nowait(
+                        {"ok": False, "error": name, "message": message, "rid": job.rid}
+                    )
+                continue
+            if job is None:
+                orphans.append(answer["seq_id"])
+                continue
+            job.seq_id = answer["seq_id"]
+            job.pulled |= {k: answer[k] for k in ("tier_pages", "prefill_pages")}
             self._running[job.seq_id] = job
             c = self.counters
             c.requests += 1
             c.prompt_tokens += len(job.item["tokens"])
             c.computed_tokens += 1  # prefill's first token: its KV is computed here
-            c.local_hit_tokens += first["local_pages"] * self.config.page_size
-            c.tier_hit_tokens += first["tier_pages"] * self.config.page_size
-            c.bytes_from_prefill += sum(a["bytes_from_prefill"] for a in answers)
+            c.local_hit_tokens += answer["local_pages"] * self.config.page_size
+            c.tier_hit_tokens += answer["tier_pages"] * self.config.page_size
+            c.bytes_from_prefill += sum(r[i]["bytes_from_prefill"] for r in per_rank)
+        return orphans
 
     def _fail(self, job: _Job, exc: Exception) -> None:
         self.counters.errors += 1
@@ -184,7 +209,10 @@ class DecodeWorker(WorkerFront):
 
     async def _step(self) -> None:
         per_rank = await self.ranks("step")
-        for i, out in enumerate(per_rank[0]):
+        for seq_id in self._loaded([r["loads"] for r in per_rank]):
+            await self.ranks("cancel", seq_id)
+        outputs = [r["outputs"] for r in per_rank]
+        for i, out in enumerate(outputs[0]):
             job = self._running.get(out["seq_id"])
             if job is None:
                 continue
@@ -193,7 +221,7 @@ class DecodeWorker(WorkerFront):
                 job.frames.put_nowait({"ok": True, "rid": job.rid, "tokens": out["tokens"]})
             if out["finish_reason"] is not None:
                 del self._running[out["seq_id"]]
-                written = [r[i]["written"] for r in per_rank if r[i]["written"] is not None]
+                written = [r[i]["written"] for r in outputs if r[i]["written"] is not None]
                 job.frames.put_nowait(
                     {
                         "ok": True,

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import time
 
 import pytest
 
 from kvrelay.model import Request, SamplingParams, load_engine
+from kvrelay.transfer import BlockHandle
 from tests.model.conftest import prompt_tokens
 from tests.serving import fake_control as fc
 from tests.serving.conftest import DTYPE, PAGE, cache_args, worker_args
@@ -257,7 +259,7 @@ def test_cancelled_decode_returns_its_pages(cluster):
 
 def test_killed_prefill_fails_fast_and_decode_returns_pages(cluster, launch, control, model_dir):
     victim = launch(*worker_args("prefill", model_dir, control, cache=()))
-    decode = cluster["decode_tp2"]
+    decode = cluster["decode_tp2"]  # no tier: every page comes from prefill
     start = run(stats(decode))["free_pages"]
     prompt = prompt_tokens(3 * PAGE + 1, seed=55)
     sampling = fc.params(8)
@@ -284,6 +286,60 @@ def test_killed_prefill_fails_fast_and_decode_returns_pages(cluster, launch, con
     failed = run(fc.decode(addr(decode), "k1", prompt, sampling, answer))
     assert not failed["ok"] and failed["error"] == "PullFailed"
     assert time.monotonic() - began < 15
+    assert run(stats(decode))["free_pages"] == start
+
+
+def test_a_stalled_pull_does_not_stall_the_running_batch(cluster, control):
+    """A prefill agent that accepts connections and never answers: decode's
+    pull waits for its deadline (5 s) while the running sequence streams."""
+    decode = cluster["decode_tp2"]  # no tier: every page comes from the handles
+    start = run(stats(decode))["free_pages"]
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # the kernel completes connections nobody serves
+    namespace = bytes.fromhex(control.nodes[decode.info["node_id"]]["namespace"])
+    prompt = prompt_tokens(2 * PAGE + 3, seed=57)
+    page_bytes = 2 * PAGE * 2 * 16 * 2 * 8  # 2 heads x 2 layers x K+V of head dim 16, float64
+    runs = [[0, page_bytes]]
+    fake = BlockHandle(
+        backend="tcp", agent=f"127.0.0.1:{silent.getsockname()[1]}", agent_id=b"x" * 16,
+        arena_id=1, rkey=b"", base=0, runs=tuple((i * page_bytes, page_bytes) for i in range(3)),
+        lease_id=1, lease_expiry=time.time() + 60, namespace=namespace,
+    )  # fmt: skip
+    stalled_answer = {"first_token": 1, "tier_pages": 0, "pages": 3,
+                      "handles": [{"handle": fake.to_bytes(), "runs": runs}]}  # fmt: skip
+    healthy_prompt = prompt_tokens(PAGE + 5, seed=56)
+    long_run = fc.params(400)
+    healthy = run(fc.prefill(addr(cluster["prefill_pp2"]), "h", healthy_prompt, long_run))
+
+    async def stalled_pull_beside_a_running_sequence():
+        conn = await fc.open_worker(addr(decode))
+        await conn.send({"op": "decode", "rid": "h", "tokens": healthy_prompt,
+                         "params": long_run, "first_token": healthy["first_token"],
+                         "tier_pages": 0, "pages": healthy["pages"],
+                         "handles": healthy["handles"]})  # fmt: skip
+        assert (await conn.recv())["ok"]
+        frames = []
+
+        async def collect():
+            while not (await conn.recv()).get("done"):
+                frames.append(time.monotonic())
+
+        collector = asyncio.create_task(collect())
+        began = time.monotonic()
+        stalled = await fc.decode(addr(decode), "s0", prompt, fc.params(8), stalled_answer)
+        ended = time.monotonic()
+        await collector
+        conn.close()
+        return stalled, sum(began <= t <= ended for t in frames), ended - began
+
+    try:
+        stalled, during, waited = run(stalled_pull_beside_a_running_sequence())
+    finally:
+        silent.close()
+    assert not stalled["ok"] and stalled["error"] == "PullFailed"
+    assert "TransferTimeout" in stalled["message"] and 4 < waited < 15
+    assert during >= 20  # tokens streamed while the pull waited
     assert run(stats(decode))["free_pages"] == start
 
 
