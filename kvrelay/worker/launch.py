@@ -77,17 +77,24 @@ def _config(args: argparse.Namespace):
     )
 
 
-def run_prefill(args: argparse.Namespace) -> None:
-    from kvrelay.prefill.worker import PrefillWorker
+def _run(role: str, args: argparse.Namespace) -> None:
     from kvrelay.worker.front import serve_until_signal
 
+    if role == "prefill":
+        from kvrelay.prefill.worker import PrefillWorker as Worker
+    else:
+        from kvrelay.decode.worker import DecodeWorker as Worker
     logging.basicConfig(level=logging.WARNING)
-    asyncio.run(serve_until_signal(PrefillWorker(_config(args))))
+    config = _config(args)
+    try:
+        asyncio.run(serve_until_signal(Worker(config)))
+    except (ValueError, OSError) as exc:  # a bad model or config, a busy --listen
+        raise SystemExit(f"kvrelay launch {role}: {exc}") from None
+
+
+def run_prefill(args: argparse.Namespace) -> None:
+    _run("prefill", args)
 
 
 def run_decode(args: argparse.Namespace) -> None:
-    from kvrelay.decode.worker import DecodeWorker
-    from kvrelay.worker.front import serve_until_signal
-
-    logging.basicConfig(level=logging.WARNING)
-    asyncio.run(serve_until_signal(DecodeWorker(_config(args))))
+    _run("decode", args)

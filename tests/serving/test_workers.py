@@ -170,6 +170,22 @@ def test_a_redeployed_prefill_with_another_config_still_hits(cluster, reference)
     assert again["tokens"] == reference(prompt, sampling)
 
 
+def test_flush_drops_the_pool_cache(cluster):
+    prompt = prompt_tokens(3 * PAGE + 4, seed=91)
+    sampling = fc.params(3)
+    decode = cluster["decode_tp2"]  # no tier: reuse comes only from its pool
+
+    def pulled() -> dict:
+        got = run(fc.serve(addr(cluster["prefill_pp2"]), addr(decode), "f", prompt, sampling))
+        assert got["ok"], got
+        return got["done"]["pulled"]
+
+    assert pulled()["local_pages"] == 0
+    assert pulled() == {"local_pages": 3, "tier_pages": 0, "prefill_pages": 1}
+    assert run(fc.call(addr(decode), {"op": "flush"})) == {"ok": True}
+    assert pulled()["local_pages"] == 0
+
+
 def test_bad_requests_get_typed_errors(cluster):
     address = addr(cluster["prefill"])
     reply = run(fc.call(address, {"op": "prefill", "rid": "x", "tokens": [1, 999],
