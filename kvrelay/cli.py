@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     _subcommand(servers, "cache", "a cache server (L2 arena, optional L3)",
                 cache_launch.add_arguments, cache_launch.run)  # fmt: skip
+    from kvrelay.worker import launch as worker_launch
+
+    _subcommand(servers, "prefill", "a prefill worker (registers with control)",
+                worker_launch.add_arguments, worker_launch.run_prefill)  # fmt: skip
+    _subcommand(servers, "decode", "a decode worker (registers with control)",
+                worker_launch.add_decode_arguments, worker_launch.run_decode)  # fmt: skip
 
     bench = commands.add_parser("bench", help="benchmarks: print a table, write JSON")
     benches = bench.add_subparsers(dest="bench", required=True)

@@ -28,6 +28,10 @@ class Request:
     # Keep the logits of every computed prompt position and of every step
     # (last stage only): what the oracle tests compare.
     return_logits: bool = False
+    # Draws the sampler already made elsewhere for this request (a decode
+    # worker continues after prefill's first token): the seeded generator is
+    # advanced past them, so the tokens equal one process's run.
+    skip_draws: int = 0
 
 
 @dataclass(slots=True)
@@ -55,6 +59,18 @@ class _Sequence:
     finish_reason: str | None = None
     prompt_logits: torch.Tensor | None = None
     step_logits: list[torch.Tensor] = field(default_factory=list)
+    seq_id: int = 0
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one `Engine.step` produced for one sequence."""
+
+    seq_id: int
+    tokens: list[int]  # new tokens of this step (one, or none)
+    finish_reason: str | None  # set when the sequence left the batch
+    cached_tokens: int
+    all_tokens: list[int] | None = None  # prompt + generated, once finished
 
 
 class Engine:
@@ -69,6 +85,10 @@ class Engine:
         self.comm = shard.comm
         self.namespace = spec.namespace()
         self.parallel = parallel or ParallelConfig()
+        # Continuous batching state: admitted but not yet prefilled, and decoding.
+        self._pending: list[_Sequence] = []
+        self._active: list[_Sequence] = []
+        self._next_id = 1
 
     @property
     def page_size(self) -> int:
@@ -79,22 +99,22 @@ class Engine:
         when the batch does not fit, with every page returned to the pool."""
         if not requests:
             return []
-        sequences: list[_Sequence] = []
+        if self._pending or self._active:
+            raise RuntimeError("generate() needs an idle engine (sequences are running)")
+        start = time.perf_counter()
         try:
-            start = time.perf_counter()
             for request in requests:
-                sequences.append(self._admit(request))
-            self._prefill(sequences)
+                self.admit(request)
+            sequences = list(self._pending)
+            self.step()
             prefilled = time.perf_counter()
-            active = [s for s in sequences if s.finish_reason is None]
-            while active:
-                self._decode_step(active)
-                active = [s for s in active if s.finish_reason is None]
+            while self._active:
+                self.step()
             done = time.perf_counter()
-            self._index_partial_pages(sequences)
         finally:
-            for seq in sequences:
-                self.pool.release(seq.pages)
+            # Whatever is still running (an exception) gives its pages back.
+            for seq in self._pending + self._active:
+                self.cancel(seq.seq_id)
         return [
             Result(
                 tokens=s.generated,
@@ -107,6 +127,61 @@ class Engine:
             )
             for s in sequences
         ]
+
+    # -- continuous batching ---------------------------------------------
+    def admit(self, request: Request) -> int:
+        """Adds a sequence to the running batch; its prompt is computed at the
+        next `step`. Returns its id. PoolExhausted (nothing taken) when its
+        pages do not fit now."""
+        seq = self._admit(request)
+        seq.seq_id = self._next_id
+        self._next_id += 1
+        self._pending.append(seq)
+        return seq.seq_id
+
+    def step(self) -> list[StepOutput]:
+        """One step of the running batch: the prompts of newly admitted
+        sequences are computed (each gets its first token), then every other
+        running sequence gets one token. Finished sequences leave the batch
+        and return their pages."""
+        pending, decoding = self._pending, self._active
+        self._pending = []
+        if pending:
+            self._active = decoding + pending
+            self._prefill(pending)
+        if decoding:
+            self._decode_step(decoding)
+        outputs = []
+        for seq in pending + decoding:
+            outputs.append(
+                StepOutput(seq.seq_id, seq.generated[-1:], seq.finish_reason, seq.cached)
+            )
+            if seq.finish_reason is not None:
+                outputs[-1].all_tokens = list(seq.tokens)
+                self._finish(seq)
+        return outputs
+
+    def cancel(self, seq_id: int) -> bool:
+        """Drops a running sequence and returns its pages; False if unknown."""
+        for group in (self._pending, self._active):
+            for seq in group:
+                if seq.seq_id == seq_id:
+                    group.remove(seq)
+                    self.pool.release(seq.pages)
+                    return True
+        return False
+
+    @property
+    def running(self) -> int:
+        return len(self._pending) + len(self._active)
+
+    def _finish(self, seq: _Sequence) -> None:
+        self._active.remove(seq)
+        try:
+            self._index_partial_pages([seq])
+        finally:
+            self.pool.release(seq.pages)
+            seq.pages = []
 
     # -- admission --------------------------------------------------------
     def _admit(self, request: Request) -> _Sequence:
@@ -140,7 +215,7 @@ class Engine:
             cached=cached,
             keys=keys,
             registered=agreed,
-            sampler=Sampler(request.params),
+            sampler=Sampler(request.params, skip=request.skip_draws, vocab=vocab),
         )
 
     def _reuse_partial_page(self, prompt, keys, full: int, pages: list[int]) -> int:

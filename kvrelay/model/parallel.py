@@ -76,7 +76,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, tp, pp, port, model_dir, options, timeout_s, commands, results):
+def _die_with_parent() -> None:
+    """A rank whose parent is SIGKILLed would wait on its queue forever: ask
+    the kernel to kill it with the parent (Linux; elsewhere nothing)."""
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _worker(
+    rank, tp, pp, port, model_dir, options, timeout_s, rank_setup, commands, results
+):  # fmt: skip
+    _die_with_parent()
     # Gloo binds its pair sockets on the interface named here: loopback only.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # Ranks share the machine's cores; one intra-op thread each keeps them
@@ -95,6 +112,9 @@ def _worker(rank, tp, pp, port, model_dir, options, timeout_s, commands, results
 
         parallel = ParallelConfig(tp=tp, pp=pp, tp_rank=rank % tp, pp_rank=rank // tp)
         engine = load_engine(model_dir, parallel=parallel, comm=DistComm(parallel), **options)
+        # Extra commands built inside the rank (a worker's transfer agent and
+        # cache client live here, next to the pool they fill).
+        extra = rank_setup(engine) if rank_setup is not None else {}
     except Exception as error:  # reported to the parent, which raises it
         results.put((rank, "error", _portable(error)))
         return
@@ -106,6 +126,7 @@ def _worker(rank, tp, pp, port, model_dir, options, timeout_s, commands, results
         "free_pages": lambda: engine.pool.free_pages,
         "clear_cache": engine.pool.clear_cache,
         "describe": lambda: _describe(engine),
+        **extra,
     }
     while True:
         name, args = commands.get()
@@ -115,6 +136,8 @@ def _worker(rank, tp, pp, port, model_dir, options, timeout_s, commands, results
             results.put((rank, "ok", handlers[name](*args)))
         except Exception as error:
             results.put((rank, "error", _portable(error)))
+    if "close" in handlers:
+        handlers["close"]()
     dist.destroy_process_group()
 
 
@@ -156,7 +179,12 @@ class ParallelEngine:
         page_size: int = 64,
         num_pages: int = 256,
         timeout_s: float = 300.0,
+        rank_setup=None,
     ) -> None:
+        """`rank_setup(engine) -> {name: handler}` (picklable, e.g. a
+        module-level function or a partial of one) runs in each rank after its
+        engine loads; `call(name, *args)` then runs the handler on every rank.
+        A handler named "close" runs when the rank stops."""
         ParallelConfig(tp=tp, pp=pp)  # validates the sizes
         self.tp, self.pp, self.world = tp, pp, tp * pp
         self.timeout_s = timeout_s
@@ -167,7 +195,7 @@ class ParallelEngine:
         port = free_port()
         self._procs = []
         for rank in range(self.world):
-            args = (rank, tp, pp, port, str(model_dir), dict(options), timeout_s)
+            args = (rank, tp, pp, port, str(model_dir), dict(options), timeout_s, rank_setup)
             queues = (self._commands[rank], self._results)
             self._procs.append(context.Process(target=_worker, args=args + queues, daemon=True))
         for proc in self._procs:
@@ -207,6 +235,14 @@ class ParallelEngine:
     def describe(self) -> list[dict]:
         """Each rank's share of the model and its pool."""
         return self._call("describe")
+
+    def call(self, name: str, *args) -> list:
+        """Runs command `name` on every rank; their answers in rank order."""
+        return self._call(name, *args)
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.exitcode is None for p in self._procs)
 
     def _call(self, name: str, *args) -> list:
         if not self._procs:

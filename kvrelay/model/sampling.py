@@ -41,9 +41,18 @@ class SamplingParams:
 class Sampler:
     """One request's sampling state (its random generator)."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, *, skip: int = 0, vocab: int = 0) -> None:
         self.params = params
         self.generator = torch.Generator().manual_seed(params.seed)
+        if skip and not params.greedy:
+            if vocab <= 0:
+                raise ValueError("skipping draws needs the vocabulary size")
+            # A draw consumes the same generator state whatever the
+            # probabilities (one exponential per vocabulary entry), so drawing
+            # from a flat distribution skips exactly the draws made elsewhere.
+            flat = torch.full((vocab,), 1.0 / vocab, dtype=torch.float64)
+            for _ in range(skip):
+                torch.multinomial(flat, 1, generator=self.generator)
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits: [vocab] of any float dtype."""

@@ -204,13 +204,16 @@ class Agent:
 
     async def release_remote(self, handle: BlockHandle, timeout: float | None = None) -> None:
         """Tells the publisher the reader is done with the handle's pages."""
-        peer = await self._peer(handle)
-        if peer.conn is None:
-            _LOOPBACK[peer.address].leases.release(handle.lease_id)
-            return
-        async with asyncio.timeout(timeout or self.config.timeout), peer.conn.lock:
-            await peer.conn.send({"op": "release", "lease": handle.lease_id})
-            reply = await peer.conn.recv()
+        # The deadline covers connecting too: a peer that accepts and never
+        # answers must not hold the caller.
+        async with asyncio.timeout(timeout or self.config.timeout):
+            peer = await self._peer(handle)
+            if peer.conn is None:
+                _LOOPBACK[peer.address].leases.release(handle.lease_id)
+                return
+            async with peer.conn.lock:
+                await peer.conn.send({"op": "release", "lease": handle.lease_id})
+                reply = await peer.conn.recv()
         if not reply.get("ok"):
             raise PeerError(f"release refused: {reply.get('message')}")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import msgpack
 import numpy as np
@@ -87,6 +87,31 @@ class BlockHandle:
     @property
     def nbytes(self) -> int:
         return int(self.run_array[:, 1].sum()) if self.runs else 0
+
+    def narrow(self, runs) -> BlockHandle:
+        """The same handle for a subset of its bytes: each of `runs` (arena
+        offsets, like `self.runs`) must lie inside one of the handle's runs.
+        A reader pulls only what it needs (e.g. its own rectangle of a
+        writer's pages). RunOutOfBounds for anything outside."""
+        wanted = check_runs(runs, _U64, "narrowed") if len(runs) else run_array(runs)
+        if not len(wanted):
+            raise RunOutOfBounds("a narrowed handle needs at least one run")
+        have = self.run_array
+        order = np.argsort(have[:, 0], kind="stable")
+        starts = have[order, 0]
+        # Runs may overlap: the furthest end among runs starting at or before
+        # a wanted run's start says whether one of them contains it.
+        ends = np.maximum.accumulate(have[order, 0] + have[order, 1])
+        at = np.searchsorted(starts, wanted[:, 0], side="right").astype(np.int64) - 1
+        ok = at >= 0
+        ok[ok] &= wanted[ok, 0] + wanted[ok, 1] <= ends[at[ok]]
+        if not ok.all():
+            i = int(np.argmin(ok))
+            raise RunOutOfBounds(
+                f"narrowed run {i} ({int(wanted[i, 0])}, {int(wanted[i, 1])}) is not inside "
+                "one run of the handle"
+            )
+        return replace(self, runs=tuple(map(tuple, wanted.tolist())))
 
     def to_bytes(self) -> bytes:
         return msgpack.packb(

@@ -108,3 +108,34 @@ def test_leases_expire_and_release():
     assert table.release(long.lease_id) == long and len(table) == 0
     with pytest.raises(ValueError):
         table.grant(1, [], 0)
+
+
+def test_narrow_keeps_sub_runs_of_the_handle():
+    handle = make_handle(runs=((0, 10), (64, 5), (200, 100)))
+    narrowed = handle.narrow([(2, 3), (64, 5), (250, 50), (200, 1)])
+    assert narrowed.runs == ((2, 3), (64, 5), (250, 50), (200, 1))
+    assert narrowed.lease_id == handle.lease_id and narrowed.agent_id == handle.agent_id
+    assert BlockHandle.from_bytes(narrowed.to_bytes()) == narrowed
+    # Overlapping original runs: a run inside the union of the first only is fine.
+    overlapping = make_handle(runs=((0, 100), (10, 5)))
+    assert overlapping.narrow([(20, 30)]).runs == ((20, 30),)
+
+
+@pytest.mark.parametrize(
+    "runs",
+    [
+        [(8, 3)],  # crosses the end of (0, 10)
+        [(10, 1)],  # between runs
+        [(60, 8)],  # starts before (64, 5)
+        [(299, 2)],  # past the last run
+        [(2, 0)],  # empty
+        [],  # nothing
+        [(-1, 2)],  # negative
+    ],
+)
+def test_narrow_refuses_runs_outside_the_handle(runs):
+    from kvrelay.transfer import RunOutOfBounds
+
+    handle = make_handle(runs=((0, 10), (64, 5), (200, 100)))
+    with pytest.raises(RunOutOfBounds):
+        handle.narrow(runs)

@@ -1,0 +1,1 @@
+"""The decode worker (docs/serving-protocol.md)."""

@@ -1,0 +1,236 @@
+"""The decode commands each rank runs (built inside the rank process).
+
+`load` brings a prompt's KV into the pool (pool hits, then the tier, then
+the prefill handles, each rank only its rectangle) and admits the sequence
+into the engine's running batch; `step` advances the batch one token;
+`cancel` drops a sequence. Decisions that depend on a rank's own state are
+agreed with `min_all`, so every rank raises the same error or none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from dataclasses import dataclass
+
+from kvrelay.layout import rank_rectangle
+from kvrelay.model.engine import Request
+from kvrelay.model.errors import PoolExhausted, RequestError
+from kvrelay.model.transfer import export_prefix, import_prefix
+from kvrelay.transfer import BlockHandle, TransferError
+from kvrelay.worker.protocol import pages_of, sampling
+from kvrelay.worker.rank import PullFailed, RankOptions, RankRuntime
+
+
+def intersect(mine, theirs) -> list[tuple[int, int, int]]:
+    """(offset in page, length, index of their run) of each overlap of two run
+    lists within one page object."""
+    out = []
+    for index, (t_off, t_len) in enumerate(theirs):
+        for m_off, m_len in mine:
+            start, end = max(m_off, t_off), min(m_off + m_len, t_off + t_len)
+            if start < end:
+                out.append((start, end - start, index))
+    return out
+
+
+@dataclass(slots=True)
+class _Load:
+    item: dict
+    request: Request
+    hit: list[int]  # pool pages of the prompt, referenced until the load ends
+    local: int
+    rows: list[int]
+    need: int
+    pulls: concurrent.futures.Future
+
+
+class DecodeRanks:
+    def __init__(self, engine, options: RankOptions) -> None:
+        self.rt = RankRuntime(engine, options)
+        self.engine = engine
+        self.ps = engine.spec.page_size
+        self.loads: dict[int, _Load] = {}  # in start order
+        self.reserved = 0  # pool pages promised to loads in flight
+
+    def handlers(self) -> dict:
+        return {
+            "load_start": self.load_start,
+            "step": self.step,
+            "cancel": self.engine.cancel,
+            "counters": self.rt.counters,
+            "close": self.rt.close,
+        }
+
+    # -- bringing the prompt's KV in ---------------------------------------------
+    def load_start(self, load_id: int, item: dict) -> dict:
+        """Reserves room for a request and starts pulling its pages on the
+        agent's loop (the tier, then the prefill handles); the running batch
+        keeps stepping meanwhile. `step` finishes the load once every rank's
+        pulls are done. PoolExhausted (agreed) when the room is not there now."""
+        tokens, first = item["tokens"], item["first_token"]
+        keys = self.engine.spec.page_keys(tokens)
+        pages = pages_of(len(tokens), self.ps)
+        if item["pages"] != pages:
+            raise RequestError(f"pages={item['pages']} but the prompt has {pages} pages")
+        params = sampling(item["params"])
+        request = Request(
+            [*tokens, first],
+            sampling(item["params"], max_new_tokens=params.max_new_tokens - 1),
+            skip_draws=1,
+        )
+        pool = self.engine.pool
+        # References on the pool's pages of the prompt keep them through the load.
+        hit = pool.match_prefix(keys) if self.rt.options.local_cache else []
+        local = self.rt.agree(len(hit))
+        # Pages of the whole sequence, plus one for the copy of the partial
+        # page the admission makes; loads in flight have reserved theirs.
+        need = pages_of(len(tokens) + params.max_new_tokens - 1, self.ps) + 1 - local
+        room = pool.free_pages - self.reserved
+        fits = room >= need and self.rt.rows.free >= pages - local
+        if not self.rt.agree(fits):
+            pool.release(hit)
+            raise PoolExhausted(need, max(room, 0))
+        rows = self.rt.rows.take(pages - local)
+        self.reserved += need
+        pulls = asyncio.run_coroutine_threadsafe(
+            self._pull(item, keys, local, pages, rows), self.rt.loop
+        )
+        self.loads[load_id] = _Load(item, request, hit, local, rows, need, pulls)
+        return {"local_pages": local}
+
+    async def _pull(self, item, keys, local, pages, rows) -> dict:
+        """This rank's pages [local, pages): what the tier has of
+        [local, tier_pages), the rest from the prefill handles."""
+        tier = 0
+        tier_end = max(local, min(int(item["tier_pages"]), len(keys)))
+        if self.rt.cache is not None and tier_end > local:
+            tier = await self.rt.cache.lookup(
+                keys[local:tier_end], self.rt.arena, self.rt.offsets(rows[: tier_end - local])
+            )
+        start, nbytes = local + tier, 0
+        if start < pages:
+            nbytes = await self._from_prefill(item["handles"], start, pages, rows, local)
+        return {"tier_pages": tier, "prefill_pages": pages - start, "bytes_from_prefill": nbytes}
+
+    def _finish_loads(self) -> list[dict]:
+        """Loads whose pulls are done on every rank: scatter into the pool and
+        admit, or fail (PullFailed on every rank). Answers per load."""
+        answers = []
+        for load_id, load in list(self.loads.items()):
+            if not self.rt.agree(load.pulls.done()):
+                continue
+            why = ""
+            try:
+                pulled = load.pulls.result()
+            except Exception as exc:
+                why, pulled = f"{type(exc).__name__}: {exc}", {}
+            # Also the barrier: every rank has read before rank 0 releases.
+            ok = self.rt.agree(not why)
+            if self.engine.parallel.rank == 0:
+                # In the background: a slow or dead prefill must not hold the batch.
+                asyncio.run_coroutine_threadsafe(self._release(load.item["handles"]), self.rt.loop)
+            answer = {"load_id": load_id, "local_pages": load.local}
+            try:
+                if not ok:
+                    raise PullFailed(why or "another rank failed to pull its pages")
+                if load.rows:
+                    ids = [load.rows[0]] * load.local + load.rows
+                    import_prefix(self.engine, load.item["tokens"], self.rt.staging, ids)
+                answer["seq_id"] = self.engine.admit(load.request)
+                answer["tier_pages"] = self.rt.agree(pulled["tier_pages"])
+                answer["prefill_pages"] = pulled["prefill_pages"]
+                answer["bytes_from_prefill"] = pulled["bytes_from_prefill"]
+            except (PullFailed, PoolExhausted, RequestError) as exc:
+                answer["error"] = [type(exc).__name__, str(exc)]
+            finally:
+                del self.loads[load_id]
+                self.rt.rows.give_back(load.rows)
+                self.engine.pool.release(load.hit)
+                self.reserved -= load.need
+            answers.append(answer)
+        if answers and not self.rt.options.local_cache:
+            self.rt.clear_cache()
+        return answers
+
+    async def _from_prefill(self, handles, start, pages, rows, local) -> int:
+        """Each prefill writer's handle, narrowed to the overlap of its
+        rectangle with this rank's, for pages [start, pages)."""
+        pb = self.rt.page_bytes
+        reads, covered = [], 0
+        for entry in handles:
+            handle = BlockHandle.from_bytes(entry["handle"])
+            theirs = [tuple(r) for r in entry["runs"]]
+            if not theirs or len(handle.runs) != pages * len(theirs):
+                raise RequestError("a prefill handle's runs do not match its pages")
+            overlap = intersect(self.rt.runs, theirs)
+            if not overlap:
+                continue
+            remote, local_offsets = [], []
+            for page in range(start, pages):
+                row_base = handle.runs[page * len(theirs)][0] - theirs[0][0]
+                for offset, length, _ in overlap:
+                    remote.append((row_base + offset, length))
+                    local_offsets.append(rows[page - local] * pb + offset)
+            covered += sum(length for _, length, _ in overlap)
+            reads.append(
+                self.rt.agent.read(
+                    handle.narrow(remote), self.rt.arena, local_offsets,
+                    namespace=self.rt.namespace,
+                )
+            )  # fmt: skip
+        if covered < self.rt.rect.num_bytes(self.rt.spec):
+            raise RequestError("the prefill handles do not cover this rank's rectangle")
+        await asyncio.gather(*reads)
+        return covered * (pages - start)
+
+    async def _release(self, handles) -> None:
+        async def one(entry) -> None:
+            try:
+                handle = BlockHandle.from_bytes(entry["handle"])
+                await self.rt.agent.release_remote(handle, timeout=2.0)
+            except (TransferError, TimeoutError, OSError, ValueError):
+                pass  # the lease expires on its own
+
+        await asyncio.gather(*(one(entry) for entry in handles))
+
+    # -- generation ----------------------------------------------------------------
+    def step(self) -> dict:
+        """Finish the loads that are done (their sequences join the batch),
+        then one step of the batch."""
+        loads = self._finish_loads()
+        out = []
+        for output in self.engine.step():
+            written = None
+            if output.finish_reason is not None and self.rt.options.write_back:
+                written = self._write_back(output.all_tokens)
+            out.append(
+                {
+                    "seq_id": output.seq_id,
+                    "tokens": output.tokens,
+                    "finish_reason": output.finish_reason,
+                    "written": written,
+                }
+            )
+        return {"loads": loads, "outputs": out}
+
+    def _write_back(self, tokens: list[int]) -> int | None:
+        """Full pages of a finished sequence (prompt and answer) to the tier;
+        None on a rank that writes nothing (a replica)."""
+        if self.rt.cache is None or not rank_rectangle(self.rt.spec, self.engine.parallel).writer:
+            return None
+        full = (len(tokens) - 1) // self.ps
+        if not full or self.rt.rows.free < full:
+            return 0
+        rows = self.rt.rows.take(full)
+        try:
+            export_prefix(self.engine, tokens[: full * self.ps], self.rt.staging, rows)
+            keys = self.rt.spec.page_keys(tokens[: full * self.ps])
+            return self.rt.run(self.rt.cache.write(keys, self.rt.arena, self.rt.offsets(rows)))
+        finally:
+            self.rt.rows.give_back(rows)
+
+
+def decode_rank_setup(options: RankOptions, engine) -> dict:
+    """`ParallelEngine(rank_setup=partial(decode_rank_setup, options))`."""
+    return DecodeRanks(engine, options).handlers()

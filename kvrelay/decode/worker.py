@@ -1,0 +1,234 @@
+"""The decode worker's front: requests wait in a bounded queue, are loaded
+into the ranks (pool, tier, prefill handles) and admitted into the running
+batch; every engine step streams each sequence's new token to its
+connection. A closed connection cancels its sequence."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvrelay.decode.ranks import decode_rank_setup
+from kvrelay.model.errors import PoolExhausted, RequestError
+from kvrelay.transfer import PeerError
+from kvrelay.transfer.wire import Connection
+from kvrelay.worker.front import WorkerConfig, WorkerFront, log
+from kvrelay.worker.protocol import Busy, check_params, check_tokens, error_reply
+
+# How often the ranks are asked whether pulls finished while nothing runs.
+LOAD_POLL_S = 0.002
+
+
+@dataclass(slots=True)
+class _Job:
+    rid: object
+    item: dict
+    frames: asyncio.Queue = field(default_factory=asyncio.Queue)
+    seq_id: int | None = None
+    cancelled: bool = False
+    pulled: dict = field(default_factory=dict)
+    written: int = 0
+
+
+def _check_handles(handles) -> list[dict]:
+    if not isinstance(handles, list):
+        raise RequestError("handles must be a list")
+    for entry in handles:
+        ok = isinstance(entry, dict) and isinstance(entry.get("handle"), bytes)
+        runs = entry.get("runs") if ok else None
+        ok = (
+            ok
+            and isinstance(runs, list)
+            and all(
+                isinstance(r, list | tuple) and len(r) == 2 and all(isinstance(x, int) for x in r)
+                for r in runs
+            )
+        )
+        if not ok:
+            raise RequestError("each handle is {handle: bytes, runs: [[offset, length]]}")
+    return handles
+
+
+class DecodeWorker(WorkerFront):
+    role = "decode"
+
+    def __init__(self, config: WorkerConfig) -> None:
+        super().__init__(config, decode_rank_setup)
+        self._waiting: deque[_Job] = deque()
+        self._running: dict[int, _Job] = {}
+        self._loading: dict[int, _Job] = {}  # pulls in flight, by load id
+        self._load_ids = itertools.count(1)
+        self._blocked = False
+        self._wake = asyncio.Event()
+
+    def queued(self) -> int:
+        return len(self._waiting)
+
+    def active(self) -> int:
+        return len(self._running) + len(self._loading)
+
+    async def handle(self, conn: Connection, message: dict) -> None:
+        rid = message.get("rid")
+        tokens = check_tokens(message.get("tokens"), self.vocab)
+        params = check_params(message.get("params", {}), self.vocab)
+        first = message.get("first_token")
+        check_tokens([first], self.vocab, "first_token")
+        if params["max_new_tokens"] < 2 or first in params["stop_token_ids"]:
+            raise RequestError("nothing to decode: prefill's first token already ends it")
+        tier_pages, pages = message.get("tier_pages", 0), message.get("pages")
+        if not isinstance(tier_pages, int) or not isinstance(pages, int) or tier_pages < 0:
+            raise RequestError("tier_pages and pages must be non-negative integers")
+        handles = _check_handles(message.get("handles", []))
+        if self.draining or len(self._waiting) >= self.config.max_queue:
+            self.counters.busy_rejections += 1
+            await conn.send(error_reply(Busy("draining or queue full"), rid))
+            return
+        item = {"tokens": tokens, "first_token": first, "params": params,
+                "tier_pages": tier_pages, "pages": pages, "handles": handles}  # fmt: skip
+        job = _Job(rid, item)
+        self._waiting.append(job)
+        self._wake.set()
+        # Control sends nothing more: a recv that returns means it closed (cancel).
+        closed = asyncio.create_task(conn.recv())
+        try:
+            while True:
+                frame = asyncio.create_task(job.frames.get())
+                await asyncio.wait({frame, closed}, return_when=asyncio.FIRST_COMPLETED)
+                if not frame.done():
+                    frame.cancel()
+                    job.cancelled = True
+                    self._wake.set()
+                    return
+                message = frame.result()
+                await conn.send(message)
+                if message.get("done") or not message.get("ok"):
+                    return
+        except PeerError:
+            job.cancelled = True
+            self._wake.set()
+        finally:
+            closed.cancel()
+
+    # -- the running batch --------------------------------------------------------
+    async def scheduler(self) -> None:
+        while True:
+            try:
+                await self._start_loads()
+                await self._drop_cancelled()
+                if self._running or self._loading:
+                    await self._step()
+                    if not self._running:
+                        # Only pulls in flight: poll them without spinning.
+                        await asyncio.sleep(LOAD_POLL_S)
+                elif not self._waiting or self._blocked:
+                    self._wake.clear()
+                    await self._wake.wait()
+            except Exception as exc:  # the ranks are gone or out of step
+                log.error("decode scheduler: %r", exc)
+                running = dict(self._running)
+                jobs = [*self._waiting, *self._loading.values(), *running.values()]
+                self._waiting.clear()
+                self._loading.clear()  # a load finishing later is cancelled in _step
+                self._running.clear()
+                for job in jobs:
+                    self._fail(job, exc)
+                if not self.engine.alive:
+                    return
+                # The ranks are still up: give the failed sequences' pages back.
+                for seq_id in running:
+                    try:
+                        await self.ranks("cancel", seq_id)
+                    except Exception as again:
+                        log.error("decode: cancelling %d failed: %r", seq_id, again)
+
+    async def _start_loads(self) -> None:
+        self._blocked = False
+        while self._waiting and len(self._running) + len(self._loading) < self.config.max_batch:
+            job = self._waiting[0]
+            if job.cancelled:
+                self._waiting.popleft()
+                continue
+            load_id = next(self._load_ids)
+            try:
+                answers = await self.ranks("load_start", load_id, job.item)
+            except PoolExhausted as exc:
+                if self._running or self._loading:
+                    self._blocked = True  # pages come back as sequences finish
+                    return
+                self._waiting.popleft()
+                self._fail(job, exc)
+                continue
+            except RequestError as exc:
+                self._waiting.popleft()
+                self._fail(job, exc)
+                continue
+            self._waiting.popleft()
+            job.pulled = {"local_pages": answers[0]["local_pages"]}
+            self._loading[load_id] = job
+
+    def _loaded(self, per_rank: list[dict]) -> list[int]:
+        """Loads the ranks finished: their jobs run, or fail. Returns the
+        sequences to cancel (their job is gone)."""
+        orphans = []
+        for i, answer in enumerate(per_rank[0]):
+            job = self._loading.pop(answer["load_id"], None)
+            if "error" in answer:
+                if job is not None:
+                    name, message = answer["error"]
+                    self.counters.errors += 1
+                    job.frames.put_nowait(
+                        {"ok": False, "error": name, "message": message, "rid": job.rid}
+                    )
+                continue
+            if job is None:
+                orphans.append(answer["seq_id"])
+                continue
+            job.seq_id = answer["seq_id"]
+            job.pulled |= {k: answer[k] for k in ("tier_pages", "prefill_pages")}
+            self._running[job.seq_id] = job
+            c = self.counters
+            c.requests += 1
+            c.prompt_tokens += len(job.item["tokens"])
+            c.computed_tokens += 1  # prefill's first token: its KV is computed here
+            c.local_hit_tokens += answer["local_pages"] * self.config.page_size
+            c.tier_hit_tokens += answer["tier_pages"] * self.config.page_size
+            c.bytes_from_prefill += sum(r[i]["bytes_from_prefill"] for r in per_rank)
+        return orphans
+
+    def _fail(self, job: _Job, exc: Exception) -> None:
+        self.counters.errors += 1
+        job.frames.put_nowait(error_reply(exc, job.rid))
+
+    async def _drop_cancelled(self) -> None:
+        for seq_id, job in list(self._running.items()):
+            if job.cancelled:
+                await self.ranks("cancel", seq_id)
+                del self._running[seq_id]
+
+    async def _step(self) -> None:
+        per_rank = await self.ranks("step")
+        for seq_id in self._loaded([r["loads"] for r in per_rank]):
+            await self.ranks("cancel", seq_id)
+        outputs = [r["outputs"] for r in per_rank]
+        for i, out in enumerate(outputs[0]):
+            job = self._running.get(out["seq_id"])
+            if job is None:
+                continue
+            self.counters.generated_tokens += len(out["tokens"])
+            if out["tokens"]:
+                job.frames.put_nowait({"ok": True, "rid": job.rid, "tokens": out["tokens"]})
+            if out["finish_reason"] is not None:
+                del self._running[out["seq_id"]]
+                written = [r[i]["written"] for r in outputs if r[i]["written"] is not None]
+                job.frames.put_nowait(
+                    {
+                        "ok": True,
+                        "rid": job.rid,
+                        "done": True,
+                        "finish_reason": out["finish_reason"],
+                        "pulled": job.pulled,
+                        "written_back_pages": min(written) if written else 0,
+                    }
+                )

@@ -1,0 +1,174 @@
+"""The prefill worker's front: a bounded queue, batches of up to
+`--max-batch` requests sent to the ranks, one answer frame per request."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from kvrelay.model.errors import PoolExhausted, RequestError
+from kvrelay.prefill.ranks import prefill_rank_setup
+from kvrelay.transfer import PeerError
+from kvrelay.transfer.wire import Connection
+from kvrelay.worker.front import WorkerConfig, WorkerFront, log
+from kvrelay.worker.protocol import Busy, check_params, check_tokens, error_reply, pages_of
+
+# How long the scheduler waits before asking again when staging rows are all
+# held by published handles (released by decode, or expiring).
+RETRY_S = 0.02
+
+
+@dataclass(slots=True)
+class _Pending:
+    rid: object
+    item: dict
+    future: asyncio.Future
+    queued_at: float = field(default_factory=time.perf_counter)
+    abandoned: bool = False  # control closed the connection before the answer
+
+
+class PrefillWorker(WorkerFront):
+    role = "prefill"
+
+    def __init__(self, config: WorkerConfig) -> None:
+        super().__init__(config, prefill_rank_setup)
+        self._queue: list[_Pending] = []
+        self._wake = asyncio.Event()
+        self._running = 0
+        self._batch: list[_Pending] = []  # the requests the ranks are working on
+
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def active(self) -> int:
+        return self._running
+
+    async def handle(self, conn: Connection, message: dict) -> None:
+        rid = message.get("rid")
+        tokens = check_tokens(message.get("tokens"), self.vocab)
+        params = check_params(message.get("params", {}), self.vocab)
+        lease_s = message.get("lease_s", 30.0)
+        if not isinstance(lease_s, int | float) or not 0 < lease_s <= 3600:
+            raise RequestError("lease_s must be a number of seconds in (0, 3600]")
+        if self.draining or len(self._queue) >= self.config.max_queue:
+            self.counters.busy_rejections += 1
+            why = "draining" if self.draining else f"queue holds {len(self._queue)} requests"
+            await conn.send(error_reply(Busy(why), rid))
+            return
+        pages = pages_of(len(tokens), self.config.page_size)
+        room = min(self.config.num_pages, self.config.staging_pages or self.config.num_pages)
+        if pages > room:
+            self.counters.errors += 1
+            await conn.send(error_reply(PoolExhausted(pages, room), rid))
+            return
+        item = {"tokens": tokens, "params": params, "lease_s": float(lease_s)}
+        pending = _Pending(rid, item, asyncio.get_running_loop().create_future())
+        self._queue.append(pending)
+        self._wake.set()
+        # Control sends nothing more: a recv that returns means it closed.
+        closed = asyncio.create_task(conn.recv())
+        try:
+            await asyncio.wait({pending.future, closed}, return_when=asyncio.FIRST_COMPLETED)
+            if not pending.future.done():
+                # Gone before the answer: a queued request leaves the queue; one
+                # the ranks are running drops its handles when it is done.
+                pending.abandoned = True
+                if pending not in self._batch and pending in self._queue:
+                    self._queue.remove(pending)
+                return
+            exc = pending.future.exception()
+            if exc is not None:
+                self.counters.errors += 1
+                await conn.send(error_reply(exc, rid))
+                return
+            answer = pending.future.result()
+            if closed.done() or conn.closed_by_peer():
+                await self._drop(answer)  # nobody will read or release them
+                return
+            try:
+                await conn.send({"ok": True, "rid": rid, **answer})
+            except PeerError:
+                await self._drop(answer)
+        finally:
+            closed.cancel()
+
+    async def _drop(self, answer: dict) -> None:
+        """End the leases of an answer's handles now, freeing their staging rows."""
+        handles = [h["handle"] for h in answer.get("handles", [])]
+        if handles:
+            await self.ranks("drop_handles", handles)
+
+    async def scheduler(self) -> None:
+        while True:
+            if not self._queue:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch = self._queue[: self.config.max_batch]
+            self._running = len(batch)
+            self._batch = batch
+            try:
+                answers = await self.ranks("prefill_batch", [p.item for p in batch])
+            except Exception as exc:
+                log.error("prefill batch failed: %r", exc)
+                for pending in batch:
+                    if pending in self._queue:
+                        self._queue.remove(pending)
+                    if not pending.future.done() and not pending.abandoned:
+                        pending.future.set_exception(exc)
+                if not self.engine.alive:
+                    self._fail_queue(RuntimeError("the worker's ranks are gone"))
+                    return
+                continue
+            finally:
+                self._running = 0
+                self._batch = []
+            done = len(answers[0])
+            if not done:
+                await asyncio.sleep(RETRY_S)  # staging full: wait for releases
+                continue
+            for i, pending in enumerate(batch[:done]):
+                self._queue.remove(pending)
+                answer = self._merge([rank[i] for rank in answers], pending)
+                if pending.abandoned:
+                    await self._drop(answer)
+                elif not pending.future.done():
+                    pending.future.set_result(answer)
+            # Abandoned while their batch ran but not taken: nobody waits for them.
+            self._queue = [p for p in self._queue if not p.abandoned]
+
+    def _merge(self, per_rank: list[dict], pending: _Pending) -> dict:
+        first = per_rank[0]
+        tokens = pending.item["tokens"]
+        cached = first["cached_local"] + first["cached_tier"]
+        c = self.counters
+        c.requests += 1
+        c.prompt_tokens += len(tokens)
+        c.computed_tokens += len(tokens) - cached
+        c.local_hit_tokens += first["cached_local"]
+        c.tier_hit_tokens += first["cached_tier"]
+        c.generated_tokens += 1
+        finish = first["finish_reason"]
+        handles = [
+            {"handle": r["handle"], "runs": r["runs"]} for r in per_rank if r["handle"] is not None
+        ]
+        timings = dict(first["timings"])
+        timings["queue_s"] = time.perf_counter() - pending.queued_at - sum(timings.values())
+        return {
+            "first_token": first["first_token"],
+            "finish_reason": finish,
+            "prompt_tokens": len(tokens),
+            "cached_tokens": {"local": first["cached_local"], "tier": first["cached_tier"]},
+            "tier_pages": first["tier_pages"],
+            "pages": first["pages"],
+            "spec": {"tp": self.config.tp, "pp": self.config.pp},
+            "handles": handles,  # none when finished: decode is not needed
+            "timings": timings,
+        }
+
+    def _fail_queue(self, exc: Exception) -> None:
+        queue, self._queue = self._queue, []
+        for pending in queue:
+            if not pending.future.done():
+                pending.future.set_exception(exc)

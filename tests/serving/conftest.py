@@ -1,0 +1,105 @@
+"""Real processes on loopback: cache servers (`kvrelay launch cache`), prefill
+and decode workers (`kvrelay launch prefill|decode`), a fake control."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from kvrelay.model import RandomModelSpec, write_model
+from kvrelay.model.config import ModelConfig
+from kvrelay.model.loader import kv_spec
+from tests.serving.fake_control import TOKEN, FakeControl
+
+PAGE = 16
+DTYPE = "float64"  # TP/PP configs agree with TP=1 to rounding; greedy ties stay put
+MODEL = RandomModelSpec(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, std=0.2, seed=9)
+START_TIMEOUT_S = 120
+
+
+class Process:
+    """A kvrelay server process that prints one JSON line when ready."""
+
+    def __init__(self, args: list[str], env: dict | None = None) -> None:
+        self.args = args
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "kvrelay.cli", *args],
+            stdout=subprocess.PIPE,
+            env={**os.environ, **(env or {})},
+        )
+        ready, _, _ = select.select([self.process.stdout], [], [], START_TIMEOUT_S)
+        line = self.process.stdout.readline() if ready else b""
+        if not line:
+            self.process.kill()
+            self.process.wait(10)
+            raise RuntimeError(f"{args[:2]} did not start within {START_TIMEOUT_S} s")
+        self.info = json.loads(line)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        self.process.stdout.close()
+        return self.process.returncode
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("serving") / "llama", replace(MODEL))
+
+
+@pytest.fixture(scope="session")
+def page_bytes(model_dir):
+    return kv_spec(model_dir, ModelConfig.from_dir(model_dir), DTYPE, PAGE).page_bytes
+
+
+@pytest.fixture(scope="module")
+def control():
+    fake = FakeControl()
+    yield fake
+    fake.close()
+
+
+@pytest.fixture(scope="module")
+def launch():
+    """Starts processes; stops whatever is still running at the end of the module."""
+    started: list[Process] = []
+
+    def start(*args, env=None) -> Process:
+        process = Process([str(a) for a in args], env)
+        started.append(process)
+        return process
+
+    yield start
+    for process in reversed(started):
+        process.stop()
+
+
+def cache_args(page_bytes: int, backend: str = "tcp") -> list:
+    return ["launch", "cache", "--token", TOKEN, "--page-bytes", page_bytes,
+            "--arena-gb", 256 * page_bytes / (1 << 30), "--backend", backend]  # fmt: skip
+
+
+def worker_args(role, model_dir, control, *, tp=1, pp=1, cache=(), backend="tcp", extra=()):
+    args = ["launch", role, "--model", model_dir, "--tp", tp, "--pp", pp,
+            "--control", control.url, "--token", TOKEN, "--backend", backend,
+            "--num-pages", 128, "--page-size", PAGE, "--dtype", DTYPE,
+            "--transfer-timeout-s", 5, *extra]  # fmt: skip
+    if cache:
+        args += ["--cache", ",".join(cache)]
+    return args
