@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     _subcommand(servers, "cache", "a cache server (L2 arena, optional L3)",
                 cache_launch.add_arguments, cache_launch.run)  # fmt: skip
+    from kvrelay.control import launch as control_launch
+
+    _subcommand(servers, "control", "the control endpoint (HTTP: completions, registry, admin)",
+                control_launch.add_arguments, control_launch.run)  # fmt: skip
 
     bench = commands.add_parser("bench", help="benchmarks: print a table, write JSON")
     benches = bench.add_subparsers(dest="bench", required=True)
