@@ -36,6 +36,7 @@ class ControlConfig:
     request_timeout_s: float = 300.0
     lease_s: float = 30.0
     max_retries: int = 2
+    connect_timeout_s: float = 5.0  # connect + hello of one worker attempt
     admin_timeout_s: float = 5.0  # per worker call of /admin routes
     tier_timeout_s: float = 1.0  # per cache server call
 
@@ -57,6 +58,7 @@ def create_app(config: ControlConfig) -> FastAPI:
     dispatch_config = DispatchConfig(
         token=config.token, request_timeout_s=config.request_timeout_s,
         lease_s=config.lease_s, max_retries=config.max_retries,
+        connect_timeout_s=config.connect_timeout_s,
     )  # fmt: skip
     runner = CompletionRunner(Dispatcher(dispatch_config, registry, stats, tier), registry, stats)
 

@@ -184,6 +184,7 @@ class CompletionRunner:
             while True:
                 if isinstance(event, DispatchError):
                     self.stats.errors += 1
+                    self.stats.client_errors += event.status < 500
                     error = json.dumps(error_body(event.status, event.message))
                     yield f"event: error\ndata: {error}\n\n"
                     return

@@ -47,6 +47,7 @@ class DispatchConfig:
     request_timeout_s: float = 300.0
     lease_s: float = 30.0  # how long prefill holds staging rows for decode
     max_retries: int = 2
+    connect_timeout_s: float = 5.0  # connect + hello of one worker attempt
 
 
 class DispatchError(Exception):
@@ -137,6 +138,9 @@ class Dispatcher:
         budget = [0]  # retries spent, shared by prefill and decode
         try:
             async with asyncio.timeout(self.config.request_timeout_s):
+                if job.params["max_new_tokens"] > 1 and not self._decode_order(job, set()):
+                    # Don't hold a prefill worker's pages for a decode that cannot run.
+                    raise DispatchError(503, f"no decode worker available for {job.model}")
                 while True:
                     prompt = job.tokens + emitted
                     params = dict(job.params, max_new_tokens=job.params["max_new_tokens"]
@@ -192,7 +196,7 @@ class Dispatcher:
             tried.add(node.node_id)
             message = {"op": "prefill", "rid": job.rid, "tokens": prompt, "params": params,
                        "lease_s": self.config.lease_s}  # fmt: skip
-            call = WorkerCall(node, self.config.token)
+            call = WorkerCall(node, self.config.token, self.config.connect_timeout_s)
             job.current = node
             node.inflight += 1
             try:
@@ -241,7 +245,7 @@ class Dispatcher:
                                     streamed=True)  # fmt: skip
             node = order[0]
             tried.add(node.node_id)
-            call = WorkerCall(node, self.config.token)
+            call = WorkerCall(node, self.config.token, self.config.connect_timeout_s)
             job.current = node
             streamed = 0
             node.inflight += 1

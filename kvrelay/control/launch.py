@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import socket
 
 from kvrelay.control.app import ControlConfig, create_app
@@ -62,18 +64,37 @@ def bind(listen: str) -> socket.socket:
 def run(args: argparse.Namespace) -> None:
     import uvicorn
 
+    class Server(uvicorn.Server):
+        """uvicorn re-raises a captured SIGTERM after its graceful shutdown,
+        so the process would die of the signal; here the signal only asks
+        for that shutdown and the process exits 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self._stop)
+            try:
+                yield
+            finally:
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    loop.remove_signal_handler(sig)
+
+        def _stop(self) -> None:
+            self.force_exit = self.should_exit  # a second signal: stop waiting
+            self.should_exit = True
+
     config = config_from_args(args)
     sock = bind(args.listen)
     host, port = sock.getsockname()[:2]
-    server = uvicorn.Server(
+    server = Server(
         uvicorn.Config(
             create_app(config), log_level=args.log_level, lifespan="on", timeout_graceful_shutdown=5
         )
     )
 
     async def serve() -> None:
-        # The JSON line goes out once uvicorn accepts connections; uvicorn's
-        # own signal handlers turn SIGTERM/SIGINT into a graceful exit.
+        # The JSON line goes out once uvicorn accepts connections.
         async def announce() -> None:
             while not server.started:
                 if server.should_exit:

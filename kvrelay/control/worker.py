@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from kvrelay.control.registry import Node
 from kvrelay.transfer.errors import PeerError, TransferError
 from kvrelay.transfer.wire import WIRE_VERSION, Connection
+
+CONNECT_TIMEOUT_S = 5.0
 
 
 class WorkerError(Exception):
@@ -47,19 +51,30 @@ def raise_for_error(reply: dict, node: Node) -> None:
 class WorkerCall:
     """Open, hello, then frames; `close()` is how control cancels the request."""
 
-    def __init__(self, node: Node, token: str) -> None:
+    def __init__(self, node: Node, token: str, connect_timeout_s: float = CONNECT_TIMEOUT_S):
         self.node = node
         self.token = token
+        self.connect_timeout_s = connect_timeout_s
         self.conn: Connection | None = None
 
     async def open(self) -> None:
+        """Connect and exchange hellos; a host that does not answer within
+        `connect_timeout_s` is a fault, so it cannot eat the whole request budget."""
         host, port = self.node.address.rsplit(":", 1)
         try:
-            self.conn = await Connection.open(host, int(port))
-        except PeerError as exc:
-            raise WorkerRefused(f"{self.node.node_id} at {self.node.address}: {exc}") from None
-        await self.send({"op": "hello", "v": WIRE_VERSION, "token": self.token})
-        hello = await self.recv()
+            async with asyncio.timeout(self.connect_timeout_s):
+                try:
+                    self.conn = await Connection.open(host, int(port))
+                except PeerError as exc:
+                    raise WorkerRefused(
+                        f"{self.node.node_id} at {self.node.address}: {exc}"
+                    ) from None
+                await self.send({"op": "hello", "v": WIRE_VERSION, "token": self.token})
+                hello = await self.recv()
+        except TimeoutError:
+            raise WorkerFault(
+                f"{self.node.node_id} did not answer the hello within {self.connect_timeout_s:g} s"
+            ) from None
         if hello.get("ok") is not True:
             raise WorkerFault(f"{self.node.node_id} refused the hello: {hello.get('error')}")
 

@@ -34,8 +34,8 @@ class Control:
     """The real app under real uvicorn on a free loopback port, in a thread."""
 
     def __init__(self, **overrides) -> None:
-        settings = {"heartbeat_s": 0.5, "request_timeout_s": 10.0, "lease_s": 5.0} | overrides
-        self.config = ControlConfig(token=TOKEN, **settings)
+        settings = {"token": TOKEN, "heartbeat_s": 0.5, "request_timeout_s": 10.0, "lease_s": 5.0}
+        self.config = ControlConfig(**(settings | overrides))
         self.app = create_app(self.config)
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))

@@ -49,8 +49,8 @@ class FakeWorker:
 
     `mode` decides how the next prefill/decode requests go: ok, busy, fault
     (an error reply), late_fault (one after `delay`), request_error,
-    pool_exhausted, drop (close without a reply), die (close the listener and
-    the connection: the process died),
+    pool_exhausted, mute (never answers the hello), drop (close without a
+    reply), die (close the listener and the connection: the process died),
     slow (sleep `delay` before each reply or token batch), drop_after (decode:
     one batch, then close).
     """
@@ -136,6 +136,10 @@ class FakeWorker:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             hello = await read_frame(reader)
+            if self.mode == "mute":  # accepts, never answers: a hung process
+                await reader.read(1)
+                self.cancelled.append("hello")
+                return
             if hello.get("op") != "hello" or hello.get("token") != self.token:
                 write_frame(writer, {"ok": False, "error": "AuthError", "message": "bad token"})
                 return

@@ -129,6 +129,7 @@ def test_clear_error_when_no_worker_is_left(cluster):
     cluster.worker("decode")
     for worker in workers:
         worker.mode = "fault"
+        worker.heartbeating = False  # no heartbeat brings one back during the test
     started = time.monotonic()
     reply = complete(control, "doomed")
     assert time.monotonic() - started < 5
@@ -155,6 +156,28 @@ def test_slow_worker_hits_the_request_timeout_and_is_cancelled(cluster):
     assert 1.4 < elapsed < 6
     rid = slow.requests[0]["rid"]
     wait_until(lambda: rid in slow.cancelled, what="the worker connection to close")
+
+
+def test_hung_worker_is_a_fault_after_the_connect_timeout(cluster):
+    control = cluster.control(connect_timeout_s=0.5)
+    hung, spare = cluster.worker("prefill"), cluster.worker("prefill")
+    cluster.worker("decode")
+    hung.mode = "mute"
+    body = complete(control, "hung").json()
+    assert body["kvrelay"]["prefill_node"] == spare.node_id
+    assert control.registry.nodes[hung.node_id].state == "suspect"
+    wait_until(lambda: hung.cancelled == ["hello"], what="the hung connection to close")
+
+
+def test_no_decode_worker_fails_before_prefill(cluster):
+    control = cluster.control()
+    prefill = cluster.worker("prefill")
+    reply = complete(control, "x")
+    assert reply.status_code == 503
+    assert reply.json()["error"]["message"] == "no decode worker available for fake"
+    assert prefill.requests == []
+    # A one-token answer needs no decode.
+    assert complete(control, "x", max_tokens=1).json()["choices"][0]["token_ids"] == [ord("y")]
 
 
 def test_decode_failure_before_tokens_retries_with_the_same_handles(cluster):
@@ -194,7 +217,6 @@ def test_decode_failure_after_tokens_ends_the_stream_with_an_error(cluster):
     assert reply.status_code == 502
     assert "failed after 2 tokens" in reply.json()["error"]["message"]
     # Suspect until its next heartbeat proves it alive.
-    assert control.registry.nodes[decode.node_id].state == "suspect"
     wait_until(lambda: control.registry.nodes[decode.node_id].state == "live", what="heartbeat")
     with control.http.stream(
         "POST", "/v1/completions", json={"prompt": "cut", "max_tokens": 10, "stream": True}
@@ -227,8 +249,9 @@ def test_client_going_away_closes_the_worker_connection(cluster):
     with control.http.stream(
         "POST", "/v1/completions", json={"prompt": "bye", "max_tokens": 60, "stream": True}
     ) as stream:
-        lines = stream.iter_lines()
-        assert next(lines).startswith("data: ")
+        data = (line for line in stream.iter_lines() if line.startswith("data: "))
+        next(data)  # the first token, from prefill
+        next(data)  # a decode batch: decode is under way
     rid = decode.requests[0]["rid"]
     wait_until(lambda: rid in decode.cancelled, what="decode to see the connection close")
     # A non-streaming client that times out is noticed too.
