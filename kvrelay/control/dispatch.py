@@ -69,6 +69,7 @@ class Job:
     params: dict  # SamplingParams fields, max_new_tokens = the client's max_tokens
     keys: dict = field(default_factory=dict)  # (namespace, page_size) -> page keys
     current: Node | None = None  # the worker of the attempt under way
+    tier_hit: int | None = None  # pages, probed once per request
 
     def page_keys(self, node: Node, tokens: list[int] | None = None) -> list[bytes]:
         if tokens is not None:
@@ -105,12 +106,13 @@ class Dispatcher:
                  if n.node_id not in exclude]  # fmt: skip
         if not nodes:
             return []
-        tier_hit = 0
-        if self.tier is not None and self.tier.servers:
-            keys = job.page_keys(nodes[0])
-            tier_hit = await self.tier.probe(nodes[0].namespace, keys)
-            self.stats.probed_tier_tokens += tier_hit * nodes[0].page_size
-        scores = {n.node_id: max(tier_hit, n.estimate.hit(job.page_keys(n))) for n in nodes}
+        if job.tier_hit is None:
+            job.tier_hit = 0
+            if self.tier is not None and self.tier.servers:
+                keys = job.page_keys(nodes[0])
+                job.tier_hit = await self.tier.probe(nodes[0].namespace, keys)
+                self.stats.probed_tier_tokens += job.tier_hit * nodes[0].page_size
+        scores = {n.node_id: max(job.tier_hit, n.estimate.hit(job.page_keys(n))) for n in nodes}
         return rank(nodes, scores)
 
     def _decode_order(self, job: Job, exclude: set[str]) -> list[Node]:

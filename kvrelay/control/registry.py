@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 MISSED_HEARTBEATS = 3
+MAX_ESTIMATE_PAGES = 1 << 20  # keys remembered per node, whatever its pool claims
 COUNTER_NAMES = (
     "requests", "prompt_tokens", "computed_tokens", "local_hit_tokens", "tier_hit_tokens",
     "generated_tokens", "bytes_from_tier", "bytes_to_tier", "bytes_from_prefill",
@@ -120,7 +121,7 @@ class Registry:
             node_id=node_id, role=role, address=address, model=model, namespace=namespace,
             page_size=page_size, vocab_size=vocab_size, tp=tp, pp=pp, num_pages=num_pages,
             cache=cache, registered_at=now, last_heartbeat=now,
-            estimate=PageEstimate(num_pages), free_pages=num_pages,
+            estimate=PageEstimate(min(num_pages, MAX_ESTIMATE_PAGES)), free_pages=num_pages,
         )  # fmt: skip
         self.nodes[node_id] = node
         return node

@@ -25,13 +25,19 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class _Lenient(BaseModel):
+    # Workers are built separately: a field this control does not know yet is
+    # ignored rather than failing every registration or heartbeat.
+    model_config = ConfigDict(extra="ignore")
+
+
 def _check_namespace(value: str) -> str:
     if not _HEX64.match(value):
         raise ValueError("namespace must be 64 hex characters (a sha256 digest)")
     return value.lower()
 
 
-class NodeRegistration(_Strict):
+class NodeRegistration(_Lenient):
     role: Literal["prefill", "decode"]
     address: str
     model: str = Field(min_length=1, max_length=256)
@@ -56,7 +62,7 @@ class NodeRegistration(_Strict):
         return _check_namespace(value)
 
 
-class Heartbeat(_Strict):
+class Heartbeat(_Lenient):
     queued: NonNegative = 0
     active: NonNegative = 0
     free_pages: NonNegative = 0

@@ -34,25 +34,35 @@ class _Server:
         self.lock = asyncio.Lock()
 
     async def call(self, message: dict) -> dict:
-        async with self.lock:
-            try:
-                async with asyncio.timeout(self.timeout_s):
-                    if self.conn is None:
-                        host, port = self.address.rsplit(":", 1)
-                        self.conn = await Connection.open(host, int(port))
-                        await self.conn.send({"op": "hello", "v": WIRE_VERSION,
-                                              "token": self.token})  # fmt: skip
-                        hello = await self.conn.recv()
-                        if not hello.get("ok"):
-                            raise TierUnavailable(f"hello refused: {hello.get('message')}")
-                    await self.conn.send(message)
-                    reply = await self.conn.recv()
-            except (TransferError, TimeoutError, OSError, TierUnavailable) as exc:
+        # Waiting for the connection counts against the timeout too; only the
+        # holder of the lock may close it.
+        holding = False
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await self.lock.acquire()
+                holding = True
+                if self.conn is None:
+                    await self._connect()
+                await self.conn.send(message)
+                reply = await self.conn.recv()
+        except (TransferError, TimeoutError, OSError, TierUnavailable) as exc:
+            if holding:
                 self.close()
-                raise TierUnavailable(f"cache server {self.address}: {exc!r}") from None
+            raise TierUnavailable(f"cache server {self.address}: {exc!r}") from None
+        finally:
+            if holding:
+                self.lock.release()
         if not reply.get("ok"):
             raise TierUnavailable(f"cache server {self.address}: {reply.get('message')}")
         return reply
+
+    async def _connect(self) -> None:
+        host, port = self.address.rsplit(":", 1)
+        self.conn = await Connection.open(host, int(port))
+        await self.conn.send({"op": "hello", "v": WIRE_VERSION, "token": self.token})
+        hello = await self.conn.recv()
+        if not hello.get("ok"):
+            raise TierUnavailable(f"hello refused: {hello.get('message')}")
 
     def close(self) -> None:
         if self.conn is not None:

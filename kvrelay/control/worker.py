@@ -77,6 +77,8 @@ class WorkerCall:
             ) from None
         if hello.get("ok") is not True:
             raise WorkerFault(f"{self.node.node_id} refused the hello: {hello.get('error')}")
+        if hello.get("role") not in (None, self.node.role):
+            raise WorkerFault(f"{self.node.node_id} answers as {hello.get('role')!r}")
 
     async def send(self, message: dict) -> None:
         try:

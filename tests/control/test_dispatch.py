@@ -1,6 +1,7 @@
 """Cache-aware choice, load tiebreak, Busy, retries, timeouts and cancellation."""
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -261,3 +262,23 @@ def test_client_going_away_closes_the_worker_connection(cluster):
     rid = prefill.requests[-1]["rid"]
     wait_until(lambda: rid in prefill.cancelled, what="prefill to see the connection close")
     wait_until(lambda: stats(control)["cancelled"] >= 1, what="the cancel to be counted")
+
+
+def test_concurrent_requests_spread_by_in_flight_load(cluster):
+    control = cluster.control()
+    prefills = [cluster.worker("prefill"), cluster.worker("prefill")]
+    cluster.worker("decode")
+    for worker in prefills:
+        worker.mode, worker.delay = "slow", 1.0
+    prompts = [[i, i + 1, i + 2] for i in range(0, 60, 10)]
+
+    def one(prompt):
+        return complete(control, prompt, max_tokens=3).json()["choices"][0]["token_ids"]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(one, prompts))
+    assert answers == [expected_answer(p, 3, 512) for p in prompts]
+    # Control counts its own open requests, so the second worker is used
+    # before heartbeats could report any queue.
+    assert min(len(w.requests) for w in prefills) >= 2
+    assert all(n.inflight == 0 for n in control.registry.nodes.values())
