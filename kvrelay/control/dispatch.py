@@ -68,7 +68,7 @@ class Job:
     tokens: list[int]
     params: dict  # SamplingParams fields, max_new_tokens = the client's max_tokens
     keys: dict = field(default_factory=dict)  # (namespace, page_size) -> page keys
-    current: Node | None = None  # the worker of the attempt under way
+    current: Node | None = None  # the worker of the latest attempt (blamed for a timeout)
     tier_hit: int | None = None  # pages, probed once per request
 
     def page_keys(self, node: Node, tokens: list[int] | None = None) -> list[bytes]:
@@ -222,7 +222,6 @@ class Dispatcher:
                 continue
             finally:
                 node.inflight -= 1
-                job.current = None
                 call.close()
             node.estimate.add(job.page_keys(node, prompt))
             return reply, node
@@ -294,7 +293,6 @@ class Dispatcher:
                 continue
             finally:
                 node.inflight -= 1
-                job.current = None
                 call.close()
 
 

@@ -145,16 +145,18 @@ def test_clear_error_when_no_worker_is_left(cluster):
 
 
 def test_slow_worker_hits_the_request_timeout_and_is_cancelled(cluster):
-    control = cluster.control(request_timeout_s=1.5)
+    control = cluster.control(request_timeout_s=1.5, heartbeat_s=3.0)  # no expiry meanwhile
     slow = cluster.worker("prefill")
     cluster.worker("decode")
     slow.mode, slow.delay = "slow", 30.0
+    slow.heartbeating = False  # (a heartbeat would bring it back from suspect)
     started = time.monotonic()
     reply = complete(control, "slow")
     elapsed = time.monotonic() - started
     assert reply.status_code == 504, reply.text
     assert reply.json()["error"]["message"] == "request timed out after 1.5 s"
     assert 1.4 < elapsed < 6
+    assert control.registry.nodes[slow.node_id].state == "suspect"
     rid = slow.requests[0]["rid"]
     wait_until(lambda: rid in slow.cancelled, what="the worker connection to close")
 
