@@ -125,7 +125,7 @@ def test_refused_connection_removes_the_node(cluster):
 
 
 def test_clear_error_when_no_worker_is_left(cluster):
-    control = cluster.control()
+    control = cluster.control(heartbeat_s=3.0)  # none expires during the test
     workers = [cluster.worker("prefill") for _ in range(3)]
     cluster.worker("decode")
     for worker in workers:
