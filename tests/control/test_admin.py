@@ -14,12 +14,13 @@ import time
 import httpx
 import pytest
 
+from kvrelay.cache.ring import HashRing
 from kvrelay.cli import build_parser
 from kvrelay.control.launch import bind, config_from_args
 from kvrelay.layout import ParallelConfig
 from tests.cache.specs import SPEC
+from tests.cache.test_server import KEYS, ServerProcess, write_pages
 from tests.cache.test_server import TOKEN as CACHE_TOKEN
-from tests.cache.test_server import ServerProcess, write_pages
 from tests.control.conftest import AUTH, wait_until
 
 
@@ -117,37 +118,53 @@ def test_stats_and_metrics(cluster):
     assert "# TYPE kvrelay_ttft_seconds summary" in text.text
 
 
-def test_tier_probe_and_flush_through_a_real_cache_server(cluster):
-    server = ServerProcess()
+def test_tier_probe_and_flush_through_real_cache_servers(cluster):
+    servers = [ServerProcess(), ServerProcess()]
+    addresses = sorted(s.address for s in servers)
+    pages = 6
     try:
-        assert asyncio.run(write_pages([server.address], ParallelConfig(tp=1), range(3))) == 3
-        # One cluster token opens control, the workers and the cache server.
-        control = cluster.control(cache=(server.address,), token=CACHE_TOKEN)
+        assert asyncio.run(write_pages(addresses, ParallelConfig(tp=1), range(pages))) == pages
+        # One cluster token opens control, the workers and the cache servers.
+        control = cluster.control(cache=tuple(addresses), token=CACHE_TOKEN)
         auth = {"Authorization": f"Bearer {CACHE_TOKEN}"}
         spec_kw = {"namespace": SPEC.namespace(), "page_size": SPEC.page_size,
                    "token": CACHE_TOKEN}  # fmt: skip
         prefill = cluster.worker("prefill", **spec_kw)
         decode = cluster.worker("decode", **spec_kw)
-        prompt = list(range(SPEC.page_size * 3 + 2))  # the three written pages, then more
-        body = control.http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
-        assert body.status_code == 200, body.text
+        prompt = list(range(SPEC.page_size * pages + 2))  # the written pages, then more
+
+        def probed_pages() -> int:
+            body = control.http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+            assert body.status_code == 200, body.text
+            return control.http.get("/stats").json()["tokens"]["probed_tier"] // SPEC.page_size
+
+        assert probed_pages() == pages
         stats = control.http.get("/stats").json()
-        assert stats["tokens"]["probed_tier"] == 3 * SPEC.page_size
-        assert stats["tier"] == {"servers": [server.address], "probes": 1, "errors": 0}
+        assert stats["tier"] == {"servers": addresses, "probes": 1, "errors": 0}
         other = control.http.post("/admin/flush", json={"namespace": "00" * 32}, headers=auth)
-        assert other.json() == {"tier": {server.address: 0}, "workers": {}}
+        assert other.json() == {"tier": dict.fromkeys(addresses, 0), "workers": {}}
         flushed = control.http.post(
             "/admin/flush", json={"namespace": SPEC.namespace().hex()}, headers=auth
-        )
-        assert flushed.json() == {
-            "tier": {server.address: 3},
+        ).json()
+        ring = HashRing(addresses)
+        per_server = [sum(ring.server_for(k) == a for k in KEYS[:pages]) for a in addresses]
+        assert flushed == {
+            "tier": dict(zip(addresses, per_server, strict=True)),
             "workers": {prefill.node_id: True, decode.node_id: True},
         }
         assert prefill.ops == ["flush"] and decode.ops == ["flush"]
-        control.http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
-        assert control.http.get("/stats").json()["tokens"]["probed_tier"] == 3 * SPEC.page_size
+        assert probed_pages() == pages  # nothing more found after the flush
+        # Pages back, then one server dies: the hit ends at its first key.
+        assert asyncio.run(write_pages(addresses, ParallelConfig(tp=1), range(pages))) == pages
+        dead = next(s for s in servers if s.address == ring.server_for(KEYS[2]))
+        dead.stop(signal.SIGKILL)
+        expected = next(i for i, k in enumerate(KEYS) if ring.server_for(k) == dead.address)
+        assert 0 <= expected <= 2
+        assert probed_pages() == pages + expected
+        assert control.http.get("/stats").json()["tier"]["errors"] >= 1
     finally:
-        server.stop()
+        for server in servers:
+            server.stop()
 
 
 def test_a_dead_cache_server_counts_as_misses(cluster):
