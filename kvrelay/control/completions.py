@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import secrets
 import time
 
@@ -24,6 +25,7 @@ from kvrelay.control.registry import Registry
 from kvrelay.control.schemas import CompletionRequest
 from kvrelay.control.stats import ControlStats
 
+log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25
 _END = object()
 
@@ -100,7 +102,7 @@ class CompletionRunner:
         if isinstance(first, DispatchError):
             return self._failed(first)
         if body.stream:
-            return StreamingResponse(self._sse(job, first, queue, producer, body),
+            return StreamingResponse(self._sse(job, first, queue, producer),
                                      media_type="text/event-stream")  # fmt: skip
         events = [first]
         try:
@@ -128,6 +130,9 @@ class CompletionRunner:
                 queue.put_nowait(event)
         except DispatchError as exc:
             queue.put_nowait(exc)
+        except Exception as exc:  # a bug here must still answer the client, never hang it
+            log.exception("request %s failed inside control", job.rid)
+            queue.put_nowait(DispatchError(502, f"control failed: {exc!r}"))
         finally:
             queue.put_nowait(_END)
 
@@ -166,8 +171,7 @@ class CompletionRunner:
         return {"prefill_node": first["prefill"], "decode_node": done and done["decode"],
                 "cached_tokens": first["cached"], "ttft_s": first["ttft_s"]}  # fmt: skip
 
-    async def _sse(self, job: Job, first: dict, queue: asyncio.Queue,
-                   producer: asyncio.Task, body: CompletionRequest):  # fmt: skip
+    async def _sse(self, job: Job, first: dict, queue: asyncio.Queue, producer: asyncio.Task):
         decoder = tokenizer.StreamDecoder()
         tokens: list[int] = []
         created = int(time.time())

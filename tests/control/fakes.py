@@ -49,10 +49,10 @@ class FakeWorker:
 
     `mode` decides how the next prefill/decode requests go: ok, busy, fault
     (an error reply), late_fault (one after `delay`), request_error,
-    pool_exhausted, mute (never answers the hello), drop (close without a
-    reply), die (close the listener and the connection: the process died),
-    slow (sleep `delay` before each reply or token batch), drop_after (decode:
-    one batch, then close).
+    pool_exhausted, garbage (a reply missing its fields), mute (never answers
+    the hello), drop (close without a reply), die (close the listener and the
+    connection: the process died), slow (sleep `delay` before each reply or
+    token batch), drop_after (decode: one batch, then close).
     """
 
     def __init__(self, role: str, control_url: str, *, model="fake", vocab=512, page_size=4,
@@ -177,6 +177,9 @@ class FakeWorker:
             write_frame(writer, {"ok": False, "error": errors[mode], "message": f"fake {mode}"})
             return True
         if mode == "drop":
+            return True
+        if mode == "garbage":  # a well-framed answer without the fields control needs
+            write_frame(writer, {"ok": True, "rid": message["rid"], "tokens": "many"})
             return True
         if mode == "die":
             await self.die()

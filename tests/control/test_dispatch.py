@@ -111,6 +111,19 @@ def test_killed_prefill_is_retried_on_another(cluster):
     assert complete(control, "next").json()["kvrelay"]["prefill_node"] == spare.node_id
 
 
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_malformed_replies_are_worker_faults(cluster, role):
+    control = cluster.control()
+    pairs = {r: [cluster.worker(r)] for r in ("prefill", "decode")}
+    pairs[role].append(cluster.worker(role))
+    bad, good = pairs[role]
+    bad.mode = "garbage"
+    body = complete(control, "odd", max_tokens=4).json()
+    assert body["kvrelay"][f"{role}_node"] == good.node_id
+    assert body["choices"][0]["token_ids"] == expected_answer(list(b"odd"), 4, 512)
+    assert stats(control)["retries"] == 1
+
+
 def test_refused_connection_removes_the_node(cluster):
     control = cluster.control()
     gone = cluster.worker("prefill")
