@@ -37,6 +37,7 @@ class ControlConfig:
     lease_s: float = 30.0
     max_retries: int = 2
     connect_timeout_s: float = 5.0  # connect + hello of one worker attempt
+    attempt_timeout_s: float = 60.0  # prefill reply / decode's first frame
     admin_timeout_s: float = 5.0  # per worker call of /admin routes
     tier_timeout_s: float = 1.0  # per cache server call
 
@@ -58,7 +59,7 @@ def create_app(config: ControlConfig) -> FastAPI:
     dispatch_config = DispatchConfig(
         token=config.token, request_timeout_s=config.request_timeout_s,
         lease_s=config.lease_s, max_retries=config.max_retries,
-        connect_timeout_s=config.connect_timeout_s,
+        connect_timeout_s=config.connect_timeout_s, attempt_timeout_s=config.attempt_timeout_s,
     )  # fmt: skip
     runner = CompletionRunner(Dispatcher(dispatch_config, registry, stats, tier), registry, stats)
 

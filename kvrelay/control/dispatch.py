@@ -48,6 +48,10 @@ class DispatchConfig:
     lease_s: float = 30.0  # how long prefill holds staging rows for decode
     max_retries: int = 2
     connect_timeout_s: float = 5.0  # connect + hello of one worker attempt
+    # Prefill's reply, or decode's first frame, must come within this, else
+    # the node is suspect and the attempt goes elsewhere (after decode tokens
+    # were streamed, only the request timeout bounds the stream).
+    attempt_timeout_s: float = 60.0
 
 
 class DispatchError(Exception):
@@ -204,7 +208,7 @@ class Dispatcher:
             try:
                 await call.open()
                 await call.send(message)
-                reply = await call.recv()
+                reply = await call.recv(self.config.attempt_timeout_s)
                 raise_for_error(reply, node)
                 _check_prefill(reply, node)
             except WorkerBusy as exc:
@@ -255,7 +259,7 @@ class Dispatcher:
                 await call.send(message)
                 last_at = time.monotonic()
                 while True:
-                    frame = await call.recv()
+                    frame = await call.recv(None if streamed else self.config.attempt_timeout_s)
                     raise_for_error(frame, node)
                     tokens = _tokens(frame, node)
                     if tokens:

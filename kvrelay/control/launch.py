@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="workers' heartbeat period; 3 missed take a node out")  # fmt: skip
     parser.add_argument("--request-timeout-s", type=float, default=300.0,
                         help="a request's whole budget, retries included")  # fmt: skip
+    parser.add_argument("--attempt-timeout-s", type=float, default=60.0,
+                        help="wait for a prefill reply or decode's first frame before "
+                             "trying another worker")  # fmt: skip
     parser.add_argument("--lease-s", type=float, default=30.0,
                         help="how long prefill keeps a request's pages for decode")  # fmt: skip
     parser.add_argument("--max-retries", type=int, default=2,
@@ -33,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> ControlConfig:
     if not args.token:
         raise SystemExit("kvrelay launch control: give --token or set KVRELAY_TOKEN")
-    for name in ("heartbeat_s", "request_timeout_s", "lease_s"):
+    for name in ("heartbeat_s", "request_timeout_s", "attempt_timeout_s", "lease_s"):
         if getattr(args, name) <= 0:
             raise SystemExit(f"kvrelay launch control: --{name.replace('_', '-')} must be > 0")
     if args.max_retries < 0:
@@ -41,7 +44,8 @@ def config_from_args(args: argparse.Namespace) -> ControlConfig:
     cache = tuple(a.strip() for a in args.cache.split(",") if a.strip())
     return ControlConfig(
         token=args.token, cache=cache, heartbeat_s=args.heartbeat_s,
-        request_timeout_s=args.request_timeout_s, lease_s=args.lease_s,
+        request_timeout_s=args.request_timeout_s, attempt_timeout_s=args.attempt_timeout_s,
+        lease_s=args.lease_s,
         max_retries=args.max_retries,
     )  # fmt: skip
 

@@ -86,12 +86,19 @@ class WorkerCall:
         except (TransferError, OSError) as exc:
             raise WorkerFault(f"{self.node.node_id}: {exc}") from None
 
-    async def recv(self) -> dict:
+    async def recv(self, timeout_s: float | None = None) -> dict:
+        """The next frame; with `timeout_s`, a worker that takes longer is at fault."""
         try:
-            reply = await self.conn.recv()
+            async with asyncio.timeout(timeout_s):
+                return await self.conn.recv()
         except (TransferError, OSError) as exc:
             raise WorkerFault(f"{self.node.node_id}: {exc}") from None
-        return reply
+        except TimeoutError:
+            # Only this timeout's own expiry lands here: an outer deadline
+            # reaches us as a cancellation and passes through.
+            raise WorkerFault(
+                f"{self.node.node_id} did not answer within {timeout_s:g} s"
+            ) from None
 
     def close(self) -> None:
         if self.conn is not None:

@@ -196,6 +196,23 @@ def test_no_decode_worker_fails_before_prefill(cluster):
     assert complete(control, "x", max_tokens=1).json()["choices"][0]["token_ids"] == [ord("y")]
 
 
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_worker_slower_than_the_attempt_timeout_is_passed_over(cluster, role):
+    control = cluster.control(attempt_timeout_s=0.5)
+    pairs = {r: [cluster.worker(r)] for r in ("prefill", "decode")}
+    pairs[role].append(cluster.worker(role))
+    slow, good = pairs[role]
+    slow.mode, slow.delay = "slow", 30.0
+    started = time.monotonic()
+    body = complete(control, "late", max_tokens=4).json()
+    assert time.monotonic() - started < 5
+    assert body["kvrelay"][f"{role}_node"] == good.node_id
+    assert body["choices"][0]["token_ids"] == expected_answer(list(b"late"), 4, 512)
+    assert stats(control)["retries"] == 1
+    rid = slow.requests[0]["rid"]
+    wait_until(lambda: rid in slow.cancelled, what="the slow worker's connection to close")
+
+
 def test_decode_failure_before_tokens_retries_with_the_same_handles(cluster):
     control = cluster.control()
     prefill = cluster.worker("prefill")
