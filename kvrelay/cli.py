@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     _subcommand(servers, "decode", "a decode worker (registers with control)",
                 worker_launch.add_decode_arguments, worker_launch.run_decode)  # fmt: skip
 
+    from kvrelay.control import launch as control_launch
+
+    _subcommand(servers, "control", "the control endpoint (HTTP: completions, registry, admin)",
+                control_launch.add_arguments, control_launch.run)  # fmt: skip
+
     bench = commands.add_parser("bench", help="benchmarks: print a table, write JSON")
     benches = bench.add_subparsers(dest="bench", required=True)
     from kvrelay.bench import cache, layout, transfer

@@ -1,0 +1,205 @@
+"""The control endpoint's HTTP routes (FastAPI). Routes and their answers:
+docs/serving-protocol.md; behaviour: docs/architecture.md, "Control endpoint"."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+from dataclasses import dataclass
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from kvrelay.control import metrics
+from kvrelay.control.completions import CompletionRunner, error_body
+from kvrelay.control.dispatch import DispatchConfig, Dispatcher
+from kvrelay.control.registry import MISSED_HEARTBEATS, Registry
+from kvrelay.control.schemas import (
+    CompletionRequest,
+    DrainRequest,
+    FlushRequest,
+    Heartbeat,
+    NodeRegistration,
+)
+from kvrelay.control.stats import ControlStats
+from kvrelay.control.tier import TierProbe
+from kvrelay.control.worker import WorkerError, one_shot
+
+
+@dataclass(slots=True)
+class ControlConfig:
+    token: str
+    cache: tuple[str, ...] = ()
+    heartbeat_s: float = 1.0
+    request_timeout_s: float = 300.0
+    lease_s: float = 30.0
+    max_retries: int = 2
+    connect_timeout_s: float = 5.0  # connect + hello of one worker attempt
+    attempt_timeout_s: float = 60.0  # prefill reply / decode's first frame
+    admin_timeout_s: float = 5.0  # per worker call of /admin routes
+    tier_timeout_s: float = 1.0  # per cache server call
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+        parts.append(f"{'.'.join(loc) or 'body'}: {error.get('msg', 'invalid')}")
+    return "; ".join(parts)
+
+
+def create_app(config: ControlConfig) -> FastAPI:
+    if not config.token:
+        raise ValueError("the control endpoint needs a cluster token")
+    registry = Registry(config.heartbeat_s)
+    stats = ControlStats()
+    tier = TierProbe(config.cache, config.token, config.tier_timeout_s) if config.cache else None
+    dispatch_config = DispatchConfig(
+        token=config.token, request_timeout_s=config.request_timeout_s,
+        lease_s=config.lease_s, max_retries=config.max_retries,
+        connect_timeout_s=config.connect_timeout_s, attempt_timeout_s=config.attempt_timeout_s,
+    )  # fmt: skip
+    runner = CompletionRunner(Dispatcher(dispatch_config, registry, stats, tier), registry, stats)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        async def sweep() -> None:
+            while True:
+                await asyncio.sleep(min(config.heartbeat_s / 2, 1.0))
+                registry.sweep()
+
+        sweeper = asyncio.create_task(sweep())
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
+            if tier is not None:
+                tier.close()
+
+    app = FastAPI(title="kvrelay control", lifespan=lifespan)
+    app.state.registry, app.state.stats, app.state.tier = registry, stats, tier
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if request.url.path == "/v1/completions":
+            stats.requests += 1
+            stats.errors += 1
+            stats.client_errors += 1
+        message = _validation_message(exc)
+        body = error_body(422, message) | {"detail": message}
+        return JSONResponse(body, status_code=422)
+
+    def authorized(request: Request) -> None:
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            raise HTTPException(401, "missing bearer token",
+                                headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+        if not hmac.compare_digest(given.strip().encode(), config.token.encode()):
+            raise HTTPException(403, "wrong token")
+
+    admin = [Depends(authorized)]
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await runner.handle(body, request)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        data = [
+            {"id": name, "object": "model", "owned_by": "kvrelay",
+             "vocab_size": m["vocab_size"], "page_size": m["page_size"],
+             "namespace": m["namespace"].hex(),
+             "workers": {"prefill": m["prefill"], "decode": m["decode"]}}
+            for name, m in sorted(registry.models().items())
+        ]  # fmt: skip
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health() -> dict:
+        live = {"prefill": 0, "decode": 0}
+        for node in registry.nodes.values():
+            live[node.role] += node.state == "live"
+        return {"status": "ok", "live_nodes": live, "ready": all(live.values())}
+
+    @app.get("/stats")
+    async def stats_route() -> dict:
+        nodes = sorted(registry.nodes.values(), key=lambda n: n.node_id)
+        totals = registry.counter_totals()
+        return stats.snapshot() | {
+            "bytes_moved": {k: totals[k] for k in
+                            ("bytes_from_tier", "bytes_to_tier", "bytes_from_prefill")},
+            "worker_counters": totals,
+            "queues": {n.node_id: {"role": n.role, "queued": n.queued, "active": n.active,
+                                   "inflight": n.inflight} for n in nodes},
+            "nodes": [n.describe() for n in nodes],
+            "removed_nodes": dict(registry.removed),
+            "tier": None if tier is None else {"servers": tier.servers, "probes": tier.probes,
+                                               "errors": tier.errors},
+        }  # fmt: skip
+
+    @app.get("/metrics")
+    async def metrics_route() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(stats, registry), media_type=metrics.CONTENT_TYPE)
+
+    @app.post("/v1/nodes", dependencies=admin)
+    async def register(body: NodeRegistration) -> dict:
+        node = registry.register(
+            role=body.role, address=body.address, model=body.model,
+            namespace=bytes.fromhex(body.namespace), page_size=body.page_size,
+            vocab_size=body.vocab_size, tp=body.tp, pp=body.pp, num_pages=body.num_pages,
+            cache=body.cache,
+        )  # fmt: skip
+        return {"node_id": node.node_id, "heartbeat_s": config.heartbeat_s,
+                "missed_heartbeats_allowed": MISSED_HEARTBEATS}  # fmt: skip
+
+    @app.post("/v1/nodes/{node_id}/heartbeat", dependencies=admin)
+    async def heartbeat(node_id: str, body: Heartbeat) -> dict:
+        if not registry.heartbeat(node_id, body.queued, body.active, body.free_pages, body.stats):
+            raise HTTPException(404, f"unknown node {node_id}: register again")
+        return {}
+
+    @app.delete("/v1/nodes/{node_id}", dependencies=admin)
+    async def deregister(node_id: str) -> dict:
+        if not registry.deregister(node_id):
+            raise HTTPException(404, f"unknown node {node_id}")
+        return {}
+
+    @app.post("/admin/flush", dependencies=admin)
+    async def flush(body: FlushRequest) -> dict:
+        namespace = None if body.namespace is None else bytes.fromhex(body.namespace)
+        nodes = [n for n in registry.nodes.values()
+                 if namespace is None or n.namespace == namespace]  # fmt: skip
+
+        async def flush_node(node) -> bool:
+            node.estimate.clear()
+            try:
+                async with asyncio.timeout(config.admin_timeout_s):
+                    await one_shot(node, config.token, {"op": "flush"})
+            except (WorkerError, TimeoutError):
+                return False
+            return True
+
+        tier_result = await tier.flush(namespace) if tier is not None else {}
+        results = await asyncio.gather(*(flush_node(n) for n in nodes))
+        workers = {n.node_id: ok for n, ok in zip(nodes, results, strict=True)}
+        return {"tier": tier_result, "workers": workers}
+
+    @app.post("/admin/drain", dependencies=admin)
+    async def drain(body: DrainRequest) -> dict:
+        node = registry.drain(body.node_id)
+        if node is None:
+            raise HTTPException(404, f"unknown node {body.node_id}")
+        try:
+            async with asyncio.timeout(config.admin_timeout_s):
+                await one_shot(node, config.token, {"op": "drain"})
+            acknowledged = True
+        except (WorkerError, TimeoutError):
+            acknowledged = False
+        return {"node_id": node.node_id, "state": node.state, "acknowledged": acknowledged}
+
+    return app

@@ -1,0 +1,322 @@
+"""Cache-aware choice of workers and running one request: prefill, then decode.
+
+Choice (prefill): score = max(tier hit, local hit) in pages, where the tier
+hit comes from probing the cache servers and the local hit from the node's
+`PageEstimate` (keys control sent it). Among nodes within one page of the
+best score the least loaded wins (queued + active + control's in-flight);
+the rest follow by score, then load, as fallbacks. Decode: the same with
+the decode nodes' estimates (they hold whole conversations, answer
+included), so a conversation's next turn returns to its decode worker.
+
+Failures (see docs/architecture.md): `Busy` -> next worker, not a retry; a
+refused connection removes the node, any other fault makes it suspect; both
+retry elsewhere, at most `max_retries` times per request. A decode that
+fails before streaming a token is retried on another decode worker with the
+same handles while their lease holds, else the request goes back to
+prefill with the tokens already sent appended to the prompt. After decode
+tokens were streamed, a failure ends the request (the client has them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from kvrelay.control.registry import Node, Registry
+from kvrelay.control.stats import ControlStats
+from kvrelay.control.tier import TierProbe
+from kvrelay.control.worker import (
+    WorkerBusy,
+    WorkerCall,
+    WorkerError,
+    WorkerFault,
+    WorkerRefused,
+    WorkerRejected,
+    raise_for_error,
+)
+from kvrelay.layout.keys import page_keys
+
+LEASE_MARGIN_S = 1.0  # don't reuse handles this close to their expiry
+
+
+@dataclass(slots=True)
+class DispatchConfig:
+    token: str
+    request_timeout_s: float = 300.0
+    lease_s: float = 30.0  # how long prefill holds staging rows for decode
+    max_retries: int = 2
+    connect_timeout_s: float = 5.0  # connect + hello of one worker attempt
+    # Prefill's reply, or decode's first frame, must come within this, else
+    # the node is suspect and the attempt goes elsewhere (after decode tokens
+    # were streamed, only the request timeout bounds the stream).
+    attempt_timeout_s: float = 60.0
+
+
+class DispatchError(Exception):
+    """The request failed; `status` is the HTTP answer, `streamed` whether
+    the client already got tokens (then it can only be told in-stream)."""
+
+    def __init__(self, status: int, message: str, streamed: bool = False) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.streamed = streamed
+
+
+@dataclass(slots=True)
+class Job:
+    rid: str
+    model: str
+    tokens: list[int]
+    params: dict  # SamplingParams fields, max_new_tokens = the client's max_tokens
+    keys: dict = field(default_factory=dict)  # (namespace, page_size) -> page keys
+    current: Node | None = None  # the worker of the latest attempt (blamed for a timeout)
+    tier_hit: int | None = None  # pages, probed once per request
+
+    def page_keys(self, node: Node, tokens: list[int] | None = None) -> list[bytes]:
+        if tokens is not None:
+            return page_keys(node.namespace, tokens, node.page_size)
+        cache_key = (node.namespace, node.page_size)
+        if cache_key not in self.keys:
+            self.keys[cache_key] = page_keys(node.namespace, self.tokens, node.page_size)
+        return self.keys[cache_key]
+
+
+def rank(nodes: list[Node], scores: dict[str, int]) -> list[Node]:
+    """Nodes within one page of the best score by load, then the rest by score, load."""
+    if not nodes:
+        return []
+    best = max(scores[n.node_id] for n in nodes)
+    near = sorted((n for n in nodes if scores[n.node_id] >= best - 1), key=lambda n: n.load)
+    rest = sorted(
+        (n for n in nodes if scores[n.node_id] < best - 1),
+        key=lambda n: (-scores[n.node_id], n.load),
+    )
+    return near + rest
+
+
+class Dispatcher:
+    def __init__(self, config: DispatchConfig, registry: Registry, stats: ControlStats,
+                 tier: TierProbe | None) -> None:  # fmt: skip
+        self.config = config
+        self.registry = registry
+        self.stats = stats
+        self.tier = tier
+
+    async def _prefill_order(self, job: Job, exclude: set[str]) -> list[Node]:
+        nodes = [n for n in self.registry.in_rotation("prefill", job.model)
+                 if n.node_id not in exclude]  # fmt: skip
+        if not nodes:
+            return []
+        if job.tier_hit is None:
+            job.tier_hit = 0
+            if self.tier is not None and self.tier.servers:
+                keys = job.page_keys(nodes[0])
+                job.tier_hit = await self.tier.probe(nodes[0].namespace, keys)
+                self.stats.probed_tier_tokens += job.tier_hit * nodes[0].page_size
+        scores = {n.node_id: max(job.tier_hit, n.estimate.hit(job.page_keys(n))) for n in nodes}
+        return rank(nodes, scores)
+
+    def _decode_order(self, job: Job, exclude: set[str]) -> list[Node]:
+        nodes = [n for n in self.registry.in_rotation("decode", job.model)
+                 if n.node_id not in exclude]  # fmt: skip
+        return rank(nodes, {n.node_id: n.estimate.hit(job.page_keys(n)) for n in nodes})
+
+    def _fault(self, node: Node, exc: WorkerError, budget: list[int], what: str) -> None:
+        """Take a faulty node out of rotation and spend one retry (or give up)."""
+        if isinstance(exc, WorkerRefused):
+            self.registry.refused(node)
+        else:
+            self.registry.suspect(node)
+        budget[0] += 1
+        if budget[0] > self.config.max_retries:
+            raise DispatchError(502, f"{what} failed {budget[0]} times, last: {exc}")
+        self.stats.retries += 1
+
+    async def run(self, job: Job) -> AsyncIterator[dict]:
+        """Events: `first` (prefill answered: first token), `tokens` (a decode
+        batch), `done` (finish_reason). Raises DispatchError; never outlives
+        the request timeout."""
+        started = time.monotonic()
+        emitted: list[int] = []
+        budget = [0]  # retries spent, shared by prefill and decode
+        try:
+            async with asyncio.timeout(self.config.request_timeout_s):
+                if job.params["max_new_tokens"] > 1 and not self._decode_order(job, set()):
+                    # Don't hold a prefill worker's pages for a decode that cannot run.
+                    raise DispatchError(503, f"no decode worker available for {job.model}")
+                while True:
+                    prompt = job.tokens + emitted
+                    params = dict(job.params, max_new_tokens=job.params["max_new_tokens"]
+                                  - len(emitted))  # fmt: skip
+                    reply, pnode = await self._prefill(job, prompt, params, budget)
+                    margin = min(LEASE_MARGIN_S, self.config.lease_s / 4)
+                    lease_end = time.monotonic() + self.config.lease_s - margin
+                    first = int(reply["first_token"])
+                    event = {"type": "first", "tokens": [first], "prefill": pnode.node_id}
+                    if not emitted:
+                        cached = reply.get("cached_tokens") or {}
+                        event["cached"] = {"local": int(cached.get("local", 0)),
+                                           "tier": int(cached.get("tier", 0))}  # fmt: skip
+                        event["ttft_s"] = time.monotonic() - started
+                        self.stats.record_ttft(event["ttft_s"])
+                        self.stats.record_prefill(len(job.tokens), **event["cached"])
+                    emitted.append(first)
+                    yield event
+                    if reply.get("finish_reason"):
+                        yield {"type": "done", "finish_reason": reply["finish_reason"],
+                               "decode": None}  # fmt: skip
+                        return
+                    decode = self._decode(job, prompt, params, reply, lease_end, emitted, budget)
+                    try:
+                        async for event in decode:
+                            yield event
+                            if event["type"] == "done":
+                                return
+                    finally:
+                        await decode.aclose()  # closes its worker connection at once
+                    # Decode could not run on these handles: prefill again.
+        except TimeoutError:
+            if job.current is not None:
+                self.registry.suspect(job.current)  # it held the request until the deadline
+            raise DispatchError(
+                504, f"request timed out after {self.config.request_timeout_s:g} s",
+                streamed=len(emitted) > 0,
+            ) from None  # fmt: skip
+
+    async def _prefill(self, job: Job, prompt: list[int], params: dict,
+                       budget: list[int]) -> tuple[dict, Node]:  # fmt: skip
+        tried: set[str] = set()
+        last: str | None = None
+        rejected: WorkerRejected | None = None
+        while True:
+            order = await self._prefill_order(job, tried)
+            if not order:
+                if rejected is not None:
+                    raise DispatchError(400, f"{rejected.error}: {rejected}")
+                why = f" (last: {last})" if last else ""
+                raise DispatchError(503, f"no prefill worker available for {job.model}{why}")
+            node = order[0]
+            tried.add(node.node_id)
+            message = {"op": "prefill", "rid": job.rid, "tokens": prompt, "params": params,
+                       "lease_s": self.config.lease_s}  # fmt: skip
+            call = WorkerCall(node, self.config.token, self.config.connect_timeout_s)
+            job.current = node
+            node.inflight += 1
+            try:
+                await call.open()
+                await call.send(message)
+                reply = await call.recv(self.config.attempt_timeout_s)
+                raise_for_error(reply, node)
+                _check_prefill(reply, node)
+            except WorkerBusy as exc:
+                self.stats.busy += 1
+                last = str(exc)
+                continue
+            except WorkerRejected as exc:
+                if exc.error == "RequestError":
+                    raise DispatchError(400, f"rejected by {node.node_id}: {exc}") from None
+                rejected = exc  # PoolExhausted: another worker may have a bigger pool
+                continue
+            except WorkerError as exc:
+                self._fault(node, exc, budget, "prefill")
+                last = str(exc)
+                continue
+            finally:
+                node.inflight -= 1
+                call.close()
+            node.estimate.add(job.page_keys(node, prompt))
+            return reply, node
+
+    async def _decode(self, job: Job, prompt: list[int], params: dict, prefill: dict,
+                      lease_end: float, emitted: list[int],
+                      budget: list[int]) -> AsyncIterator[dict]:  # fmt: skip
+        tried: set[str] = set()
+        message = {
+            "op": "decode", "rid": job.rid, "tokens": prompt,
+            "first_token": int(prefill["first_token"]), "params": params,
+            "tier_pages": int(prefill.get("tier_pages", 0)), "pages": int(prefill["pages"]),
+            "handles": prefill["handles"],
+        }  # fmt: skip
+        last: str | None = None
+        # The first attempt always runs; a retry only while the handles' lease holds.
+        while not tried or time.monotonic() < lease_end:
+            order = self._decode_order(job, tried)
+            if not order:
+                why = f" (last: {last})" if last else ""
+                raise DispatchError(503, f"no decode worker available for {job.model}{why}",
+                                    streamed=True)  # fmt: skip
+            node = order[0]
+            tried.add(node.node_id)
+            call = WorkerCall(node, self.config.token, self.config.connect_timeout_s)
+            job.current = node
+            streamed = 0
+            node.inflight += 1
+            try:
+                await call.open()
+                await call.send(message)
+                last_at = time.monotonic()
+                while True:
+                    frame = await call.recv(None if streamed else self.config.attempt_timeout_s)
+                    raise_for_error(frame, node)
+                    tokens = _tokens(frame, node)
+                    if tokens:
+                        now = time.monotonic()
+                        self.stats.record_gap(now - last_at, len(tokens))
+                        last_at = now
+                        streamed += len(tokens)
+                        emitted.extend(tokens)
+                        yield {"type": "tokens", "tokens": tokens}
+                    if frame.get("done"):
+                        node.estimate.add(job.page_keys(node, job.tokens + emitted))
+                        yield {"type": "done", "finish_reason": frame.get("finish_reason"),
+                               "decode": node.node_id}  # fmt: skip
+                        return
+            except WorkerBusy as exc:
+                self.stats.busy += 1
+                last = str(exc)
+                continue
+            except WorkerError as exc:
+                if streamed:
+                    if not isinstance(exc, WorkerRejected):
+                        self.registry.suspect(node)
+                    raise DispatchError(
+                        502, f"decode {node.node_id} failed after {streamed} tokens: {exc}",
+                        streamed=True,
+                    ) from None  # fmt: skip
+                if isinstance(exc, WorkerRejected):
+                    if exc.error == "RequestError":
+                        raise DispatchError(400, f"rejected by {node.node_id}: {exc}",
+                                            streamed=True) from None  # fmt: skip
+                    last = str(exc)
+                    continue
+                self._fault(node, exc, budget, "decode")
+                last = str(exc)
+                continue
+            finally:
+                node.inflight -= 1
+                call.close()
+
+
+def _check_prefill(reply: dict, node: Node) -> None:
+    """A reply control cannot use is the worker's fault, not the client's."""
+    first = reply.get("first_token")
+    if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+        raise WorkerFault(f"{node.node_id} sent a prefill reply without a valid first_token")
+    if reply.get("finish_reason") not in (None, "stop", "length"):
+        raise WorkerFault(f"{node.node_id} sent finish_reason {reply.get('finish_reason')!r}")
+    if reply.get("finish_reason") is None and (
+        not isinstance(reply.get("handles"), list) or not isinstance(reply.get("pages"), int)
+    ):
+        raise WorkerFault(f"{node.node_id} sent a prefill reply without handles/pages")
+
+
+def _tokens(frame: dict, node: Node) -> list[int]:
+    tokens = frame.get("tokens", [])
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens
+    ):
+        raise WorkerFault(f"{node.node_id} sent malformed tokens")
+    return tokens

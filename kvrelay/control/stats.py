@@ -1,0 +1,96 @@
+"""Request statistics kept by control: counters, token sources, latency percentiles.
+
+Token sources come from the prefill replies (`cached_tokens.local`,
+`cached_tokens.tier`, the rest computed); bytes moved and per-node queues
+come from the workers' heartbeats (the registry).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+SAMPLES = 4096  # latency samples kept per series (a sliding window)
+QUANTILES = (0.5, 0.9, 0.99)
+
+
+def percentile(values, q: float) -> float | None:
+    """Nearest-rank percentile; None without samples."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+@dataclass(slots=True)
+class ControlStats:
+    requests: int = 0
+    completed: int = 0
+    errors: int = 0  # requests answered with an error (any status)
+    client_errors: int = 0  # of those, 4xx (bad input)
+    retries: int = 0  # a prefill or decode attempt repeated elsewhere after a fault
+    busy: int = 0  # Busy answers that moved a request to the next worker
+    cancelled: int = 0  # clients that went away mid-request
+    prompt_tokens: int = 0
+    local_tokens: int = 0
+    tier_tokens: int = 0
+    computed_tokens: int = 0
+    completion_tokens: int = 0
+    probed_tier_tokens: int = 0  # what control's own tier probes found
+    ttft_s: deque = field(default_factory=lambda: deque(maxlen=SAMPLES))
+    itl_s: deque = field(default_factory=lambda: deque(maxlen=SAMPLES))
+    ttft_sum: float = 0.0
+    ttft_count: int = 0
+    itl_sum: float = 0.0
+    itl_count: int = 0
+
+    def record_prefill(self, prompt_tokens: int, local: int, tier: int) -> None:
+        self.prompt_tokens += prompt_tokens
+        self.local_tokens += local
+        self.tier_tokens += tier
+        self.computed_tokens += max(prompt_tokens - local - tier, 0)
+
+    def record_ttft(self, seconds: float) -> None:
+        self.ttft_s.append(seconds)
+        self.ttft_sum += seconds
+        self.ttft_count += 1
+
+    def record_gap(self, seconds: float, tokens: int) -> None:
+        """A batch of `tokens` arrived `seconds` after the previous one: each
+        token's inter-token latency is the gap shared over the batch."""
+        if tokens <= 0:
+            return
+        per_token = seconds / tokens
+        for _ in range(tokens):
+            self.itl_s.append(per_token)
+        self.itl_sum += seconds
+        self.itl_count += tokens
+
+    def hit_rates(self) -> dict[str, float | None]:
+        total = self.prompt_tokens
+        if total == 0:
+            return {"local": None, "tier": None, "computed": None}
+        return {
+            "local": self.local_tokens / total,
+            "tier": self.tier_tokens / total,
+            "computed": self.computed_tokens / total,
+        }
+
+    def latency(self, samples) -> dict[str, float | None]:
+        return {f"p{round(q * 100)}": percentile(samples, q) for q in QUANTILES}
+
+    def snapshot(self) -> dict:
+        return {
+            "requests": self.requests, "completed": self.completed, "errors": self.errors,
+            "client_errors": self.client_errors, "retries": self.retries, "busy": self.busy,
+            "cancelled": self.cancelled,
+            "tokens": {
+                "prompt": self.prompt_tokens, "local": self.local_tokens,
+                "tier": self.tier_tokens, "computed": self.computed_tokens,
+                "completion": self.completion_tokens, "probed_tier": self.probed_tier_tokens,
+            },
+            "hit_rates": self.hit_rates(),
+            "ttft_s": self.latency(self.ttft_s) | {"count": self.ttft_count},
+            "inter_token_s": self.latency(self.itl_s) | {"count": self.itl_count},
+        }  # fmt: skip
