@@ -113,6 +113,8 @@ class DecodeWorker(WorkerFront):
             self._wake.set()
         finally:
             closed.cancel()
+            if closed.done() and not closed.cancelled():
+                closed.exception()  # retrieved: the close was expected
 
     # -- the running batch --------------------------------------------------------
     async def scheduler(self) -> None:
