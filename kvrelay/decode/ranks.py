@@ -52,6 +52,8 @@ class DecodeRanks:
         self.ps = engine.spec.page_size
         self.loads: dict[int, _Load] = {}  # in start order
         self.reserved = 0  # pool pages promised to loads in flight
+        # seq_id -> (tier write running on the loop, its staging rows)
+        self.writes: dict[int, tuple[concurrent.futures.Future, list[int]]] = {}
 
     def handlers(self) -> dict:
         return {
@@ -197,38 +199,58 @@ class DecodeRanks:
     # -- generation ----------------------------------------------------------------
     def step(self) -> dict:
         """Finish the loads that are done (their sequences join the batch),
-        then one step of the batch."""
+        then one step of the batch; report write-backs that completed."""
         loads = self._finish_loads()
         out = []
         for output in self.engine.step():
-            written = None
+            written, writing = None, False
             if output.finish_reason is not None and self.rt.options.write_back:
-                written = self._write_back(output.all_tokens)
+                written, writing = self._write_back(output.seq_id, output.all_tokens)
             out.append(
                 {
                     "seq_id": output.seq_id,
                     "tokens": output.tokens,
                     "finish_reason": output.finish_reason,
                     "written": written,
+                    "writing": writing,
                 }
             )
-        return {"loads": loads, "outputs": out}
+        return {"loads": loads, "outputs": out, "writes_done": self._writes_done()}
 
-    def _write_back(self, tokens: list[int]) -> int | None:
-        """Full pages of a finished sequence (prompt and answer) to the tier;
-        None on a rank that writes nothing (a replica)."""
+    def _write_back(self, seq_id: int, tokens: list[int]) -> tuple[int | None, bool]:
+        """Exports a finished sequence's full pages (prompt and answer) into
+        staging rows and starts writing them to the tier in the background.
+        Returns (pages written if already known, whether a write runs); None
+        pages on a rank that writes nothing (a replica, no tier)."""
         if self.rt.cache is None or not rank_rectangle(self.rt.spec, self.engine.parallel).writer:
-            return None
+            return None, False
         full = (len(tokens) - 1) // self.ps
         if not full or self.rt.rows.free < full:
-            return 0
+            return 0, False
         rows = self.rt.rows.take(full)
         try:
             export_prefix(self.engine, tokens[: full * self.ps], self.rt.staging, rows)
-            keys = self.rt.spec.page_keys(tokens[: full * self.ps])
-            return self.rt.run(self.rt.cache.write(keys, self.rt.arena, self.rt.offsets(rows)))
-        finally:
+        except BaseException:
             self.rt.rows.give_back(rows)
+            raise
+        keys = self.rt.spec.page_keys(tokens[: full * self.ps])
+        write = self.rt.cache.write(keys, self.rt.arena, self.rt.offsets(rows))
+        self.writes[seq_id] = (asyncio.run_coroutine_threadsafe(write, self.rt.loop), rows)
+        return None, True
+
+    def _writes_done(self) -> list[list[int]]:
+        """[seq_id, pages written] of background write-backs that finished;
+        their rows go back here, on the rank's thread."""
+        done = []
+        for seq_id, (future, rows) in list(self.writes.items()):
+            if future.done():
+                del self.writes[seq_id]
+                self.rt.rows.give_back(rows)
+                try:
+                    done.append([seq_id, future.result()])
+                except Exception:
+                    done.append([seq_id, 0])
+        return done
 
 
 def decode_rank_setup(options: RankOptions, engine) -> dict:

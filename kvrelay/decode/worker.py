@@ -29,7 +29,9 @@ class _Job:
     seq_id: int | None = None
     cancelled: bool = False
     pulled: dict = field(default_factory=dict)
-    written: int = 0
+    finish_reason: str | None = None
+    written: list[int] = field(default_factory=list)  # pages each writer rank wrote back
+    writing: set[int] = field(default_factory=set)  # ranks whose write-back still runs
 
 
 def _check_handles(handles) -> list[dict]:
@@ -59,6 +61,7 @@ class DecodeWorker(WorkerFront):
         self._waiting: deque[_Job] = deque()
         self._running: dict[int, _Job] = {}
         self._loading: dict[int, _Job] = {}  # pulls in flight, by load id
+        self._writing: dict[int, _Job] = {}  # finished, write-back in flight, by seq id
         self._load_ids = itertools.count(1)
         self._blocked = False
         self._wake = asyncio.Event()
@@ -110,6 +113,8 @@ class DecodeWorker(WorkerFront):
             self._wake.set()
         finally:
             closed.cancel()
+            if closed.done() and not closed.cancelled():
+                closed.exception()  # retrieved: the close was expected
 
     # -- the running batch --------------------------------------------------------
     async def scheduler(self) -> None:
@@ -117,10 +122,10 @@ class DecodeWorker(WorkerFront):
             try:
                 await self._start_loads()
                 await self._drop_cancelled()
-                if self._running or self._loading:
+                if self._running or self._loading or self._writing:
                     await self._step()
                     if not self._running:
-                        # Only pulls in flight: poll them without spinning.
+                        # Only pulls or writes in flight: poll them without spinning.
                         await asyncio.sleep(LOAD_POLL_S)
                 elif not self._waiting or self._blocked:
                     self._wake.clear()
@@ -129,6 +134,8 @@ class DecodeWorker(WorkerFront):
                 log.error("decode scheduler: %r", exc)
                 running = dict(self._running)
                 jobs = [*self._waiting, *self._loading.values(), *running.values()]
+                jobs += self._writing.values()
+                self._writing.clear()
                 self._waiting.clear()
                 self._loading.clear()  # a load finishing later is cancelled in _step
                 self._running.clear()
@@ -219,16 +226,34 @@ class DecodeWorker(WorkerFront):
             self.counters.generated_tokens += len(out["tokens"])
             if out["tokens"]:
                 job.frames.put_nowait({"ok": True, "rid": job.rid, "tokens": out["tokens"]})
-            if out["finish_reason"] is not None:
-                del self._running[out["seq_id"]]
-                written = [r[i]["written"] for r in outputs if r[i]["written"] is not None]
-                job.frames.put_nowait(
-                    {
-                        "ok": True,
-                        "rid": job.rid,
-                        "done": True,
-                        "finish_reason": out["finish_reason"],
-                        "pulled": job.pulled,
-                        "written_back_pages": min(written) if written else 0,
-                    }
-                )
+            if out["finish_reason"] is None:
+                continue
+            del self._running[out["seq_id"]]
+            job.finish_reason = out["finish_reason"]
+            job.written = [r[i]["written"] for r in outputs if r[i]["written"] is not None]
+            job.writing = {rank for rank, r in enumerate(outputs) if r[i]["writing"]}
+            if job.writing:
+                self._writing[out["seq_id"]] = job  # done once the tier writes finish
+            else:
+                self._done(job)
+        for rank, r in enumerate(per_rank):
+            for seq_id, pages in r["writes_done"]:
+                job = self._writing.get(seq_id)
+                if job is not None:
+                    job.writing.discard(rank)
+                    job.written.append(pages)
+                    if not job.writing:
+                        del self._writing[seq_id]
+                        self._done(job)
+
+    def _done(self, job: _Job) -> None:
+        job.frames.put_nowait(
+            {
+                "ok": True,
+                "rid": job.rid,
+                "done": True,
+                "finish_reason": job.finish_reason,
+                "pulled": job.pulled,
+                "written_back_pages": min(job.written) if job.written else 0,
+            }
+        )

@@ -184,7 +184,9 @@ class ParallelEngine:
         """`rank_setup(engine) -> {name: handler}` (picklable, e.g. a
         module-level function or a partial of one) runs in each rank after its
         engine loads; `call(name, *args)` then runs the handler on every rank.
-        A handler named "close" runs when the rank stops."""
+        A handler named "close" runs when the rank stops. Ranks die with the
+        thread that starts them (parent-death signal): create the engine from
+        a thread that outlives it, e.g. the main thread."""
         ParallelConfig(tp=tp, pp=pp)  # validates the sizes
         self.tp, self.pp, self.world = tp, pp, tp * pp
         self.timeout_s = timeout_s

@@ -92,6 +92,8 @@ class PrefillWorker(WorkerFront):
                 await self._drop(answer)
         finally:
             closed.cancel()
+            if closed.done() and not closed.cancelled():
+                closed.exception()  # retrieved: the close was expected
 
     async def _drop(self, answer: dict) -> None:
         """End the leases of an answer's handles now, freeing their staging rows."""

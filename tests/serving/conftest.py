@@ -76,8 +76,9 @@ def control():
 
 
 @pytest.fixture(scope="module")
-def launch():
-    """Starts processes; stops whatever is still running at the end of the module."""
+def launch(control):
+    """Starts processes; stops whatever is still running at the end of the
+    module, while control still answers (workers deregister on SIGTERM)."""
     started: list[Process] = []
 
     def start(*args, env=None) -> Process:
