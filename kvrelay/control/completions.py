@@ -169,7 +169,8 @@ class CompletionRunner:
     @staticmethod
     def _info(first: dict, done: dict | None) -> dict:
         return {"prefill_node": first["prefill"], "decode_node": done and done["decode"],
-                "cached_tokens": first["cached"], "ttft_s": first["ttft_s"]}  # fmt: skip
+                "cached_tokens": first["cached"], "ttft_s": first["ttft_s"],
+                "prefill_timings": first.get("prefill_timings", {})}  # fmt: skip
 
     async def _sse(self, job: Job, first: dict, queue: asyncio.Queue, producer: asyncio.Task):
         decoder = tokenizer.StreamDecoder()

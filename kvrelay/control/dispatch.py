@@ -161,6 +161,7 @@ class Dispatcher:
                         event["cached"] = {"local": int(cached.get("local", 0)),
                                            "tier": int(cached.get("tier", 0))}  # fmt: skip
                         event["ttft_s"] = time.monotonic() - started
+                        event["prefill_timings"] = _timings(reply.get("timings"))
                         self.stats.record_ttft(event["ttft_s"])
                         self.stats.record_prefill(len(job.tokens), **event["cached"])
                     emitted.append(first)
@@ -320,3 +321,11 @@ def _tokens(frame: dict, node: Node) -> list[int]:
     ):
         raise WorkerFault(f"{node.node_id} sent malformed tokens")
     return tokens
+
+
+def _timings(raw) -> dict:
+    """The prefill worker's own breakdown of a request (queue, lookup,
+    compute, publish seconds), passed on to the client; junk is dropped."""
+    if not isinstance(raw, dict):
+        return {}
+    return {str(k): float(v) for k, v in raw.items() if isinstance(v, int | float)}

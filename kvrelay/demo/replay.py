@@ -29,6 +29,7 @@ class TurnRecord:
     total_s: float = 0.0
     cached_local: int = 0
     cached_tier: int = 0
+    prefill_timings: dict = field(default_factory=dict)  # the prefill worker's breakdown
     finish_reason: str | None = None
     error: str | None = None
 
@@ -68,7 +69,9 @@ async def _one_turn(client: httpx.AsyncClient, url: str, record: TurnRecord, bod
                 last = now
             if choice.get("finish_reason"):
                 record.finish_reason = choice["finish_reason"]
-            cached = (chunk.get("kvrelay") or {}).get("cached_tokens")
+            info = chunk.get("kvrelay") or {}
+            record.prefill_timings = info.get("prefill_timings") or record.prefill_timings
+            cached = info.get("cached_tokens")
             if cached:
                 record.cached_local = int(cached.get("local", 0))
                 record.cached_tier = int(cached.get("tier", 0))
