@@ -66,6 +66,7 @@ class Process:
     log: Path
     ready: dict | None = None
     _ready_event: threading.Event = field(default_factory=threading.Event)
+    _pump: threading.Thread | None = None
 
     def wait_ready(self, timeout_s: float) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -88,6 +89,9 @@ class Process:
         _signal_group(self.popen.pid, signal.SIGKILL)
         if self.popen.poll() is None:
             self.popen.wait(timeout=10)
+        if self._pump is not None:
+            self._pump.join(timeout=5)  # the pipe ends when the process group is gone
+        self.popen.stdout.close()
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -169,7 +173,8 @@ class LocalCluster:
             start_new_session=True,
         )
         process = Process(name, popen, log)
-        threading.Thread(target=_pump, args=(process,), daemon=True).start()
+        process._pump = threading.Thread(target=_pump, args=(process,), daemon=True)
+        process._pump.start()
         self.processes.append(process)
         return process
 

@@ -47,10 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode", default="1xtp1", help="decode pool")
     parser.add_argument("--backend", default="tcp", choices=["tcp", "ucx"])
     parser.add_argument("--sessions", type=int, default=4)
-    parser.add_argument("--turns", type=int, default=8)
-    parser.add_argument("--system-tokens", type=int, default=2048)
+    parser.add_argument("--turns", type=int, default=16)
+    parser.add_argument("--system-tokens", type=int, default=8192)
     parser.add_argument("--user-tokens", type=int, default=256)
-    parser.add_argument("--tool-tokens", type=int, default=1536)
+    parser.add_argument("--tool-tokens", type=int, default=512)
     parser.add_argument("--answer-tokens", type=int, default=24)
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
@@ -121,6 +121,7 @@ def run_mode(mode: str, args, workload: WorkloadConfig, model: Path, page_bytes:
             records += more
         wall = time.perf_counter() - start
         bar.close()
+        time.sleep(1.5)  # one more heartbeat: the workers' counters catch up
         stats = _control_stats(url)
     return records, split, wall, stats
 

@@ -21,10 +21,10 @@ from kvrelay.layout.keys import page_keys
 @dataclass(frozen=True, slots=True)
 class WorkloadConfig:
     sessions: int = 4
-    turns: int = 8
-    system_tokens: int = 2048
+    turns: int = 16
+    system_tokens: int = 8192
     user_tokens: int = 256
-    tool_tokens: int = 1536
+    tool_tokens: int = 512
     answer_tokens: int = 24  # max_tokens of every turn
     vocab: int = 256
     seed: int = 0
