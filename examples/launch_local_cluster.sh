@@ -7,7 +7,7 @@
 #   [CACHE_MODE=shared|local|none] [BACKEND=tcp|ucx] [TOKEN=...]
 #   examples/launch_local_cluster.sh
 #
-# Then: curl -s localhost:8000/v1/completions -d '{"prompt": "hello", "max_tokens": 8}'
+# Then: curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' -d '{"prompt": "hello", "max_tokens": 8}'
 # Logs per process in $LOGDIR (kvrelay-logs); Ctrl-C stops everything.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
