@@ -25,11 +25,11 @@ import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvrelay.cache.connection import ServerConnection, ServerGone, ring_prefix
 from kvrelay.cache.ring import HashRing
 from kvrelay.cache.writeback import WriteBackQueue
 from kvrelay.layout import ModelKVSpec, Rectangle
 from kvrelay.transfer import Agent, Arena, TransferError
-from kvrelay.transfer.wire import WIRE_VERSION, Connection
 
 WRITE_POLICIES = ("write-through", "write-back")
 
@@ -72,48 +72,6 @@ class ClientStats:
     errors: int = 0  # server calls that failed and were answered as misses
 
 
-class ServerGone(Exception):
-    """A cache server call failed; the caller treats it as misses."""
-
-
-class _Server:
-    def __init__(self, address: str, config: CacheClientConfig, page_bytes: int) -> None:
-        self.address = address
-        self.config = config
-        self.page_bytes = page_bytes
-        self.conn: Connection | None = None
-        self.lock = asyncio.Lock()
-
-    async def call(self, message: dict) -> dict:
-        async with self.lock:
-            try:
-                async with asyncio.timeout(self.config.timeout_s):
-                    if self.conn is None:
-                        await self._connect()
-                    await self.conn.send(message)
-                    reply = await self.conn.recv()
-            except (TransferError, TimeoutError, OSError) as exc:
-                self.drop()
-                raise ServerGone(f"cache server {self.address}: {exc!r}") from None
-        if not reply.get("ok"):
-            raise ServerGone(f"cache server {self.address} refused: {reply.get('message')}")
-        return reply
-
-    async def _connect(self) -> None:
-        host, port = self.address.rsplit(":", 1)
-        self.conn = await Connection.open(host, int(port))
-        await self.conn.send({"op": "hello", "v": WIRE_VERSION, "token": self.config.token})
-        hello = await self.conn.recv()
-        if not hello.get("ok") or hello.get("page_bytes") != self.page_bytes:
-            self.drop()
-            raise ServerGone(f"cache server {self.address} refused hello: {hello!r:.200}")
-
-    def drop(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
-
-
 class CacheClient:
     def __init__(
         self, agent: Agent, spec: ModelKVSpec, rect: Rectangle, config: CacheClientConfig
@@ -126,7 +84,10 @@ class CacheClient:
         self.namespace = spec.namespace()
         self.ring = HashRing(config.servers)
         self.stats = ClientStats()
-        self._servers = {a: _Server(a, config, spec.page_bytes) for a in config.servers}
+        self._servers = {
+            a: ServerConnection(a, config.token, config.timeout_s, spec.page_bytes)
+            for a in config.servers
+        }
         self._queue: WriteBackQueue | None = None
         self._pusher: asyncio.Task | None = None
         self._queued = asyncio.Event()  # a page waits
@@ -158,15 +119,7 @@ class CacheClient:
             *(self._lookup_one(s, [keys[p] for p in ps]) for s, ps in groups.items())
         )
         found = {s: a for s, a in zip(groups, answers, strict=True)}
-        # The prefix ends at the first key its server did not hit.
-        taken = dict.fromkeys(groups, 0)
-        prefix = 0
-        for key in keys:
-            server = self.ring.server_for(key)
-            if taken[server] >= found[server][0]:
-                break
-            taken[server] += 1
-            prefix += 1
+        prefix, taken = ring_prefix(self.ring, keys, {s: a[0] for s, a in found.items()})
         pulls = []
         for server, positions in groups.items():
             lease = found[server][1]

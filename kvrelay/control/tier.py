@@ -12,68 +12,20 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from kvrelay.cache.connection import ServerConnection, ServerGone, ring_prefix
 from kvrelay.cache.ring import HashRing
-from kvrelay.transfer.errors import TransferError
-from kvrelay.transfer.wire import WIRE_VERSION, Connection
 
 PROBE_LEASE_S = 2.0
 
 
-class TierUnavailable(Exception):
-    pass
-
-
-class _Server:
-    """One persistent connection to a cache server, one call at a time."""
-
-    def __init__(self, address: str, token: str, timeout_s: float) -> None:
-        self.address = address
-        self.token = token
-        self.timeout_s = timeout_s
-        self.conn: Connection | None = None
-        self.lock = asyncio.Lock()
-
-    async def call(self, message: dict) -> dict:
-        # Waiting for the connection counts against the timeout too; only the
-        # holder of the lock may close it.
-        holding = False
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                await self.lock.acquire()
-                holding = True
-                if self.conn is None:
-                    await self._connect()
-                await self.conn.send(message)
-                reply = await self.conn.recv()
-        except (TransferError, TimeoutError, OSError, TierUnavailable) as exc:
-            if holding:
-                self.close()
-            raise TierUnavailable(f"cache server {self.address}: {exc!r}") from None
-        finally:
-            if holding:
-                self.lock.release()
-        if not reply.get("ok"):
-            raise TierUnavailable(f"cache server {self.address}: {reply.get('message')}")
-        return reply
-
-    async def _connect(self) -> None:
-        host, port = self.address.rsplit(":", 1)
-        self.conn = await Connection.open(host, int(port))
-        await self.conn.send({"op": "hello", "v": WIRE_VERSION, "token": self.token})
-        hello = await self.conn.recv()
-        if not hello.get("ok"):
-            raise TierUnavailable(f"hello refused: {hello.get('message')}")
-
-    def close(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
+# Control's name for a cache server that did not answer (a miss, never an error).
+TierUnavailable = ServerGone
 
 
 class TierProbe:
     def __init__(self, servers: Sequence[str], token: str, timeout_s: float = 1.0) -> None:
         self.ring = HashRing(servers)
-        self._servers = {a: _Server(a, token, timeout_s) for a in servers}
+        self._servers = {a: ServerConnection(a, token, timeout_s) for a in servers}
         self.probes = 0
         self.errors = 0
 
@@ -95,14 +47,7 @@ class TierProbe:
             *(self._release(s, lease) for s, (_, lease) in zip(groups, answers, strict=True)
               if lease is not None)
         )  # fmt: skip
-        taken = dict.fromkeys(groups, 0)
-        prefix = 0
-        for key in keys:
-            server = self.ring.server_for(key)
-            if taken[server] >= hits[server]:
-                break
-            taken[server] += 1
-            prefix += 1
+        prefix, _ = ring_prefix(self.ring, keys, hits)
         return prefix
 
     async def _lookup(self, server: str, namespace: bytes, keys: list[bytes]):
@@ -125,7 +70,7 @@ class TierProbe:
         """Drop unpinned pages (of one namespace, or all) on every server;
         pages dropped per server, None for one that did not answer."""
 
-        async def one(server: _Server) -> int | None:
+        async def one(server: ServerConnection) -> int | None:
             message = {"op": "flush"} if namespace is None else {"op": "flush", "ns": namespace}
             try:
                 return int((await server.call(message)).get("dropped", 0))
@@ -138,4 +83,4 @@ class TierProbe:
 
     def close(self) -> None:
         for server in self._servers.values():
-            server.close()
+            server.drop()

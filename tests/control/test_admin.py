@@ -18,9 +18,10 @@ from kvrelay.cache.ring import HashRing
 from kvrelay.cli import build_parser
 from kvrelay.control.launch import bind, config_from_args
 from kvrelay.layout import ParallelConfig
+from tests.cache.server_process import TOKEN as CACHE_TOKEN
+from tests.cache.server_process import ServerProcess
 from tests.cache.specs import SPEC
-from tests.cache.test_server import KEYS, ServerProcess, write_pages
-from tests.cache.test_server import TOKEN as CACHE_TOKEN
+from tests.cache.test_server import KEYS, write_pages
 from tests.control.conftest import AUTH, wait_until
 
 
