@@ -45,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--redeploy-turns", type=int, default=2, help="turns replayed after the redeploy"
     )
     parser.add_argument("--decode", default="1xtp1", help="decode pool")
-    parser.add_argument("--backend", default="tcp", choices=["tcp", "ucx"])
+    parser.add_argument("--backend", default=_default_backend(), choices=["tcp", "ucx"],
+                        help="transfer backend of every process (ucx when built)")  # fmt: skip
     parser.add_argument("--sessions", type=int, default=4)
     parser.add_argument("--turns", type=int, default=16)
     parser.add_argument("--system-tokens", type=int, default=8192)
@@ -57,6 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per request")
     parser.add_argument("--json", default=None, help="default: OUT/demo.json")
     parser.add_argument("--plot", default=None, help="default: OUT/demo.png")  # fmt: skip
+
+
+def _default_backend() -> str:
+    import importlib.util
+
+    return "ucx" if importlib.util.find_spec("kvrelay._ucx") else "tcp"
 
 
 def ensure_model(path: Path) -> Path:
