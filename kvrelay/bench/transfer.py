@@ -5,7 +5,8 @@ publishes single runs (1, 16, 256 MiB) and a batch of 512 random 64 KiB
 runs. This process pulls each of them `--runs` times per mode: ucx over
 shm/cma, ucx over tcp (UCX_TLS), the tcp backend and the same-host fast path.
 Baselines measured in the same run: memcpy (`Tensor.copy_`) of the same byte
-count, and `ucx_perftest` from the UCX wheel (`ucp_get`, `-O 512` for the batch).
+count, `ucx_perftest` from the UCX wheel (`ucp_get`, `-O 512` for the batch),
+and for the tcp backend a plain loopback TCP stream of the same bytes.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import msgpack
 import torch
 
 from kvrelay.bench.stats import Summary, format_table, machine_info, time_once, write_json
+from kvrelay.bench.tcp_stream import tcp_stream
 
 TOKEN = "kvrelay-bench"
 NAMESPACE = hashlib.sha256(b"kvrelay bench transfer").digest()
@@ -198,6 +200,7 @@ def run(args: argparse.Namespace) -> dict:
         nbytes = sum(n for _, n in run_list)
         memcpy = Summary.of([t for mode in modes for t in pulls[mode][name][1]])
         runs_copy = _copy_same_runs(source, run_list, args.runs)
+        stream = tcp_stream(nbytes, args.runs) if "tcp" in modes else None
         perftest = {}
         if not args.no_perftest:
             count, size = len(run_list), run_list[0][1]
@@ -217,7 +220,10 @@ def run(args: argparse.Namespace) -> dict:
             summary = Summary.of(pull_times)
             ratio = Summary.of([c / t for c, t in zip(copy_times, pull_times, strict=True)])
             entry["modes"][mode] = summary.to_json() | {"x_memcpy": ratio.to_json()}
-            base = perftest.get("tcp" if mode == "ucx (tcp)" else "shm/cma")
+            if mode == "tcp":
+                base = nbytes / stream.median if stream else None
+            else:
+                base = perftest.get("tcp" if mode == "ucx (tcp)" else "shm/cma")
             rows.append(
                 [
                     name,
@@ -242,6 +248,11 @@ def run(args: argparse.Namespace) -> dict:
             ]
         )
         entry["memcpy_of_runs_one_process"] = runs_copy.to_json()
+        if stream is not None:
+            entry["tcp_stream"] = stream.to_json()
+            ratio = f"{memcpy.median / stream.median:.2f}"
+            rows.append([name, "TCP stream, loopback", _gbs(nbytes, stream.median),
+                         _spread(nbytes, stream), ratio, "-"])  # fmt: skip
         for label, rate in perftest.items():
             rows.append(
                 [
@@ -254,11 +265,12 @@ def run(args: argparse.Namespace) -> dict:
                 ]
             )
         results.append(entry)
-    print(format_table(["case", "path", "GB/s", "[min-max]", "x memcpy", "x perftest"], rows))
+    print(format_table(["case", "path", "GB/s", "[min-max]", "x memcpy", "x baseline"], rows))
     print(
         f"median of {args.runs} runs [slowest-fastest]; x memcpy = memcpy time / pull time per "
         "run (Tensor.copy_ of the same byte count, timed before each pull); "
-        "x perftest = pull rate / ucx_perftest ucp_get rate on the same transport"
+        "x baseline = pull rate / ucx_perftest ucp_get rate on the same transport (ucx modes), "
+        "/ a plain loopback TCP stream of the same bytes (tcp)"
     )
     payload = {
         "benchmark": "transfer",

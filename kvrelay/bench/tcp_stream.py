@@ -1,0 +1,50 @@
+"""Baseline of the tcp backend: one plain TCP stream between two processes on
+loopback, blocking `sendall` / `recv_into` of the same byte count, no
+protocol at all: what this host's loopback moves, measured in the same run."""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+
+from kvrelay.bench.stats import Summary, time_once
+
+
+def _sender(port_queue, nbytes: int, times: int) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port_queue.put(server.getsockname()[1])
+        conn, _ = server.accept()
+        with conn:
+            payload = bytearray(nbytes)
+            for _ in range(times):
+                if conn.recv(1) != b"g":
+                    return
+                conn.sendall(payload)
+
+
+def tcp_stream(nbytes: int, runs: int, timeout_s: float = 120.0) -> Summary:
+    """Seconds per transfer of `nbytes` (first transfer untimed)."""
+    context = multiprocessing.get_context("spawn")
+    ports = context.Queue()
+    sender = context.Process(target=_sender, args=(ports, nbytes, runs + 1), daemon=True)
+    sender.start()
+    try:
+        with socket.create_connection(("127.0.0.1", ports.get(timeout=timeout_s))) as conn:
+            conn.settimeout(timeout_s)
+            view = memoryview(bytearray(nbytes))
+
+            def once() -> None:
+                conn.sendall(b"g")
+                got = 0
+                while got < nbytes:
+                    n = conn.recv_into(view[got:])
+                    if n == 0:
+                        raise ConnectionError("the sender closed the stream")
+                    got += n
+
+            once()
+            return Summary.of([time_once(once) for _ in range(runs)])
+    finally:
+        sender.join(timeout=10)
+        if sender.is_alive():
+            sender.kill()
