@@ -45,6 +45,9 @@ def _cases(arena: int, sizes_mib: list[int], batch: int, run_kib: int) -> list[t
     cases.append(
         (f"batch {batch} x {run_kib} KiB", [(s * (run_kib << 10), run_kib << 10) for s in slots])
     )
+    # ucx_perftest's access pattern: the same run read `batch` times (it stays
+    # in the cache), to tell the cost of random runs from the cost of the path.
+    cases.append((f"batch {batch} x {run_kib} KiB, one run", [(0, run_kib << 10)] * batch))
     return cases
 
 

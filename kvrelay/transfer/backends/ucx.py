@@ -111,16 +111,22 @@ class UcxTransport(Transport):
         except _ucx.UcxError as exc:
             raise PeerError(f"posting to {peer.address} failed: {exc}") from None
         loop = asyncio.get_running_loop()
-        done = loop.create_future()
-        # The batch waits on a thread of its own and signals an eventfd: no
-        # executor hop and no GIL handoff per batch.
-        fd = batch.start(_WAIT_LIMIT)
-        loop.add_reader(fd, lambda: done.done() or done.set_result(None))
+        fd = None
         try:
-            # The caller's deadline cancels this; a dead peer is noticed here.
-            while not (await asyncio.wait({done}, timeout=0.25))[0]:
-                if peer.conn is not None and _peer_gone(peer):
-                    raise PeerError(f"agent {peer.address} died during the transfer")
+            if batch.pending == 0:
+                # Every operation completed while it was posted (cma GETs
+                # do): no thread to wake, but give the loop its turn.
+                await asyncio.sleep(0)
+            else:
+                # The batch waits on a thread of its own and signals an
+                # eventfd: no executor hop and no GIL handoff per batch.
+                done = loop.create_future()
+                fd = batch.start(_WAIT_LIMIT)
+                loop.add_reader(fd, lambda: done.done() or done.set_result(None))
+                # The caller's deadline cancels this; a dead peer is noticed here.
+                while not (await asyncio.wait({done}, timeout=0.25))[0]:
+                    if peer.conn is not None and _peer_gone(peer):
+                        raise PeerError(f"agent {peer.address} died during the transfer")
             if not batch.result():
                 raise PeerError(f"transfer from {peer.address} did not complete")
         except _ucx.UcxError as exc:
@@ -133,7 +139,8 @@ class UcxTransport(Transport):
             self.drop_peer(peer)
             raise
         finally:
-            loop.remove_reader(fd)
+            if fd is not None:
+                loop.remove_reader(fd)
             batch.release()
 
     def drop_peer(self, peer) -> None:
