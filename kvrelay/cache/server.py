@@ -33,7 +33,7 @@ from kvrelay.cache.index import CacheIndexError
 from kvrelay.cache.l3 import open_store
 from kvrelay.cache.tier import CacheTier, TierConfig
 from kvrelay.transfer import TransferError, create_agent
-from kvrelay.transfer.wire import WIRE_VERSION, Connection, error_reply, token_ok
+from kvrelay.transfer.wire import WIRE_VERSION, Connection, error_reply, listen_socket, token_ok
 
 MAX_LEASE_S = 300.0
 
@@ -118,14 +118,7 @@ class CacheServer:
         arena = PageArena(self.agent, ArenaConfig(c.page_bytes, capacity_bytes=c.arena_bytes))
         l3 = open_store(c.l3, capacity_bytes=c.l3_capacity_bytes) if c.l3 else None
         self.tier = CacheTier(arena, l3, TierConfig(l3_policy=c.l3_policy))
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((c.host, c.port))
-        listener.listen(64)
-        listener.setblocking(False)
-        self._listener = listener
-        host, port = listener.getsockname()[:2]
-        self.address = f"{host}:{port}"
+        self._listener, self.address = listen_socket(c.host, c.port)
         self._accept = asyncio.create_task(self._accept_loop())
         return self
 

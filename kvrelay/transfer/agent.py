@@ -29,7 +29,7 @@ from kvrelay.transfer.errors import (
 from kvrelay.transfer.fastpath import copy_shared, host_id
 from kvrelay.transfer.handle import ArenaInfo, BlockHandle, check_runs, plan
 from kvrelay.transfer.lease import LeaseTable
-from kvrelay.transfer.wire import WIRE_VERSION, Connection, error_reply, token_ok
+from kvrelay.transfer.wire import WIRE_VERSION, Connection, error_reply, listen_socket, token_ok
 
 _LOOPBACK: dict[str, Agent] = {}  # in-process agents of the loopback backend
 
@@ -57,14 +57,7 @@ class Agent:
             self.address = f"loopback:{self.agent_id.hex()}"
             _LOOPBACK[self.address] = self
             return self
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((self.config.host, self.config.port))
-        listener.listen(64)
-        listener.setblocking(False)
-        self._listener = listener
-        host, port = listener.getsockname()[:2]
-        self.address = f"{host}:{port}"
+        self._listener, self.address = listen_socket(self.config.host, self.config.port)
         self._server = asyncio.create_task(self._accept_loop())
         return self
 

@@ -95,6 +95,22 @@ class Connection:
         self.sock.close()
 
 
+def listen_socket(host: str, port: int, backlog: int = 64) -> tuple[socket.socket, str]:
+    """A non-blocking listening TCP socket and the "host:port" it is bound to
+    (port 0 picks a free one)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(backlog)
+        listener.setblocking(False)
+    except BaseException:
+        listener.close()
+        raise
+    bound_host, bound_port = listener.getsockname()[:2]
+    return listener, f"{bound_host}:{bound_port}"
+
+
 def token_ok(given, expected: str) -> bool:
     return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())
 

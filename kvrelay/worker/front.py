@@ -21,7 +21,7 @@ from kvrelay.model.config import ModelConfig
 from kvrelay.model.errors import RequestError
 from kvrelay.model.parallel import ParallelEngine
 from kvrelay.transfer import TransferError
-from kvrelay.transfer.wire import WIRE_VERSION, Connection, token_ok
+from kvrelay.transfer.wire import WIRE_VERSION, Connection, listen_socket, token_ok
 from kvrelay.worker.protocol import WorkerCounters, error_reply
 from kvrelay.worker.rank import RankOptions
 from kvrelay.worker.registration import Registrar
@@ -98,14 +98,7 @@ class WorkerFront:
         self.vocab = ModelConfig.from_dir(c.model_dir).vocab_size
         self._lock = asyncio.Lock()
         host, port = c.listen.rsplit(":", 1)
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((host, int(port)))
-        listener.listen(128)
-        listener.setblocking(False)
-        self._listener = listener
-        bound_host, bound_port = listener.getsockname()[:2]
-        self.address = f"{bound_host}:{bound_port}"
+        self._listener, self.address = listen_socket(host, int(port), backlog=128)
         self._accept_task = self._spawn(self._accept_loop())
         self._spawn(self.scheduler())
         if c.control:
