@@ -78,6 +78,7 @@ class TcpTransport(Transport):
 
 _BULK_BYTES = 1 << 20
 _IOV_MAX = 1024  # Linux's limit of buffers per sendmsg/recvmsg
+_STALL_S = 30.0
 
 
 @functools.cache
@@ -107,7 +108,10 @@ async def move_bytes(conn, views: list[memoryview], receive: bool) -> None:
 def _blocking_move(sock: socket.socket, views: list[memoryview], receive: bool) -> None:
     # One sendmsg/recvmsg_into call covers up to _IOV_MAX runs (a 512-run
     # batch is a handful of system calls, not one per run).
-    sock.setblocking(True)
+    # Blocking, but a call that moves nothing for _STALL_S fails: a peer that
+    # stops mid-transfer cannot hold a thread of the pool for ever (the
+    # reader's own deadline usually ends it sooner, by shutting the socket).
+    sock.settimeout(_STALL_S)
     try:
         pending = [v.cast("B") for v in views if len(v)]
         while pending:
