@@ -27,7 +27,7 @@ from kvrelay.transfer.errors import (
     UnknownArena,
 )
 from kvrelay.transfer.fastpath import copy_shared, host_id
-from kvrelay.transfer.handle import ArenaInfo, BlockHandle, check_runs, plan
+from kvrelay.transfer.handle import ArenaInfo, BlockHandle, check_runs, plan_checked
 from kvrelay.transfer.lease import LeaseTable
 from kvrelay.transfer.wire import WIRE_VERSION, Connection, error_reply, listen_socket, token_ok
 
@@ -169,17 +169,19 @@ class Agent:
         handle.check(namespace)
         if len(local_offsets) != len(handle.runs):
             raise ValueError(f"{len(local_offsets)} local offsets for {len(handle.runs)} runs")
-        triples = plan(handle.run_array, local_offsets)
-        check_runs(triples[:, 1:], local.size, "local")
         timeout = self.config.timeout if timeout is None else timeout
         peer = None
         try:
             async with asyncio.timeout(timeout):
                 peer = await self._peer(handle)
                 info = await self._arena_info(peer, handle.arena_id)
-                handle.check_against(info)
+                handle.check_key(info)
+                # Both sides' bounds, checked before any byte moves.
+                triples, nbytes = plan_checked(
+                    handle.run_array, local_offsets, info.size, local.size
+                )
                 if peer.same_host and info.shm and not local.is_cuda:
-                    await copy_shared(peer, info, local, triples, read)
+                    await copy_shared(peer, info, local, triples, read, nbytes)
                 else:
                     await self.transport.move(peer, handle, local, triples, read)
         except TimeoutError:

@@ -25,7 +25,7 @@ from kvrelay.transfer.handle import ArenaInfo
 # back cost 1-1.5 ms, a third of the copy. Larger ones block the loop for
 # too long (over ~6 ms) and go to an executor thread.
 _INLINE_COPY_BYTES = 64 << 20
-_BYTES_PER_COPY_THREAD = 8 << 20
+_BYTES_PER_COPY_THREAD = 64 << 20
 # Batches of at least this many bytes are copied with non-temporal stores: the
 # pulled pages are scattered into a pool later, long after they would have
 # left the cache, and streaming stores skip reading each destination line.
@@ -45,7 +45,7 @@ def host_id() -> str:
     return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
 
 
-async def copy_shared(peer, info: ArenaInfo, local, triples, read) -> None:
+async def copy_shared(peer, info: ArenaInfo, local, triples, read, nbytes=None) -> None:
     """Copies `triples` between `local` and the peer's mapped arena."""
     mapping = peer.mappings.get(info.arena_id)
     if mapping is None:
@@ -56,9 +56,11 @@ async def copy_shared(peer, info: ArenaInfo, local, triples, read) -> None:
         peer.mappings[info.arena_id] = mapping
     rows = np.ascontiguousarray(triples[:, [1, 0, 2]] if read else triples, dtype=np.uint64)
     dst, src = (local.address, mapping.address) if read else (mapping.address, local.address)
-    nbytes = int(rows[:, 2].sum())
-    # As many copying threads as torch uses (the memcpy it is measured
-    # against), at least 8 MiB each; one call copies the whole batch.
+    nbytes = int(rows[:, 2].sum()) if nbytes is None else nbytes
+    # One copying thread per 64 MiB (at most as many as torch uses): from a
+    # cold cache one thread already runs at memory speed here, and a second
+    # one made a 32 MiB pull twice as slow whenever another process held a
+    # core. One call copies the whole batch.
     threads = max(1, min(torch.get_num_threads(), nbytes // _BYTES_PER_COPY_THREAD))
     if nbytes <= _INLINE_COPY_BYTES:
         copy_runs(dst, src, rows, threads, _STREAM_MIN_BYTES)

@@ -221,10 +221,15 @@ class BlockHandle:
         if self.lease_expiry <= (time.time() if now is None else now):
             raise LeaseExpired(f"lease {self.lease_id} expired at {self.lease_expiry:.3f}")
 
-    def check_against(self, arena: ArenaInfo) -> None:
-        """Checks the handle against the arena its owner published."""
+    def check_key(self, arena: ArenaInfo) -> None:
+        """Checks the handle's rkey and base against the arena its owner published
+        (its runs are checked by `plan_checked`)."""
         if self.rkey != arena.rkey or self.base != arena.base:
             raise RkeyMismatch(f"handle's rkey/base do not match arena {arena.arena_id}")
+
+    def check_against(self, arena: ArenaInfo) -> None:
+        """Checks the handle, runs included, against the arena its owner published."""
+        self.check_key(arena)
         check_runs(self.run_array, arena.size, "remote")
 
 
@@ -274,6 +279,58 @@ def plan(remote_runs, local_offsets) -> np.ndarray:
         return rows
     first = np.flatnonzero(np.concatenate(([True], ~joins)))
     return np.stack([r[first], local[first], np.add.reduceat(n, first)], axis=1)
+
+
+def plan_runs_reference(remote_runs, local_offsets, remote_size: int, local_size: int):
+    """The reference of the compiled `_runcopy.plan_runs` (same signature and
+    results): checks the remote runs (a uint64 buffer of (offset, length)
+    pairs) against [0, remote_size), merges runs that continue each other on
+    both sides, checks the merged local ranges against [0, local_size), and
+    returns (bytearray of uint64 (remote, local, length) rows, byte count)."""
+    raw = memoryview(remote_runs).cast("B")
+    if len(raw) % 16:
+        raise ValueError("remote runs must be uint64 (offset, length) pairs")
+    remote = np.frombuffer(raw, dtype=np.uint64).reshape(-1, 2)
+    if isinstance(local_offsets, np.ndarray) and local_offsets.dtype == np.uint64:
+        local = local_offsets.reshape(-1).tolist()
+    else:
+        local = [_offset(x) for x in local_offsets]
+    if len(local) != len(remote):
+        raise ValueError(f"{len(local)} local offsets for {len(remote)} runs")
+    check_runs(remote, remote_size, "remote")
+    rows = plan(remote, np.array(local, dtype=np.uint64))
+    check_runs(rows[:, 1:], local_size, "local")
+    rows = np.ascontiguousarray(rows, dtype=np.uint64)
+    return bytearray(rows.tobytes()), int(rows[:, 2].sum())
+
+
+def _offset(value) -> int:
+    if not isinstance(value, int):
+        raise TypeError("local offsets must be ints")
+    if not 0 <= value <= _U64:
+        raise OverflowError(f"local offset {value} is not an unsigned 64-bit integer")
+    return value
+
+
+def _compiled_plan_runs():
+    try:
+        from kvrelay.transfer import _runcopy
+    except ImportError:  # built without it: same results, slower
+        return plan_runs_reference
+    _runcopy.set_bounds_error(RunOutOfBounds)
+    return _runcopy.plan_runs
+
+
+_plan_runs = _compiled_plan_runs()
+
+
+def plan_checked(remote_runs, local_offsets, remote_size: int, local_size: int):
+    """(k, 3) uint64 rows (remote offset, local offset, length), coalesced, with
+    every remote run inside [0, remote_size) and every local range inside [0,
+    local_size) (RunOutOfBounds otherwise), and their byte count."""
+    runs = run_array(remote_runs)
+    rows, nbytes = _plan_runs(np.ascontiguousarray(runs), local_offsets, remote_size, local_size)
+    return np.frombuffer(rows, dtype=np.uint64).reshape(-1, 3), nbytes
 
 
 def coalesce(pairs: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:

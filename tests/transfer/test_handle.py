@@ -7,7 +7,8 @@ import torch
 from kvrelay.layout import ModelKVSpec, ParallelConfig, rank_rectangle
 from kvrelay.transfer import BlockHandle, MalformedHandle, coalesce
 from kvrelay.transfer.arena import copy_runs_reference
-from kvrelay.transfer.handle import plan
+from kvrelay.transfer.errors import RunOutOfBounds
+from kvrelay.transfer.handle import plan, plan_checked, plan_runs_reference
 from kvrelay.transfer.lease import LeaseTable
 
 SPEC = ModelKVSpec(
@@ -62,6 +63,66 @@ def test_plan_coalesces_and_refuses_a_wrong_number_of_local_offsets():
         plan([(0, 10), (10, 5)], [0])
     with pytest.raises(OverflowError):
         plan([(0, 10)], [-1])
+
+
+def _both_planners(*args):
+    """(compiled result or exception, reference result or exception)."""
+    compiled = pytest.importorskip("kvrelay.transfer._runcopy").plan_runs
+    out = []
+    for planner in (compiled, plan_runs_reference):
+        try:
+            out.append(planner(*args))
+        except (ValueError, TypeError, IndexError, OverflowError) as exc:
+            out.append((type(exc), str(exc)))
+    return out
+
+
+def test_compiled_planner_matches_the_reference_on_random_batches():
+    rng = np.random.default_rng(7)
+    for trial in range(300):
+        n = int(rng.integers(0, 40))
+        lengths = rng.integers(1, 50, n).astype(np.uint64)
+        # Mostly contiguous on both sides (so rows merge), sometimes a jump.
+        jumps = rng.integers(0, 3, n).astype(np.uint64) * (rng.random(n) < 0.3)
+        remote = np.stack([np.cumsum(lengths + jumps) - lengths, lengths], axis=1)
+        local = np.cumsum(lengths + (rng.random(n) < 0.2)) - lengths
+        remote_size = int(remote[:, 0].max() + remote[:, 1].max()) if n else 1
+        remote_size += int(rng.integers(-40, 10))
+        local_size = int(local.max() + lengths.max()) + int(rng.integers(-40, 10)) if n else 1
+        offsets = local.astype(np.uint64) if trial % 2 else [int(x) for x in local]
+        compiled, reference = _both_planners(
+            remote.astype(np.uint64).tobytes(), offsets, max(remote_size, 0), max(local_size, 0)
+        )
+        assert compiled == reference
+
+
+@pytest.mark.parametrize(
+    "remote, offsets",
+    [
+        ([(0, 10), (10, 5)], [0]),  # wrong count
+        ([(0, 10)], [-1]),  # negative
+        ([(0, 10)], [1.5]),  # not an int
+        ([(0, 10)], [1 << 64]),  # too large
+        ([(0, 0)], [0]),  # empty run
+        ([(95, 10)], [0]),  # remote past the end
+        ([(0, 10)], [95]),  # local past the end
+        ([((1 << 64) - 1, 2)], [0]),  # wraps around
+    ],
+)
+def test_compiled_planner_refuses_what_the_reference_refuses(remote, offsets):
+    compiled, reference = _both_planners(
+        np.array(remote, dtype=np.uint64).tobytes(), offsets, 100, 100
+    )
+    assert compiled == reference and isinstance(compiled[0], type)
+
+
+def test_plan_checked_raises_run_out_of_bounds_for_either_side():
+    rows, nbytes = plan_checked([(0, 10), (10, 5), (50, 5)], [0, 10, 20], 100, 100)
+    assert rows.tolist() == [[0, 0, 15], [50, 20, 5]] and nbytes == 20
+    with pytest.raises(RunOutOfBounds, match="remote run 1"):
+        plan_checked([(0, 10), (95, 10)], [0, 10], 100, 100)
+    with pytest.raises(RunOutOfBounds, match="local run 0"):
+        plan_checked([(0, 10)], [95], 100, 100)
 
 
 def test_a_rank_rectangle_runs_make_a_handle():

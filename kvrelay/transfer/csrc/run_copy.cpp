@@ -1,15 +1,19 @@
-// kvrelay.transfer._runcopy: copy a batch of byte runs between two mapped
-// regions in one call, with the GIL released once for the whole batch.
+// kvrelay.transfer._runcopy: plan and copy a batch of byte runs between two
+// mapped regions, each in one call (the copy with the GIL released once).
 //
+// plan_runs(remote_runs, local_offsets, remote_size, local_size) -> (rows, n)
+//   bounds checks and coalescing of a pull's runs (see plan_runs below;
+//   reference: kvrelay.transfer.handle.plan_runs_reference).
 // copy_runs(dst_base, src_base, triples, threads, stream_min_bytes) -> None
 //   triples: a C-contiguous buffer of uint64 (dst offset, src offset, length)
-//   rows, already bounds-checked by the caller against both regions.
+//   rows, already bounds-checked by the caller against both regions
+//   (reference: kvrelay.transfer.arena.copy_runs_reference).
 //
 // The same-host fast path used ctypes.memmove per run: one GIL round trip per
 // 64 KiB run, and plain stores, which read every destination line before
 // writing it. Here `threads` std::threads share the rows (runs over 1 MiB
-// are cut into 1 MiB pieces) through a counter, and when the batch moves at least
-// `stream_min_bytes` the copies use non-temporal stores where the
+// are cut into 1 MiB pieces) through a counter, and when the batch moves at
+// least `stream_min_bytes` the copies use non-temporal stores where the
 // destination is 16-byte aligned: a pull's bytes are not read again before
 // they are scattered, so caching them only evicts other data.
 #define PY_SSIZE_T_CLEAN
@@ -142,7 +146,137 @@ PyObject* copy_runs(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// The class plan_runs raises for a run outside its region (IndexError until
+// kvrelay.transfer.arena registers RunOutOfBounds).
+PyObject* bounds_error = nullptr;
+
+bool outside(uint64_t offset, uint64_t length, uint64_t size) {
+  return length == 0 || offset > size || length > size - offset;
+}
+
+PyObject* raise_outside(const char* side, size_t i, uint64_t offset, uint64_t length,
+                        uint64_t size) {
+  PyErr_Format(bounds_error ? bounds_error : PyExc_IndexError,
+               "%s run %zu (%llu, %llu) is outside [0, %llu) or empty", side, i,
+               static_cast<unsigned long long>(offset), static_cast<unsigned long long>(length),
+               static_cast<unsigned long long>(size));
+  return nullptr;
+}
+
+// Local offsets as uint64: a buffer of 8-byte unsigned items, or a sequence
+// of ints (a negative or a non-integer raises).
+bool read_offsets(PyObject* obj, std::vector<uint64_t>& out) {
+  if (PyObject_CheckBuffer(obj)) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return false;
+    const char* f = view.format ? view.format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') ++f;
+    const bool u64 = view.itemsize == 8 && (std::strcmp(f, "Q") == 0 || std::strcmp(f, "L") == 0);
+    if (u64) {
+      const auto* p = static_cast<const uint64_t*>(view.buf);
+      out.assign(p, p + view.len / 8);
+    }
+    PyBuffer_Release(&view);
+    if (u64) return true;
+  }
+  PyObject* seq = PySequence_Fast(obj, "local offsets must be a sequence of ints");
+  if (seq == nullptr) return false;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  out.resize(n);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!PyLong_Check(items[i])) {
+      PyErr_SetString(PyExc_TypeError, "local offsets must be ints");
+      Py_DECREF(seq);
+      return false;
+    }
+    out[i] = PyLong_AsUnsignedLongLong(items[i]);
+    if (PyErr_Occurred()) {
+      PyErr_Clear();
+      PyErr_Format(PyExc_OverflowError, "local offset %R is not an unsigned 64-bit integer",
+                   items[i]);
+      Py_DECREF(seq);
+      return false;
+    }
+  }
+  Py_DECREF(seq);
+  return true;
+}
+
+// plan_runs(remote_runs, local_offsets, remote_size, local_size) -> (rows, nbytes)
+//   remote_runs: a buffer of uint64 (offset, length) pairs; local_offsets: one
+//   uint64 per run. Checks every remote run against the remote region, merges
+//   runs that continue each other on both sides, checks every merged row
+//   against the local region, and returns the rows (remote offset, local
+//   offset, length) as a bytearray of uint64 and their byte count. One call
+//   instead of a dozen numpy passes: on a pull of a 512-run batch those cost
+//   a tenth of the copy (the interpreter works from a cold cache after it).
+PyObject* plan_runs(PyObject*, PyObject* args) {
+  Py_buffer remote;
+  PyObject* local_obj = nullptr;
+  unsigned long long remote_size = 0, local_size = 0;
+  if (!PyArg_ParseTuple(args, "y*OKK", &remote, &local_obj, &remote_size, &local_size)) {
+    return nullptr;
+  }
+  std::vector<uint64_t> runs;
+  if (remote.len % 16 == 0) {
+    const auto* p = static_cast<const uint64_t*>(remote.buf);
+    runs.assign(p, p + remote.len / 8);
+  }
+  const Py_ssize_t remote_len = remote.len;
+  PyBuffer_Release(&remote);
+  if (remote_len % 16 != 0) {
+    PyErr_SetString(PyExc_ValueError, "remote runs must be uint64 (offset, length) pairs");
+    return nullptr;
+  }
+  const size_t n = runs.size() / 2;
+  std::vector<uint64_t> local;
+  if (!read_offsets(local_obj, local)) return nullptr;
+  if (local.size() != n) {
+    PyErr_Format(PyExc_ValueError, "%zu local offsets for %zu runs", local.size(), n);
+    return nullptr;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (outside(runs[2 * i], runs[2 * i + 1], remote_size)) {
+      return raise_outside("remote", i, runs[2 * i], runs[2 * i + 1], remote_size);
+    }
+  }
+  std::vector<uint64_t> rows;
+  rows.reserve(3 * n);
+  uint64_t total = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const uint64_t r = runs[2 * i], len = runs[2 * i + 1], l = local[i];
+    const size_t k = rows.size();
+    if (k > 0 && rows[k - 3] + rows[k - 1] == r && rows[k - 2] + rows[k - 1] == l) {
+      rows[k - 1] += len;  // continues the previous row on both sides
+    } else {
+      rows.insert(rows.end(), {r, l, len});
+    }
+    total += len;
+  }
+  for (size_t k = 0; k < rows.size() / 3; ++k) {
+    if (outside(rows[3 * k + 1], rows[3 * k + 2], local_size)) {
+      return raise_outside("local", k, rows[3 * k + 1], rows[3 * k + 2], local_size);
+    }
+  }
+  PyObject* out = PyByteArray_FromStringAndSize(reinterpret_cast<const char*>(rows.data()),
+                                                static_cast<Py_ssize_t>(rows.size() * 8));
+  if (out == nullptr) return nullptr;
+  return Py_BuildValue("(NK)", out, static_cast<unsigned long long>(total));
+}
+
+PyObject* set_bounds_error(PyObject*, PyObject* cls) {
+  Py_XINCREF(cls);
+  Py_XSETREF(bounds_error, cls);
+  Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
+    {"plan_runs", plan_runs, METH_VARARGS,
+     "plan_runs(remote_runs, local_offsets, remote_size, local_size) -> (rows, nbytes): "
+     "bounds-checked, coalesced uint64 (remote, local, length) rows as a bytearray"},
+    {"set_bounds_error", set_bounds_error, METH_O,
+     "set_bounds_error(cls): the exception plan_runs raises for a run outside its region"},
     {"copy_runs", copy_runs, METH_VARARGS,
      "copy_runs(dst_base, src_base, triples, threads, stream_min_bytes): copy uint64 "
      "(dst offset, src offset, length) rows; bounds are the caller's job"},
