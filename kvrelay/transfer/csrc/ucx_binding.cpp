@@ -58,6 +58,10 @@ class Batch {
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH;
     param.memh = local_->get();
+    if (local_->memory_type() != UCS_MEMORY_TYPE_UNKNOWN) {
+      param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+      param.memory_type = local_->memory_type();
+    }
     py::gil_scoped_release nogil;
     WaiterScope scope(worker_obj_->waiters_);
     pending_.reserve(n + 1);

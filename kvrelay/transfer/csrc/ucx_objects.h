@@ -268,6 +268,9 @@ class MemRegion {
     params.address = reinterpret_cast<void*>(address);
     params.length = length;
     check(ucp_mem_map(ctx_->get(), &params, &memh_), "ucp_mem_map");
+    ucp_mem_attr_t attr{};
+    attr.field_mask = UCP_MEM_ATTR_FIELD_MEM_TYPE;
+    if (ucp_mem_query(memh_, &attr) == UCS_OK) memory_type_ = attr.mem_type;
   }
   ~MemRegion() { unmap(); }
   void unmap() {
@@ -291,6 +294,9 @@ class MemRegion {
   }
   uintptr_t address() const { return address_; }
   size_t length() const { return length_; }
+  // Host or GPU, as UCX detected it once at registration; given to every
+  // operation so that UCX does not detect it again per run.
+  ucs_memory_type_t memory_type() const { return memory_type_; }
   bool mapped() const { return memh_ != nullptr; }
 
  private:
@@ -298,6 +304,7 @@ class MemRegion {
   uintptr_t address_;
   size_t length_;
   ucp_mem_h memh_ = nullptr;
+  ucs_memory_type_t memory_type_ = UCS_MEMORY_TYPE_UNKNOWN;
 };
 
 class RemoteKey {
