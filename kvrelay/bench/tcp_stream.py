@@ -1,6 +1,8 @@
 """Baseline of the tcp backend: one plain TCP stream between two processes on
 loopback, blocking `sendall` / `recv_into` of the same byte count, no
-protocol at all: what this host's loopback moves, measured in the same run."""
+protocol at all: what this host's loopback moves, measured in the same run.
+Both buffers are allocated like the arenas (huge pages where allowed), so
+the baseline gets what the pulls get from the memory system."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import multiprocessing
 import socket
 
 from kvrelay.bench.stats import Summary, time_once
+from kvrelay.transfer.arena import private_tensor
 
 
 def _sender(port_queue, nbytes: int, times: int) -> None:
@@ -15,7 +18,7 @@ def _sender(port_queue, nbytes: int, times: int) -> None:
         port_queue.put(server.getsockname()[1])
         conn, _ = server.accept()
         with conn:
-            payload = bytearray(nbytes)
+            payload = memoryview(private_tensor(nbytes).numpy())
             for _ in range(times):
                 if conn.recv(1) != b"g":
                     return
@@ -31,7 +34,7 @@ def tcp_stream(nbytes: int, runs: int, timeout_s: float = 120.0) -> Summary:
     try:
         with socket.create_connection(("127.0.0.1", ports.get(timeout=timeout_s))) as conn:
             conn.settimeout(timeout_s)
-            view = memoryview(bytearray(nbytes))
+            view = memoryview(private_tensor(nbytes).numpy())
 
             def once() -> None:
                 conn.sendall(b"g")
