@@ -32,6 +32,9 @@ except ImportError as exc:  # pragma: no cover - depends on the build
     ) from exc
 
 _CLOSE_TIMEOUT = 1.0
+# How long a batch is progressed on the loop's thread (GIL released) before
+# it moves to a waiter thread; about as long as the fast path's inline copies.
+_INLINE_DRIVE_S = 0.004
 _WAIT_LIMIT = 24 * 3600.0  # a batch's own bound; the caller's deadline aborts it first
 
 
@@ -113,9 +116,11 @@ class UcxTransport(Transport):
         loop = asyncio.get_running_loop()
         fd = None
         try:
-            if batch.pending == 0:
-                # Every operation completed while it was posted (cma GETs
-                # do): no thread to wake, but give the loop its turn.
+            if batch.pending == 0 or batch.wait(_INLINE_DRIVE_S):
+                # Done while posted, or driven to completion right here (cma
+                # GETs are deferred to progress and done within a few ms: a
+                # waiter thread and an eventfd wake-up cost more than that
+                # saves); give the loop its turn.
                 await asyncio.sleep(0)
             else:
                 # The batch waits on a thread of its own and signals an
