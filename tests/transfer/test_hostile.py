@@ -7,6 +7,7 @@ import dataclasses
 import time
 
 import msgpack
+import numpy as np
 import pytest
 
 from kvrelay.transfer import (
@@ -101,6 +102,9 @@ def test_tcp_server_checks_requests_itself(start_peer):
             (base | {"runs": [[0, 16]], "lease": 12345}, "LeaseExpired"),
             (base | {"runs": [[0, 16]], "arena": 42}, "UnknownArena"),
             (base | {"runs": "all"}, "MalformedHandle"),
+            (base | {"runs": b"\x00" * 15}, "MalformedHandle"),  # not 16-byte records
+            (base | {"runs": np.array([SIZE, 1], "<u8").tobytes()}, "RunOutOfBounds"),
+            (base | {"runs": np.array([0, 0], "<u8").tobytes()}, "RunOutOfBounds"),  # empty
         ]:
             await conn.send(request)
             reply = await conn.recv()

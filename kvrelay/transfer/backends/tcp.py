@@ -23,6 +23,8 @@ import contextlib
 import functools
 import socket
 
+import numpy as np
+
 from kvrelay.transfer.base import Transport
 from kvrelay.transfer.errors import (
     HandleError,
@@ -32,7 +34,7 @@ from kvrelay.transfer.errors import (
     RunOutOfBounds,
     UnknownArena,
 )
-from kvrelay.transfer.handle import check_runs
+from kvrelay.transfer.handle import MAX_RUNS, check_runs
 from kvrelay.transfer.wire import error_reply
 
 _REMOTE_ERRORS = {
@@ -45,8 +47,10 @@ class TcpTransport(Transport):
 
     async def move(self, peer, handle, local, triples, read) -> None:
         conn = peer.conn
-        triples = triples.tolist()
-        runs = [[r, n] for r, _, n in triples]
+        # The runs go packed (little-endian uint64 offset, length pairs), as
+        # in a handle: a list of 512 pairs cost the owner half a millisecond
+        # to check item by item before the first byte moved.
+        runs = np.ascontiguousarray(triples[:, [0, 2]], dtype="<u8").tobytes()
         async with conn.lock:
             op = "read" if read else "write"
             await conn.send(
@@ -54,7 +58,7 @@ class TcpTransport(Transport):
             )
             reply = await conn.recv()
             _raise_refusal(reply, peer.address)
-            views = [local.buffer(lo, n) for _, lo, n in triples]
+            views = [local.buffer(lo, n) for lo, n in triples[:, 1:].tolist()]
             await move_bytes(conn, views, receive=read)
             if not read:
                 _raise_refusal(await conn.recv(), peer.address)
@@ -68,8 +72,8 @@ class TcpTransport(Transport):
         except HandleError as exc:
             await conn.send(error_reply(exc))
             return True
-        await conn.send({"ok": True, "nbytes": sum(n for _, n in runs)})
-        views = [arena.buffer(offset, length) for offset, length in runs]
+        await conn.send({"ok": True, "nbytes": int(runs[:, 1].sum())})
+        views = [arena.buffer(offset, length) for offset, length in runs.tolist()]
         await move_bytes(conn, views, receive=op == "write")
         if op == "write":
             await conn.send({"ok": True})
@@ -144,12 +148,15 @@ def _checked(agent, message):
     if lease is None or not agent.leases.is_active(lease_id) or lease.arena_id != arena.arena_id:
         raise LeaseExpired(f"lease {lease_id!r} is not active on arena {arena.arena_id}")
     runs = message.get("runs")
-    if not isinstance(runs, list) or not all(
+    if isinstance(runs, bytes):  # packed uint64 pairs, what this backend sends
+        if len(runs) % 16 or len(runs) > 16 * MAX_RUNS:
+            raise MalformedHandle("packed runs must be 16-byte (offset, length) records")
+        runs = np.frombuffer(runs, dtype="<u8").astype(np.uint64).reshape(-1, 2)
+    elif not isinstance(runs, list) or not all(
         isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r) for r in runs
     ):
-        raise MalformedHandle("runs must be a list of [offset, length] integer pairs")
-    check_runs(runs, arena.size, "requested")
-    return arena, runs
+        raise MalformedHandle("runs must be packed uint64 pairs or [offset, length] int pairs")
+    return arena, check_runs(runs, arena.size, "requested")
 
 
 def _raise_refusal(reply: dict, address: str) -> None:
