@@ -72,7 +72,7 @@ def descriptor_rows(runs: Runs, local_base: int, remote_base: int) -> tuple:
 
 def _import_nixl(name: str):
     os.environ.update(NIXL_ENV)  # before NIXL's UCX reads its configuration
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARNING")  # not a line per agent
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # not a line per agent
     return importlib.import_module(name)
 
 
