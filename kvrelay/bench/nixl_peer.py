@@ -85,14 +85,18 @@ def _agent(nixl, name: str):
 
 
 def _owner(module: str, conn, arena_bytes: int) -> None:
-    nixl = _import_nixl(module)
-    import torch
+    try:
+        nixl = _import_nixl(module)
+        import torch
 
-    agent = _agent(nixl, "kvrelay-bench-owner")
-    # Word i holds i: the reader checks each run landed at its packed offset.
-    arena = torch.arange(arena_bytes // 8, dtype=torch.int64)
-    agent.register_memory(arena)
-    conn.send((agent.get_agent_metadata(), arena.data_ptr()))
+        agent = _agent(nixl, "kvrelay-bench-owner")
+        # Word i holds i: the reader checks each run landed at its packed offset.
+        arena = torch.arange(arena_bytes // 8, dtype=torch.int64)
+        agent.register_memory(arena)
+        conn.send(("ok", agent.get_agent_metadata(), arena.data_ptr()))
+    except Exception as exc:  # the reader reports it, once
+        conn.send(("error", f"owner: {type(exc).__name__}: {exc}"))
+        return
     # Until the reader says stop or its end closes (poll is then true too).
     while not conn.poll(_OWNER_POLL_S):
         agent.get_new_notifs()  # progresses the worker (wire-up requests)
@@ -120,7 +124,10 @@ def _read_cases(module: str, owner_conn, cases, runs: int, timeout: float) -> di
     agent.register_memory(local)
     if not owner_conn.poll(_STARTUP_S):
         raise TimeoutError("the NIXL owner process did not start")
-    metadata, remote_base = owner_conn.recv()
+    reply = owner_conn.recv()
+    if reply[0] != "ok":
+        raise RuntimeError(reply[1])
+    metadata, remote_base = reply[1:]
     owner = agent.add_remote_agent(metadata)
     out = {}
     for name, run_list in cases:
@@ -173,6 +180,11 @@ def _check_landed(local, run_list: Runs) -> None:
 def measure(cases, arena_bytes: int, runs: int, timeout: float) -> dict[str, list[float]] | None:
     """Seconds per NIXL READ of each case's runs (`runs` timed, after one
     untimed), or None with the reason printed when NIXL is absent or fails."""
+    if runs < 1:
+        raise ValueError("runs must be >= 1")
+    for name, run_list in cases:
+        if any(offset + length > arena_bytes for offset, length in run_list):
+            raise ValueError(f"case {name!r} reads past the {arena_bytes}-byte arena")
     module = find_nixl()
     if module is None:
         print(f"NIXL peer: skipped (none of {', '.join(NIXL_MODULES)} is importable)")
