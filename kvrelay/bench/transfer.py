@@ -7,6 +7,7 @@ shm/cma, ucx over tcp (UCX_TLS), the tcp backend and the same-host fast path.
 Baselines measured in the same run: memcpy (`Tensor.copy_`) of the same byte
 count, `ucx_perftest` from the UCX wheel (`ucp_get`, `-O 512` for the batch),
 and for the tcp backend a plain loopback TCP stream of the same bytes.
+When NIXL is installed, its UCX READ of the same cases (`nixl_peer`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 import msgpack
 import torch
 
+from kvrelay.bench import nixl_peer
 from kvrelay.bench.stats import Summary, format_table, machine_info, time_once, write_json
 from kvrelay.bench.tcp_stream import tcp_stream
 
@@ -206,6 +208,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated")
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--no-perftest", action="store_true")
+    parser.add_argument("--nixl", action=argparse.BooleanOptionalAction, default=True,
+                        help="NIXL UCX READ of the same cases, if importable")  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="write the results here")
 
 
@@ -226,7 +230,8 @@ def run(args: argparse.Namespace) -> dict:
         os.environ.pop("UCX_TLS", None)
         if saved_tls is not None:
             os.environ["UCX_TLS"] = saved_tls
-    results, rows = [], []
+    nixl = nixl_peer.measure(cases, arena, args.runs, args.timeout) if args.nixl else None
+    results, rows, nixl_lines = [], [], []
     # The fast path's copy without a second process: the same runs out of a
     # private arena-sized buffer, split over threads exactly as the fast path does.
     source = torch.ones(arena, dtype=torch.uint8)
@@ -297,6 +302,11 @@ def run(args: argparse.Namespace) -> dict:
             spread = f"{rates[0] / 1e9:.2f}-{rates[-1] / 1e9:.2f}" if rates else "-"
             gbs = f"{rate / 1e9:.2f}" if rate else "n/a"
             rows.append([name, f"ucx_perftest ({label})", gbs, spread, "-", "-"])
+        if nixl:
+            rows.append(nixl_peer.table_row(name, nbytes, nixl[name], memcpy.median))
+            our = {mode: pulls[mode][name][0] for mode in modes}
+            entry["nixl_ucx_read"] = nixl_peer.case_json(nixl[name], our)
+            nixl_lines.append(nixl_peer.ratio_line(name, nixl[name], our))
         results.append(entry)
     print(format_table(["case", "path", "GB/s", "[min-max]", "x memcpy", "x baseline"], rows))
     print(
@@ -307,6 +317,8 @@ def run(args: argparse.Namespace) -> dict:
         "median of 3 runs), "
         "/ a plain loopback TCP stream of the same bytes (tcp)"
     )
+    for line in nixl_lines:
+        print(line)
     payload = {
         "benchmark": "transfer",
         "config": {k: v for k, v in vars(args).items() if not callable(v)},
