@@ -54,7 +54,7 @@ async def copy_shared(peer, info: ArenaInfo, local, triples, read, nbytes=None) 
         except OSError as exc:
             raise PeerError(f"cannot map the peer's arena {info.shm}: {exc}") from None
         peer.mappings[info.arena_id] = mapping
-    rows = np.ascontiguousarray(triples[:, [1, 0, 2]] if read else triples, dtype=np.uint64)
+    rows = np.ascontiguousarray(triples[:, [1, 0, 2]] if read else triples)  # (dst, src, length)
     dst, src = (local.address, mapping.address) if read else (mapping.address, local.address)
     nbytes = int(rows[:, 2].sum()) if nbytes is None else nbytes
     # One copying thread per 64 MiB (at most as many as torch uses): from a
