@@ -23,10 +23,13 @@ def test_demo_runs_every_mode_and_generates_the_same_tokens(tmp_path):
     assert set(by_mode) == {"shared", "local", "none"}
     assert all(s["errors"] == 0 and s["requests"] == 6 for s in by_mode.values())
     assert by_mode["none"]["hit_tokens"] == 0
-    # The tier serves what an infinite cache would, also after the redeploy.
-    # (Two first turns in one prefill batch both compute the shared system
-    # prompt, which the sequential optimum counts as a hit for the second.)
-    assert by_mode["shared"]["hit_tokens"] >= 0.9 * by_mode["shared"]["optimum_tokens"] > 0
+    # The tier serves what an infinite cache would, also after the redeploy,
+    # less at most one system prompt: two first turns in one prefill batch
+    # both compute it, which the sequential optimum counts as a hit for the
+    # second (whether they share a batch depends on timing: one CI run had
+    # 928 of 1088 tokens).
+    optimum = by_mode["shared"]["optimum_tokens"]
+    assert by_mode["shared"]["hit_tokens"] >= optimum - 192 > 0
     assert by_mode["shared"]["after_redeploy_hit"] >= by_mode["shared"]["after_redeploy_optimum"]
     assert (out / "demo.png").stat().st_size > 1000
     assert (out / "logs" / "shared" / "control.log").exists()
