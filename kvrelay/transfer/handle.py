@@ -230,11 +230,6 @@ class BlockHandle:
         if self.rkey != arena.rkey or self.base != arena.base:
             raise RkeyMismatch(f"handle's rkey/base do not match arena {arena.arena_id}")
 
-    def check_against(self, arena: ArenaInfo) -> None:
-        """Checks the handle, runs included, against the arena its owner published."""
-        self.check_key(arena)
-        check_runs(self.run_array, arena.size, "remote")
-
 
 def run_array(runs) -> np.ndarray:
     """[offset, length] pairs as an (n, 2) uint64 array; non-integers or negatives refused."""
