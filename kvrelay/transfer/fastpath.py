@@ -45,8 +45,8 @@ def host_id() -> str:
     return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
 
 
-async def copy_shared(peer, info: ArenaInfo, local, triples, read, nbytes=None) -> None:
-    """Copies `triples` between `local` and the peer's mapped arena."""
+async def copy_shared(peer, info: ArenaInfo, local, triples, read, nbytes: int) -> None:
+    """Copies `triples` (`nbytes` in all) between `local` and the peer's mapped arena."""
     mapping = peer.mappings.get(info.arena_id)
     if mapping is None:
         try:
@@ -56,7 +56,6 @@ async def copy_shared(peer, info: ArenaInfo, local, triples, read, nbytes=None) 
         peer.mappings[info.arena_id] = mapping
     rows = np.ascontiguousarray(triples[:, [1, 0, 2]] if read else triples)  # (dst, src, length)
     dst, src = (local.address, mapping.address) if read else (mapping.address, local.address)
-    nbytes = int(rows[:, 2].sum()) if nbytes is None else nbytes
     # One copying thread per 64 MiB (at most as many as torch uses): from a
     # cold cache one thread already runs at memory speed here, and a second
     # one made a 32 MiB pull twice as slow whenever another process held a
