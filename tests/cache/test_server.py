@@ -170,7 +170,14 @@ def test_killed_server_degrades_to_misses(servers):
         assert hit == first_on_a
         assert bytes(local.buffer(0, hit * PAGE)) == expected(hit)
         # Writes to the dead server are dropped, the rest go in; nothing raises.
-        fresh = SPEC.page_keys(list(range(1000, 1000 + SPEC.page_size * 4)))
+        # Four new keys with some on each server (placement follows the
+        # servers' random ports; four consecutive keys all landed on b once).
+        candidates = SPEC.page_keys(list(range(1000, 1000 + SPEC.page_size * 64)))
+        fresh = next(
+            window
+            for window in (candidates[i : i + 4] for i in range(len(candidates) - 3))
+            if {client.ring.server_for(k) for k in window} == {a.address, b.address}
+        )
         on_b = sum(client.ring.server_for(k) == b.address for k in fresh)
         assert await client.write(fresh, local, [i * PAGE for i in range(4)]) == on_b
         assert client.stats.errors >= 2
