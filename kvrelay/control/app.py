@@ -26,6 +26,8 @@ from kvrelay.control.schemas import (
 from kvrelay.control.stats import ControlStats
 from kvrelay.control.tier import TierProbe
 from kvrelay.control.worker import WorkerError, one_shot
+from kvrelay.rpc import Ok
+from kvrelay.rpc.worker_ops import Drain, FlushPool
 
 
 @dataclass(slots=True)
@@ -179,7 +181,7 @@ def create_app(config: ControlConfig) -> FastAPI:
             node.estimate.clear()
             try:
                 async with asyncio.timeout(config.admin_timeout_s):
-                    await one_shot(node, config.token, {"op": "flush"})
+                    await one_shot(node, config.token, FlushPool(), Ok)
             except (WorkerError, TimeoutError):
                 return False
             return True
@@ -196,7 +198,7 @@ def create_app(config: ControlConfig) -> FastAPI:
             raise HTTPException(404, f"unknown node {body.node_id}")
         try:
             async with asyncio.timeout(config.admin_timeout_s):
-                await one_shot(node, config.token, {"op": "drain"})
+                await one_shot(node, config.token, Drain(), Ok)
             acknowledged = True
         except (WorkerError, TimeoutError):
             acknowledged = False

@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvrelay.rpc import Connection, Message, ProtocolError
+from kvrelay.rpc.agent_ops import AgentWelcome, ArenaInfo
 from kvrelay.transfer.arena import Arena, RemoteMapping
-from kvrelay.transfer.handle import ArenaInfo, BlockHandle
-from kvrelay.transfer.wire import Connection
+from kvrelay.transfer.handle import BlockHandle
 
 
 @dataclass(slots=True)
@@ -34,7 +35,7 @@ class Peer:
     host_id: str
     arenas: dict[int, ArenaInfo]
     conn: Connection | None
-    hello: dict
+    hello: AgentWelcome
     on_host: bool = False  # the peer runs on this host (and PID namespace)
     same_host: bool = False  # on_host and the fast path is enabled
     state: object = None  # the backend's per-peer objects (ucx: endpoint, rkeys)
@@ -47,7 +48,7 @@ class Transport(ABC):
     name: str
 
     def hello_fields(self) -> dict:
-        """Extra fields this backend adds to the hello reply (e.g. a UCX worker address)."""
+        """Fields of `AgentWelcome` this backend fills in (e.g. a UCX worker address)."""
         return {}
 
     def register(self, arena: Arena) -> bytes:
@@ -71,9 +72,9 @@ class Transport(ABC):
         Runs under the caller's deadline: on cancellation nothing may still
         touch `local` when this returns."""
 
-    async def serve(self, agent, conn: Connection, message: dict) -> bool:
-        """Serves a backend-specific control request; False if not handled."""
-        return False
+    async def serve(self, agent, conn: Connection, request: Message) -> Message | None:
+        """Serves a backend-specific control request (tcp: `Read`, `Write`)."""
+        raise ProtocolError(f"the {self.name} backend serves no {type(request).__name__}")
 
     def drop_peer(self, peer: Peer) -> None:  # noqa: B027 (optional hook)
         """Releases what this backend holds for a failed or closed peer."""

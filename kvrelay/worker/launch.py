@@ -11,6 +11,8 @@ import os
 
 def _default_backend() -> str:
     try:
+        import torch  # noqa: F401  (loads libc10/libtorch, which _ucx links against)
+
         import kvrelay._ucx  # noqa: F401
     except ImportError:
         return "tcp"
