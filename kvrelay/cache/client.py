@@ -29,6 +29,7 @@ from kvrelay.cache.writeback import WriteBackQueue
 from kvrelay.layout import HashRing, ModelKVSpec, Rectangle, ring_prefix
 from kvrelay.rpc import Channel, Unavailable
 from kvrelay.rpc.cache_ops import (
+    DEFAULT_LEASE_S,
     CacheStats,
     CacheStatsReply,
     CacheWelcome,
@@ -55,7 +56,7 @@ class CacheClientConfig:
     servers: tuple[str, ...]  # "host:port" control addresses
     token: str
     timeout_s: float = 2.0
-    lease_s: float = 30.0
+    lease_s: float = DEFAULT_LEASE_S
     write_policy: str = "write-through"  # or "write-back"
     # Write-back: pages the client can hold (its staging arena holds this many
     # rectangles; pages offered beyond it are dropped, not waited for) ...

@@ -18,6 +18,7 @@ from kvrelay import rpc
 from kvrelay.cache.arena import ArenaConfig, PageArena
 from kvrelay.cache.l3 import open_store
 from kvrelay.cache.tier import CacheTier, TierConfig
+from kvrelay.options import option
 from kvrelay.rpc import MalformedMessage
 from kvrelay.rpc.cache_ops import (
     CacheRequest,
@@ -39,19 +40,24 @@ from kvrelay.rpc.cache_ops import (
 )
 from kvrelay.transfer import create_agent
 
+GIB = 1 << 30
+
 
 @dataclass(frozen=True, slots=True)
 class CacheServerConfig:
-    token: str
-    page_bytes: int
-    arena_bytes: int
-    host: str = "127.0.0.1"
-    port: int = 0
-    backend: str = "tcp"  # transfer backend for page data: tcp or ucx
-    l3: str | None = None  # file:DIR or valkey://HOST:PORT
-    l3_capacity_bytes: int | None = None  # for a file L3
-    l3_policy: str = "write-back"
-    timeout_s: float = 10.0
+    token: str = option(help="cluster token")
+    page_bytes: int = option(help="bytes of one unified page (a slot)", minimum=1)
+    arena_bytes: int = option(help="L2 host arena size in GiB", flag="--arena-gb", scale=GIB)
+    listen: str = option("127.0.0.1:0", help="control address HOST:PORT")
+    backend: str = option("tcp", help="transfer backend for page data", choices=["tcp", "ucx"])
+    l3: str | None = option(None, help="file:DIR or valkey://HOST:PORT")
+    l3_capacity_bytes: int | None = option(
+        None, help="capacity of a file L3 in GiB", flag="--l3-gb", scale=GIB
+    )
+    l3_policy: str = option(
+        "write-back", help="when L3 gets pages", choices=["write-back", "write-through"]
+    )
+    timeout_s: float = option(10.0, help="a connection's hello must come within", positive=True)
 
 
 def _page_runs(runs: list[tuple[int, int]], page_bytes: int) -> list[tuple[int, int]]:
@@ -78,7 +84,8 @@ class CacheServer:
 
     async def start(self) -> CacheServer:
         c = self.config
-        self.agent = await create_agent(c.backend, token=c.token, host=c.host)
+        host, port = rpc.split_address(c.listen)
+        self.agent = await create_agent(c.backend, token=c.token, host=host)
         arena = PageArena(self.agent, ArenaConfig(c.page_bytes, capacity_bytes=c.arena_bytes))
         l3 = open_store(c.l3, capacity_bytes=c.l3_capacity_bytes) if c.l3 else None
         self.tier = CacheTier(arena, l3, TierConfig(l3_policy=c.l3_policy))
@@ -87,8 +94,8 @@ class CacheServer:
             requests=CacheRequest,
             handler=self._handle,
             welcome=lambda: CacheWelcome(c.page_bytes, self.agent.address),
-            host=c.host,
-            port=c.port,
+            host=host,
+            port=port,
             hello_timeout_s=c.timeout_s,
         )
         await self._server.start()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -14,7 +13,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from kvrelay.control import metrics
 from kvrelay.control.completions import CompletionRunner, error_body
-from kvrelay.control.dispatch import DispatchConfig, Dispatcher
+from kvrelay.control.config import ControlConfig
+from kvrelay.control.dispatch import Dispatcher
 from kvrelay.control.registry import MISSED_HEARTBEATS, Registry
 from kvrelay.control.schemas import (
     CompletionRequest,
@@ -28,20 +28,6 @@ from kvrelay.control.tier import TierProbe
 from kvrelay.control.worker import WorkerError, one_shot
 from kvrelay.rpc import Ok
 from kvrelay.rpc.worker_ops import Drain, FlushPool
-
-
-@dataclass(slots=True)
-class ControlConfig:
-    token: str
-    cache: tuple[str, ...] = ()
-    heartbeat_s: float = 1.0
-    request_timeout_s: float = 300.0
-    lease_s: float = 30.0
-    max_retries: int = 2
-    connect_timeout_s: float = 5.0  # connect + hello of one worker attempt
-    attempt_timeout_s: float = 60.0  # prefill reply / decode's first frame
-    admin_timeout_s: float = 5.0  # per worker call of /admin routes
-    tier_timeout_s: float = 1.0  # per cache server call
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -58,12 +44,7 @@ def create_app(config: ControlConfig) -> FastAPI:
     registry = Registry(config.heartbeat_s)
     stats = ControlStats()
     tier = TierProbe(config.cache, config.token, config.tier_timeout_s) if config.cache else None
-    dispatch_config = DispatchConfig(
-        token=config.token, request_timeout_s=config.request_timeout_s,
-        lease_s=config.lease_s, max_retries=config.max_retries,
-        connect_timeout_s=config.connect_timeout_s, attempt_timeout_s=config.attempt_timeout_s,
-    )  # fmt: skip
-    runner = CompletionRunner(Dispatcher(dispatch_config, registry, stats, tier), registry, stats)
+    runner = CompletionRunner(Dispatcher(config, registry, stats, tier), registry, stats)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):

@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from kvrelay.control.config import ControlConfig
 from kvrelay.control.registry import Node, Registry
 from kvrelay.control.stats import ControlStats
 from kvrelay.control.tier import TierProbe
@@ -39,19 +40,6 @@ from kvrelay.rpc import pack_tokens, unpack_tokens
 from kvrelay.rpc.worker_ops import Decode, DecodeDone, Params, Prefill, PrefillReply, TokenBatch
 
 LEASE_MARGIN_S = 1.0  # don't reuse handles this close to their expiry
-
-
-@dataclass(slots=True)
-class DispatchConfig:
-    token: str
-    request_timeout_s: float = 300.0
-    lease_s: float = 30.0  # how long prefill holds staging rows for decode
-    max_retries: int = 2
-    connect_timeout_s: float = 5.0  # connect + hello of one worker attempt
-    # Prefill's reply, or decode's first frame, must come within this, else
-    # the node is suspect and the attempt goes elsewhere (after decode tokens
-    # were streamed, only the request timeout bounds the stream).
-    attempt_timeout_s: float = 60.0
 
 
 class DispatchError(Exception):
@@ -98,7 +86,7 @@ def rank(nodes: list[Node], scores: dict[str, int]) -> list[Node]:
 
 
 class Dispatcher:
-    def __init__(self, config: DispatchConfig, registry: Registry, stats: ControlStats,
+    def __init__(self, config: ControlConfig, registry: Registry, stats: ControlStats,
                  tier: TierProbe | None) -> None:  # fmt: skip
         self.config = config
         self.registry = registry

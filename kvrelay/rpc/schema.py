@@ -38,8 +38,15 @@ def _bounds(t) -> str:
 
 
 def type_name(t) -> str:
-    simple = {mi.IntType: "int", mi.FloatType: "float", mi.StrType: "str",
-              mi.BytesType: "bytes", mi.BoolType: "bool", mi.NoneType: "null", mi.AnyType: "any"}
+    simple = {
+        mi.IntType: "int",
+        mi.FloatType: "float",
+        mi.StrType: "str",
+        mi.BytesType: "bytes",
+        mi.BoolType: "bool",
+        mi.NoneType: "null",
+        mi.AnyType: "any",
+    }
     for cls, name in simple.items():  # fmt: skip
         if isinstance(t, cls):
             return name + _bounds(t)

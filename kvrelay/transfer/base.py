@@ -9,6 +9,7 @@ import numpy as np
 
 from kvrelay.rpc import Connection, Message, ProtocolError
 from kvrelay.rpc.agent_ops import AgentWelcome, ArenaInfo
+from kvrelay.rpc.cache_ops import DEFAULT_LEASE_S
 from kvrelay.transfer.arena import Arena, RemoteMapping
 from kvrelay.transfer.handle import BlockHandle
 
@@ -23,7 +24,7 @@ class AgentConfig:
     port: int = 0
     fast_path: bool = True  # same-host peers copy straight out of shared arenas
     timeout: float = 10.0  # default deadline of a read or write, seconds
-    lease_seconds: float = 30.0
+    lease_seconds: float = DEFAULT_LEASE_S
 
 
 @dataclass(eq=False, slots=True)

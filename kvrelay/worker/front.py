@@ -14,7 +14,6 @@ import contextlib
 import functools
 import json
 import logging
-from dataclasses import dataclass
 
 from kvrelay import rpc
 from kvrelay.model.config import ModelConfig
@@ -31,45 +30,11 @@ from kvrelay.rpc.worker_ops import (
     WorkerStats,
     WorkerWelcome,
 )
+from kvrelay.worker.config import WorkerConfig
 from kvrelay.worker.protocol import WorkerCounters
-from kvrelay.worker.rank import RankOptions
 from kvrelay.worker.registration import Registrar
 
 log = logging.getLogger("kvrelay.worker")
-
-
-@dataclass(slots=True)
-class WorkerConfig:
-    model_dir: str
-    token: str
-    tp: int = 1
-    pp: int = 1
-    control: str = ""  # control's base URL; "" runs unregistered
-    cache: tuple[str, ...] = ()
-    backend: str = "tcp"
-    listen: str = "127.0.0.1:0"
-    num_pages: int = 256
-    page_size: int = 64
-    dtype: str = "float32"
-    local_cache: bool = True
-    max_batch: int = 8
-    max_queue: int = 64
-    write_back: bool = False
-    staging_pages: int = 0  # 0: as many as the pool has pages
-    transfer_timeout_s: float = 10.0
-    hello_timeout_s: float = 10.0
-    drain_timeout_s: float = 30.0
-
-    def rank_options(self) -> RankOptions:
-        return RankOptions(
-            token=self.token,
-            backend=self.backend,
-            cache=tuple(self.cache),
-            staging_pages=self.staging_pages or self.num_pages,
-            transfer_timeout_s=self.transfer_timeout_s,
-            local_cache=self.local_cache,
-            write_back=self.write_back,
-        )
 
 
 class WorkerFront:

@@ -24,12 +24,12 @@ class RankOptions:
     travels to spawned ranks)."""
 
     token: str
-    backend: str = "tcp"
-    cache: tuple[str, ...] = ()
-    staging_pages: int = 256
-    transfer_timeout_s: float = 10.0
-    local_cache: bool = True
-    write_back: bool = False
+    backend: str
+    cache: tuple[str, ...]
+    staging_pages: int
+    transfer_timeout_s: float
+    local_cache: bool
+    write_back: bool
 
 
 class PullFailed(RuntimeError):

@@ -1,0 +1,67 @@
+"""A prefill or decode worker's settings: one dataclass, the source of
+`kvrelay launch prefill|decode`'s flags and of their `KVRELAY_<FIELD>`
+variables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvrelay.options import option
+from kvrelay.worker.rank import RankOptions
+
+BACKENDS = ("auto", "ucx", "tcp")
+
+
+def default_backend() -> str:
+    """ucx when `kvrelay._ucx` is built, else tcp."""
+    try:
+        import torch  # noqa: F401  (loads libc10/libtorch, which _ucx links against)
+
+        import kvrelay._ucx  # noqa: F401
+    except ImportError:
+        return "tcp"
+    return "ucx"
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    model_dir: str = option(help="model directory (HF format)", flag="--model")
+    token: str = option(help="cluster token")
+    tp: int = option(1, help="tensor-parallel ranks", minimum=1)
+    pp: int = option(1, help="pipeline-parallel stages", minimum=1)
+    control: str = option("", help="control's URL (registration); empty runs unregistered")
+    cache: tuple[str, ...] = option((), help="cache servers H:P[,H:P...]")
+    backend: str = option(
+        "auto", help="transfer backend (auto: ucx when built, else tcp)", choices=BACKENDS
+    )
+    listen: str = option("127.0.0.1:0", help="msgpack listener HOST:PORT")
+    num_pages: int = option(256, help="KV pool pages per rank", minimum=1)
+    page_size: int = option(64, help="tokens per page", minimum=1)
+    dtype: str = option("float32", help="model and KV dtype")
+    local_cache: bool = option(True, help="prefix reuse from the worker's own pool")
+    max_batch: int = option(8, help="requests per batch (decode: running sequences)", minimum=1)
+    max_queue: int = option(64, help="queued requests before Busy", minimum=1)
+    write_back: bool = option(
+        False, help="decode: write finished sequences' full pages to the tier"
+    )
+    staging_pages: int = option(
+        0, help="rows of each rank's staging arena (0: as many as --num-pages)", minimum=0
+    )
+    transfer_timeout_s: float = option(10.0, help="deadline of every page pull/push", positive=True)
+    hello_timeout_s: float = option(
+        10.0, help="a connection's hello must come within", positive=True
+    )
+    drain_timeout_s: float = option(
+        30.0, help="on SIGTERM, how long in-flight requests may finish", positive=True
+    )
+
+    def rank_options(self) -> RankOptions:
+        return RankOptions(
+            token=self.token,
+            backend=default_backend() if self.backend == "auto" else self.backend,
+            cache=tuple(self.cache),
+            staging_pages=self.staging_pages or self.num_pages,
+            transfer_timeout_s=self.transfer_timeout_s,
+            local_cache=self.local_cache,
+            write_back=self.write_back,
+        )
