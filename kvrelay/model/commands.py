@@ -34,6 +34,11 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, cuda or cuda:N (the first rank's; rank r on cuda:N+r, or all on one GPU)",
+    )
+    parser.add_argument(
         "--reuse-prefix",
         type=int,
         default=0,
@@ -77,7 +82,12 @@ def _generate(args: argparse.Namespace) -> dict:
     )
     # Room for both runs even if nothing were shared.
     pages = 2 * (-(-(len(prompt) + args.max_new_tokens) // args.page_size)) + 1
-    options = {"dtype": args.dtype, "page_size": args.page_size, "num_pages": pages}
+    options = {
+        "dtype": args.dtype,
+        "page_size": args.page_size,
+        "num_pages": pages,
+        "device": args.device,
+    }
     requests = []
     if args.reuse_prefix:
         requests.append([Request(prompt[: args.reuse_prefix], SamplingParams(1))])
