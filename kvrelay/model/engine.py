@@ -15,6 +15,7 @@ import torch
 
 from kvrelay.layout import ModelKVSpec, ParallelConfig, page_keys
 from kvrelay.model.attention import AttentionBatch
+from kvrelay.model.context_parallel import split_batch
 from kvrelay.model.decoder import DecoderShard, ForwardBatch
 from kvrelay.model.errors import PoolExhausted, RequestError
 from kvrelay.model.pool import partial_page_key
@@ -254,7 +255,7 @@ class Engine:
     def _prefill(self, sequences: list[_Sequence]) -> None:
         spans = [(s, s.cached, len(s.tokens)) for s in sequences]
         all_rows = any(s.request.return_logits for s in sequences)
-        logits = self._forward(spans, all_rows=all_rows)
+        logits = self._forward(spans, all_rows=all_rows, split=self.parallel.cp > 1)
         if logits is not None and all_rows:
             rows, start = [], 0
             for seq, begin, end in spans:
@@ -275,9 +276,10 @@ class Engine:
         for seq in active:
             self._register_full_pages(seq)
 
-    def _forward(self, spans, all_rows: bool) -> torch.Tensor | None:
+    def _forward(self, spans, all_rows: bool, split: bool = False) -> torch.Tensor | None:
         """One forward over tokens [begin, end) of each sequence (end - 1 is the
-        last token whose KV gets written)."""
+        last token whose KV gets written). `split`: the new tokens are shared
+        out over the CP ranks (prefill); decode steps run whole on every rank."""
         token_ids, positions, write_slots, starts, lens, contexts, tables, last = (
             [] for _ in range(8)
         )
@@ -308,6 +310,8 @@ class Engine:
             ),
             last_rows=None if all_rows else torch.tensor(last, dtype=torch.int64).to(dev),
         )
+        if split:
+            batch = split_batch(batch, self.comm, self.parallel.cp, self.parallel.cp_rank)
         return self.shard.forward(batch)
 
     def _sample(self, sequences: list[_Sequence], logits: torch.Tensor | None) -> None:

@@ -74,8 +74,6 @@ def load_engine(
     if dtype not in TORCH_DTYPES:
         raise ModelLoadError(f"dtype {dtype!r} is not one of {sorted(TORCH_DTYPES)}")
     parallel = parallel or ParallelConfig()
-    if parallel.cp != 1:
-        raise ModelLoadError("context parallelism is not implemented by the reference runner")
     config = ModelConfig.from_dir(model_dir)
     spec = kv_spec(model_dir, config, dtype, page_size)
     plan = shard_plan(config, spec, parallel)

@@ -11,7 +11,9 @@ partial page (the tail of a prompt that travels from prefill to decode) is
 exported with zeros past its last token and indexed under its local partial
 key (`kvrelay.model.pool.partial_page_key`). When TP exceeds the KV heads,
 only the first replica of a head writes it (`Rectangle.writer`); every
-replica reads it.
+replica reads it. Under CP, page i is exported by CP rank i % cp only
+(`ParallelConfig.owns_page`), and every CP rank imports every page (each
+holds the whole sequence).
 """
 
 from __future__ import annotations
@@ -68,9 +70,12 @@ def export_prefix(engine: Engine, tokens, arena: torch.Tensor, page_ids=None) ->
                 f"{len(pages)} of {len(keys)} pages of the prefix are cached on this rank"
             )
         rect = rank_rectangle(spec, engine.parallel)
-        if rect.writer and pages:
+        # Under CP every rank holds every page; page i is written by CP rank i % cp only.
+        owned = [i for i in range(len(pages)) if engine.parallel.owns_page(i)]
+        if rect.writer and owned:
             ids = _arena_rows(range(len(pages)) if page_ids is None else page_ids, len(pages))
             slots = _slot_mapping(engine, pages, 0, len(tokens))
+            ids, slots = ids[owned].contiguous(), slots[owned].contiguous()
             gather_rect(pool, arena, ids, slots, spec, rect)
     finally:
         pool.release(pages)

@@ -178,6 +178,7 @@ class WorkerFront:
             "staging_free": min(c["staging_free"] for c in counters),
             "bytes_from_tier": sum(c["bytes_from_tier"] for c in counters),
             "bytes_to_tier": sum(c["bytes_to_tier"] for c in counters),
+            "writeback_skipped_pages": max(c.get("writeback_skipped_pages", 0) for c in counters),
         }
         return self._last_status
 
@@ -189,6 +190,7 @@ class WorkerFront:
     def _stats(self, status: dict) -> dict:
         self.counters.bytes_from_tier = status["bytes_from_tier"]
         self.counters.bytes_to_tier = status["bytes_to_tier"]
+        self.counters.writeback_skipped_pages = status["writeback_skipped_pages"]
         return self.counters.as_dict() | {
             k: status[k] for k in ("queued", "active", "free_pages", "staging_free")
         }
