@@ -50,6 +50,8 @@ class WorkerConfig:
     num_pages: int = 256
     page_size: int = 64
     dtype: str = "float32"
+    device: str = "cpu"  # the first rank's; see kvrelay.model.device
+    staging: str = "device"  # GPU pools: "device" (GPU memory) or "pinned" (host)
     local_cache: bool = True
     max_batch: int = 8
     max_queue: int = 64
@@ -65,6 +67,7 @@ class WorkerConfig:
             backend=self.backend,
             cache=tuple(self.cache),
             staging_pages=self.staging_pages or self.num_pages,
+            staging=self.staging,
             transfer_timeout_s=self.transfer_timeout_s,
             local_cache=self.local_cache,
             write_back=self.write_back,
@@ -100,6 +103,7 @@ class WorkerFront:
             dtype=c.dtype,
             page_size=c.page_size,
             num_pages=c.num_pages,
+            device=c.device,
             rank_setup=functools.partial(self._rank_setup, c.rank_options()),
         )
         self.spec = self.engine.spec
