@@ -22,7 +22,7 @@ MAX_ESTIMATE_PAGES = 1 << 20  # keys remembered per node, whatever its pool clai
 COUNTER_NAMES = (
     "requests", "prompt_tokens", "computed_tokens", "local_hit_tokens", "tier_hit_tokens",
     "generated_tokens", "bytes_from_tier", "bytes_to_tier", "bytes_from_prefill",
-    "busy_rejections", "errors",
+    "busy_rejections", "errors", "writeback_skipped_pages",
 )  # fmt: skip
 
 
