@@ -36,6 +36,11 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--cp", type=int, default=1, help="context-parallel prefill ranks")
     parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, cuda or cuda:N (the first rank's; rank r on cuda:N+r, or all on one GPU)",
+    )
+    parser.add_argument(
         "--reuse-prefix",
         type=int,
         default=0,
@@ -89,7 +94,12 @@ def _generate(args: argparse.Namespace) -> dict:
     sizes = ParallelConfig(tp=args.tp, pp=args.pp, cp=args.cp)
     # Room for both runs even if nothing were shared.
     pages = 2 * (-(-(len(prompt) + args.max_new_tokens) // args.page_size)) + 1
-    options = {"dtype": args.dtype, "page_size": args.page_size, "num_pages": pages}
+    options = {
+        "dtype": args.dtype,
+        "page_size": args.page_size,
+        "num_pages": pages,
+        "device": args.device,
+    }
     prefix, imported = prompt[: args.reuse_prefix], None
     if prefix and args.prefix_parallel is not None:
         # The prefix's pages from another config: they must serve this one as is.

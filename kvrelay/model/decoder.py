@@ -84,7 +84,12 @@ class DecoderShard:
         if self.comm.first_stage:
             hidden = F.embedding(batch.token_ids, w.embed)
         else:
-            like = torch.empty(batch.token_ids.numel(), self.config.hidden_size, dtype=self.dtype)
+            like = torch.empty(
+                batch.token_ids.numel(),
+                self.config.hidden_size,
+                dtype=self.dtype,
+                device=self.pool.device,
+            )
             hidden = self.comm.recv_prev(like)
         cos, sin = self.rope.cos_sin(batch.positions, self.dtype)
         for index, layer in enumerate(w.layers):

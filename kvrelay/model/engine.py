@@ -260,7 +260,8 @@ class Engine:
             rows, start = [], 0
             for seq, begin, end in spans:
                 if seq.request.return_logits:
-                    seq.prompt_logits = logits[start : start + end - begin]
+                    # Results leave the rank (pickled to the parent): host copies.
+                    seq.prompt_logits = logits[start : start + end - begin].cpu()
                 start += end - begin
                 rows.append(start - 1)
             logits = logits[rows]
@@ -294,14 +295,20 @@ class Engine:
             tables.append(table)
             row += end - begin
             last.append(row - 1)
+        # Built on the CPU, then moved to the pool's device in one place.
+        dev = self.pool.device
         batch = ForwardBatch(
-            token_ids=torch.tensor(token_ids, dtype=torch.int64),
-            positions=torch.cat(positions),
-            write_slots=torch.cat(write_slots),
+            token_ids=torch.tensor(token_ids, dtype=torch.int64).to(dev),
+            positions=torch.cat(positions).to(dev),
+            write_slots=torch.cat(write_slots).to(dev),
             attention=AttentionBatch(
-                tuple(starts), tuple(lens), tuple(contexts), tuple(tables), page_size=ps
+                tuple(starts),
+                tuple(lens),
+                tuple(contexts),
+                tuple(t.to(dev) for t in tables),
+                page_size=ps,
             ),
-            last_rows=None if all_rows else torch.tensor(last, dtype=torch.int64),
+            last_rows=None if all_rows else torch.tensor(last, dtype=torch.int64).to(dev),
         )
         if split:
             batch = split_batch(batch, self.comm, self.parallel.cp, self.parallel.cp_rank)
@@ -317,7 +324,7 @@ class Engine:
         for i, seq in enumerate(sequences):
             token = int(chosen[i])
             if logits is not None and seq.request.return_logits:
-                seq.step_logits.append(logits[i].clone())
+                seq.step_logits.append(logits[i].cpu().clone())
             seq.generated.append(token)
             seq.tokens.append(token)
             params = seq.request.params

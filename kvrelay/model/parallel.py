@@ -2,10 +2,11 @@
 
 `ParallelEngine` starts tp x pp x cp processes (`spawn`, never `fork`) that
 join a torch.distributed group (gloo on CPU, bound to 127.0.0.1 on a free
-port; nccl where CUDA is used). Global rank = (cp_rank * pp + pp_rank) * tp +
-tp_rank, as in `ParallelConfig.rank`. Each rank loads only its weights and
-keeps a KV pool of only its rectangle of heads and layers (every CP rank of
-a rectangle holds all its tokens: `kvrelay.model.context_parallel`). The
+port; nccl when every rank has a GPU of its own, `kvrelay.model.device`).
+Global rank = (cp_rank * pp + pp_rank) * tp + tp_rank, as in
+`ParallelConfig.rank`. Each rank loads only its weights and keeps a KV pool
+of only its rectangle of heads and layers (every CP rank of a rectangle
+holds all its tokens: `kvrelay.model.context_parallel`). The
 parent sends every command to every rank and waits for all answers with a
 timeout; a rank that fails while the others did not leaves the group out of
 step, so the group is shut down.
@@ -25,6 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvrelay.layout import ModelKVSpec, ParallelConfig
+from kvrelay.model.device import collective_backend, parse_device, rank_device
 from kvrelay.model.engine import Request, Result
 
 # How long the other ranks get to answer once one rank has failed.
@@ -32,9 +34,14 @@ ERROR_GRACE_S = 10.0
 
 
 class DistComm:
-    """The `Comm` seam over a torch.distributed group of tp x pp x cp ranks."""
+    """The `Comm` seam over a torch.distributed group of tp x pp x cp ranks.
 
-    def __init__(self, parallel: ParallelConfig) -> None:
+    Collectives run on `comm_device`: the rank's GPU under nccl, the CPU under
+    gloo. Tensors that live elsewhere (GPU activations of ranks sharing one
+    GPU, which use gloo) go through a copy there and back."""
+
+    def __init__(self, parallel: ParallelConfig, comm_device: torch.device | str = "cpu") -> None:
+        self.comm_device = torch.device(comm_device)
         tp, pp, cp = parallel.tp, parallel.pp, parallel.cp
         self.tp_size = tp
         self.first_stage = parallel.pp_rank == 0
@@ -63,31 +70,36 @@ class DistComm:
 
     def all_reduce_tp(self, x: torch.Tensor) -> None:
         if self.tp_size > 1:
-            dist.all_reduce(x, group=self.tp_group)
+            t = x.to(self.comm_device)
+            dist.all_reduce(t, group=self.tp_group)
+            if t is not x:
+                x.copy_(t)
 
     def send_next(self, hidden: torch.Tensor) -> None:
-        dist.send(hidden.contiguous(), self.next_rank)
+        dist.send(hidden.contiguous().to(self.comm_device), self.next_rank)
 
     def recv_prev(self, like: torch.Tensor) -> torch.Tensor:
-        dist.recv(like, self.prev_rank)
-        return like
+        t = like.to(self.comm_device)
+        dist.recv(t, self.prev_rank)
+        return t.to(like.device)
 
     def broadcast_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        dist.broadcast(tokens, src=self.sampler_rank)
-        return tokens
+        t = tokens.to(self.comm_device)
+        dist.broadcast(t, src=self.sampler_rank)
+        return t.to(tokens.device)
 
     def min_all(self, value: int) -> int:
-        t = torch.tensor([value], dtype=torch.int64)
+        t = torch.tensor([value], dtype=torch.int64, device=self.comm_device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t)
 
     def all_gather_cp(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.cp_size == 1:
             return [x]
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.cp_size)]
-        dist.all_gather(parts, x, group=self.cp_group)
-        return parts
+        t = x.contiguous().to(self.comm_device)
+        parts = [torch.empty_like(t) for _ in range(self.cp_size)]
+        dist.all_gather(parts, t, group=self.cp_group)
+        return [part.to(x.device) for part in parts]
 
 
 def free_port() -> int:
@@ -120,8 +132,11 @@ def _worker(
     # from oversubscribing it.
     torch.set_num_threads(1)
     try:
+        device, backend = options["device"], options.pop("collective", "gloo")
+        if torch.device(device).type == "cuda":
+            torch.cuda.set_device(device)
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=sizes.world_size,
@@ -131,7 +146,8 @@ def _worker(
         from kvrelay.model.transfer import export_prefix, import_prefix
 
         parallel = list(sizes.all_ranks())[rank]
-        engine = load_engine(model_dir, parallel=parallel, comm=DistComm(parallel), **options)
+        comm = DistComm(parallel, device if backend == "nccl" else "cpu")
+        engine = load_engine(model_dir, parallel=parallel, comm=comm, **options)
         # Extra commands built inside the rank (a worker's transfer agent and
         # cache client live here, next to the pool they fill).
         extra = rank_setup(engine) if rank_setup is not None else {}
@@ -201,15 +217,19 @@ class ParallelEngine:
         num_pages: int = 256,
         timeout_s: float = 300.0,
         rank_setup=None,
+        device: str = "cpu",
     ) -> None:
         """`rank_setup(engine) -> {name: handler}` (picklable, e.g. a
         module-level function or a partial of one) runs in each rank after its
         engine loads; `call(name, *args)` then runs the handler on every rank.
         A handler named "close" runs when the rank stops. Ranks die with the
         thread that starts them (parent-death signal): create the engine from
-        a thread that outlives it, e.g. the main thread."""
+        a thread that outlives it, e.g. the main thread. `device` is the
+        first rank's (`cpu`, `cuda`, `cuda:N`); rank r takes `rank_device`."""
         sizes = ParallelConfig(tp=tp, pp=pp, cp=cp)  # validates the sizes
         self.tp, self.pp, self.cp, self.world = tp, pp, cp, sizes.world_size
+        base = parse_device(device)
+        devices = [rank_device(base, r, self.world) for r in range(self.world)]
         self.timeout_s = timeout_s
         context = mp.get_context("spawn")
         self._commands = [context.Queue() for _ in range(self.world)]
@@ -217,8 +237,10 @@ class ParallelEngine:
         options = {"dtype": dtype, "page_size": page_size, "num_pages": num_pages}
         port = free_port()
         self._procs = []
+        options["collective"] = collective_backend(devices)
         for rank in range(self.world):
-            args = (rank, sizes, port, str(model_dir), dict(options), timeout_s, rank_setup)
+            rank_options = {**options, "device": str(devices[rank])}
+            args = (rank, sizes, port, str(model_dir), rank_options, timeout_s, rank_setup)
             queues = (self._commands[rank], self._results)
             self._procs.append(context.Process(target=_worker, args=args + queues, daemon=True))
         for proc in self._procs:

@@ -2,7 +2,8 @@
 
 A rank exports its rectangle (its KV heads x its layers) of the pages of a
 cached token sequence into page objects (rows of a uint8 arena of
-`spec.page_bytes` each) with one `gather_pages` call; a rank of any other
+`spec.page_bytes` each) with one `gather_pages` call (`page_copy`: on the
+pool's device); a rank of any other
 parallel config imports the rectangle it owns with one `scatter_pages` call
 and indexes the pages, so its next request with those tokens computes only
 what follows. Full pages are indexed under their chained keys; a trailing
@@ -19,10 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from kvrelay.cuda_ext import gather_pages, rect_geometry, scatter_pages
 from kvrelay.layout import rank_rectangle
 from kvrelay.model.engine import Engine
 from kvrelay.model.errors import PrefixNotCached
+from kvrelay.model.page_copy import gather_rect, scatter_rect
 from kvrelay.model.pool import partial_page_key
 
 
@@ -75,9 +76,7 @@ def export_prefix(engine: Engine, tokens, arena: torch.Tensor, page_ids=None) ->
             ids = _arena_rows(range(len(pages)) if page_ids is None else page_ids, len(pages))
             slots = _slot_mapping(engine, pages, 0, len(tokens))
             ids, slots = ids[owned].contiguous(), slots[owned].contiguous()
-            gather_pages(
-                pool.k_layers, pool.v_layers, arena, ids, slots, **rect_geometry(spec, rect)
-            )
+            gather_rect(pool, arena, ids, slots, spec, rect)
     finally:
         pool.release(pages)
     return len(keys)
@@ -102,14 +101,7 @@ def import_prefix(engine: Engine, tokens, arena: torch.Tensor, page_ids=None) ->
         if fresh:
             rect = rank_rectangle(spec, engine.parallel)
             slots = _slot_mapping(engine, fresh, len(have), len(tokens))
-            scatter_pages(
-                pool.k_layers,
-                pool.v_layers,
-                arena,
-                ids[len(have) :].contiguous(),
-                slots,
-                **rect_geometry(spec, rect),
-            )
+            scatter_rect(pool, arena, ids[len(have) :].contiguous(), slots, spec, rect)
             for page, key in zip(fresh, keys[len(have) :], strict=True):
                 pool.register(page, key)
     finally:

@@ -359,15 +359,6 @@ def test_a_stalled_pull_does_not_stall_the_running_batch(cluster, control):
     assert run(stats(decode))["free_pages"] == start
 
 
-@pytest.mark.skip(
-    reason="the reference runner keeps its KV pool on the CPU (load_engine has no device): "
-    "a pool on cuda:0 / cuda:1 cannot be placed yet"
-)
-@pytest.mark.gpu
-def test_prefill_on_one_gpu_decode_on_another():
-    raise AssertionError("needs device placement in the model runner")
-
-
 def test_write_back_without_free_staging_rows_is_counted(launch, control, model_dir, page_bytes):
     """Staging of 3 rows, a 4-page conversation: the first 3 pages are written
     back and the 4th is counted in the decode's stats, not skipped silently."""
