@@ -49,7 +49,11 @@ class PrefillWorker(WorkerFront):
         tokens = check_tokens(message.get("tokens"), self.vocab)
         params = check_params(message.get("params", {}), self.vocab)
         lease_s = message.get("lease_s", 30.0)
-        if not isinstance(lease_s, int | float) or not 0 < lease_s <= 3600:
+        if (
+            isinstance(lease_s, bool)
+            or not isinstance(lease_s, int | float)
+            or not 0 < lease_s <= 3600
+        ):
             raise RequestError("lease_s must be a number of seconds in (0, 3600]")
         if self.draining or len(self._queue) >= self.config.max_queue:
             self.counters.busy_rejections += 1

@@ -47,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, decode: bool = False) -> N
     parser.add_argument("--staging-pages", type=int, default=0,
                         help="rows of each rank's staging arena (default --num-pages)")  # fmt: skip
     parser.add_argument("--transfer-timeout-s", type=float, default=10.0)
+    parser.add_argument("--hello-timeout-s", type=float, default=10.0,
+                        help="deadline of a connection's hello and request")  # fmt: skip
     if decode:
         parser.add_argument("--write-back", action="store_true",
                             help="write finished sequences' full pages to the tier")  # fmt: skip
@@ -96,6 +98,7 @@ def _config(args: argparse.Namespace):
         write_back=getattr(args, "write_back", False),
         staging_pages=args.staging_pages,
         transfer_timeout_s=args.transfer_timeout_s,
+        hello_timeout_s=args.hello_timeout_s,
     )
 
 
