@@ -52,7 +52,7 @@ class WorkerConfig:
     page_size: int = 64
     dtype: str = "float32"
     device: str = "cpu"  # the first rank's; see kvrelay.model.device
-    staging: str = "device"  # GPU pools: "device" (GPU memory) or "pinned" (host)
+    staging: str = "pinned"  # GPU pools: "pinned" (host) or "device" (GPU memory)
     local_cache: bool = True
     max_batch: int = 8
     max_queue: int = 64

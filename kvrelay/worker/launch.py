@@ -39,9 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, decode: bool = False) -> N
                         "cuda:N+r, or all on one GPU when one is visible")  # fmt: skip
     # The choices are kvrelay.model.device.STAGING_KINDS, not imported here:
     # parsing the command line must not load torch.
-    parser.add_argument("--staging", default=None, choices=["device", "pinned"],
-                        help="GPU pools: staging in GPU memory (device; ucx only) or host "
-                        "memory via pinned buffers (pinned); default: device with ucx")  # fmt: skip
+    parser.add_argument("--staging", default="pinned", choices=["device", "pinned"],
+                        help="GPU pools: staging in host memory via pinned buffers (pinned, "
+                        "the default) or in GPU memory (device; ucx only)")  # fmt: skip
     parser.add_argument("--no-local-cache", action="store_true",
                         help="no prefix reuse from the worker's own pool")  # fmt: skip
     parser.add_argument("--max-batch", type=int, default=8)
@@ -79,7 +79,7 @@ def _config(args: argparse.Namespace, role: str):
         device = parse_device(args.device)
     except DeviceError as exc:
         raise SystemExit(f"kvrelay launch: {exc}") from None
-    staging = args.staging or ("device" if backend == "ucx" else "pinned")
+    staging = args.staging
     if device.type == "cuda" and staging == "device" and backend != "ucx":
         raise SystemExit(
             f"kvrelay launch: --staging device puts staging in GPU memory, which only the ucx "
