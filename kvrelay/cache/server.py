@@ -57,7 +57,9 @@ class CacheServerConfig:
     l3_policy: str = option(
         "write-back", help="when L3 gets pages", choices=["write-back", "write-through"]
     )
-    timeout_s: float = option(10.0, help="a connection's hello must come within", positive=True)
+    timeout_s: float = option(
+        10.0, help="hello deadline, frame stall limit, transfer deadline", positive=True
+    )
 
 
 def _page_runs(runs: list[tuple[int, int]], page_bytes: int) -> list[tuple[int, int]]:
@@ -85,7 +87,7 @@ class CacheServer:
     async def start(self) -> CacheServer:
         c = self.config
         host, port = rpc.split_address(c.listen)
-        self.agent = await create_agent(c.backend, token=c.token, host=host)
+        self.agent = await create_agent(c.backend, token=c.token, host=host, timeout=c.timeout_s)
         arena = PageArena(self.agent, ArenaConfig(c.page_bytes, capacity_bytes=c.arena_bytes))
         l3 = open_store(c.l3, capacity_bytes=c.l3_capacity_bytes) if c.l3 else None
         self.tier = CacheTier(arena, l3, TierConfig(l3_policy=c.l3_policy))

@@ -67,7 +67,11 @@ class DecodeWorker(WorkerFront):
             self.counters.busy_rejections += 1
             await conn.send(Error.of(Busy("draining or queue full"), rid))
             return
-        handles = [{"handle": h.handle, "runs": h.runs} for h in request.handles]
+        handles = [
+            {"handle": h.handle, "runs": h.runs}
+            | ({"pages": h.pages} if h.pages is not None else {})
+            for h in request.handles
+        ]
         item = {"tokens": tokens, "first_token": first, "params": params,
                 "tier_pages": request.tier_pages, "pages": request.pages,
                 "handles": handles}  # fmt: skip

@@ -157,7 +157,11 @@ class PrefillWorker(WorkerFront):
         c.tier_hit_tokens += first["cached_tier"]
         c.generated_tokens += 1
         finish = first["finish_reason"]
-        handles = [HandleRef(r["handle"], r["runs"]) for r in per_rank if r["handle"] is not None]
+        handles = [
+            HandleRef(r["handle"], r["runs"], r.get("page_indices"))
+            for r in per_rank
+            if r["handle"] is not None
+        ]
         timings = dict(first["timings"])
         timings["queue_s"] = time.perf_counter() - pending.queued_at - sum(timings.values())
         return PrefillReply(
@@ -168,7 +172,7 @@ class PrefillWorker(WorkerFront):
             cached_tokens=CachedTokens(first["cached_local"], first["cached_tier"]),
             tier_pages=first["tier_pages"],
             pages=first["pages"],
-            spec=ParallelShape(self.config.tp, self.config.pp),
+            spec=ParallelShape(self.config.tp, self.config.pp, self.config.cp),
             handles=handles,  # none when finished: decode is not needed
             timings=timings,
         )

@@ -23,6 +23,9 @@ import msgspec
 from kvrelay.rpc.errors import MalformedMessage, PeerError, ProtocolError
 
 MAX_FRAME = 16 << 20  # a read of 2**20 runs needs about 10 MiB of msgpack
+# Before the hello nobody is authenticated: a stranger's frame is small, so
+# it cannot make the server allocate (and unpack) megabytes.
+MAX_HELLO_FRAME = 64 << 10
 _LEN = struct.Struct(">I")
 _ENCODER = msgspec.msgpack.Encoder()
 T = TypeVar("T")
@@ -82,19 +85,29 @@ class Connection:
             raise ProtocolError(f"frame of {len(body)} bytes exceeds {MAX_FRAME}")
         await self.send_bytes(_LEN.pack(len(body)) + body)
 
-    async def recv_body(self) -> bytes:
+    async def recv_body(self, max_size: int = MAX_FRAME, stall_timeout: float | None = None):
+        """The next frame's bytes. The wait for its first byte is the caller's;
+        once it started, the rest must arrive within `stall_timeout` (a peer
+        sending a byte a second must not hold the connection)."""
         header = bytearray(_LEN.size)
-        await self.recv_into(memoryview(header))
-        (length,) = _LEN.unpack(header)
-        if length > MAX_FRAME:
-            raise ProtocolError(f"frame of {length} bytes exceeds {MAX_FRAME}")
-        body = bytearray(length)
-        await self.recv_into(memoryview(body))
+        await self.recv_into(memoryview(header)[:1])
+        async with asyncio.timeout(stall_timeout):
+            await self.recv_into(memoryview(header)[1:])
+            (length,) = _LEN.unpack(header)
+            if length > max_size:
+                raise ProtocolError(f"frame of {length} bytes exceeds {max_size}")
+            body = bytearray(length)
+            await self.recv_into(memoryview(body))
         return bytes(body)
 
-    async def recv(self, kind: type[T] | Any = dict) -> T:
+    async def recv(
+        self,
+        kind: type[T] | Any = dict,
+        max_size: int = MAX_FRAME,
+        stall_timeout: float | None = None,
+    ) -> T:
         """The next frame decoded as `kind` (default: a plain map, for raw tools)."""
-        return decode(await self.recv_body(), kind)
+        return decode(await self.recv_body(max_size, stall_timeout), kind)
 
     async def send_bytes(self, data) -> None:
         try:

@@ -4,8 +4,9 @@ worker front): listen, hello with the cluster token, then requests.
 Per connection: the first frame must be a `Hello` of this `WIRE_VERSION`
 with the cluster token (compared in constant time) within `hello_timeout_s`,
 else a typed `Error` reply and the connection closes. Then each frame is
-decoded as the service's request union and passed to `handler(conn,
-request)`; what it returns (a message) is sent back, an exception it raises
+decoded as the service's request union (a frame, once begun, must arrive within
+`hello_timeout_s`; before the hello at most `MAX_HELLO_FRAME` bytes) and
+passed to `handler(conn, request)`; what it returns (a message) is sent back, an exception it raises
 is sent as an `Error` reply, a malformed request is answered
 `MalformedMessage`. A handler that streams sends frames itself and returns
 None. A lost connection or a broken frame ends the connection.
@@ -20,8 +21,14 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvrelay.rpc.errors import AuthError, MalformedMessage, RpcError, WireVersionError
-from kvrelay.rpc.framing import Connection, listen_socket
+from kvrelay.rpc.errors import (
+    AuthError,
+    MalformedMessage,
+    ProtocolError,
+    RpcError,
+    WireVersionError,
+)
+from kvrelay.rpc.framing import MAX_HELLO_FRAME, Connection, listen_socket
 from kvrelay.rpc.messages import WIRE_VERSION, Error, Hello, Message
 
 log = logging.getLogger("kvrelay.rpc")
@@ -103,7 +110,7 @@ class Server:
                 return
             while True:
                 try:
-                    request = await conn.recv(self.requests)
+                    request = await conn.recv(self.requests, stall_timeout=self.hello_timeout_s)
                 except MalformedMessage as exc:
                     await conn.send(Error.of(exc))
                     continue
@@ -114,15 +121,17 @@ class Server:
                     reply = Error.of(exc, getattr(request, "rid", None))
                 if reply is not None:
                     await conn.send(reply)
+        except ProtocolError as exc:  # a broken frame: say why, then drop it
+            await _refuse(conn, exc)
         except (RpcError, TimeoutError, OSError):
-            pass  # the peer went away or spoke garbage: drop the connection
+            pass  # the peer went away: drop the connection
         finally:
             conn.close()
 
     async def _hello(self, conn: Connection) -> bool:
         async with asyncio.timeout(self.hello_timeout_s):
             try:
-                hello = await conn.recv(Hello)
+                hello = await conn.recv(Hello, MAX_HELLO_FRAME)
             except MalformedMessage:
                 await conn.send(Error.of(AuthError("the first frame must be a hello")))
                 return False
@@ -137,3 +146,12 @@ class Server:
             return False
         await conn.send(self.welcome())
         return True
+
+
+async def _refuse(conn: Connection, exc: Exception) -> None:
+    """Best effort: tell a peer that spoke garbage why it is dropped."""
+    try:
+        async with asyncio.timeout(1.0):
+            await conn.send(Error.of(exc))
+    except (RpcError, TimeoutError, OSError):
+        pass

@@ -51,6 +51,9 @@ class HandleRef(msgspec.Struct, forbid_unknown_fields=True):
 
     handle: bytes
     runs: list[Run]
+    # Only under context parallelism: the page indices the handle holds, in
+    # its runs' order (CP rank r of C: pages i with i % C == r).
+    pages: list[Count] | None = None
 
 
 class WorkerWelcome(Message, tag="worker"):
@@ -75,6 +78,7 @@ class CachedTokens(msgspec.Struct):
 class ParallelShape(msgspec.Struct):
     tp: int = 1
     pp: int = 1
+    cp: int = 1
 
 
 class PrefillReply(Message, tag="prefill_reply"):

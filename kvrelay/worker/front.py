@@ -63,9 +63,11 @@ class WorkerFront:
             c.model_dir,
             tp=c.tp,
             pp=c.pp,
+            cp=c.cp,
             dtype=c.dtype,
             page_size=c.page_size,
             num_pages=c.num_pages,
+            device=c.device,
             rank_setup=functools.partial(self._rank_setup, c.rank_options()),
         )
         self.spec = self.engine.spec
@@ -101,6 +103,7 @@ class WorkerFront:
             "vocab_size": self.vocab,
             "tp": c.tp,
             "pp": c.pp,
+            "cp": c.cp,
             "num_pages": c.num_pages,
             "cache": bool(c.cache),
         }
@@ -155,6 +158,7 @@ class WorkerFront:
             "staging_free": min(c["staging_free"] for c in counters),
             "bytes_from_tier": sum(c["bytes_from_tier"] for c in counters),
             "bytes_to_tier": sum(c["bytes_to_tier"] for c in counters),
+            "writeback_skipped_pages": max(c.get("writeback_skipped_pages", 0) for c in counters),
         }
         return self._last_status
 
@@ -166,6 +170,7 @@ class WorkerFront:
     def _stats(self, status: dict) -> dict:
         self.counters.bytes_from_tier = status["bytes_from_tier"]
         self.counters.bytes_to_tier = status["bytes_to_tier"]
+        self.counters.writeback_skipped_pages = status["writeback_skipped_pages"]
         return self.counters.as_dict() | {
             k: status[k] for k in ("queued", "active", "free_pages", "staging_free")
         }

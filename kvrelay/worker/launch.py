@@ -25,7 +25,7 @@ def run(worker_class, args: argparse.Namespace) -> None:
     from kvrelay.worker.front import serve_until_signal
 
     logging.basicConfig(level=logging.WARNING)
-    config = options.from_args(WorkerConfig, args)
+    config = options.from_args(WorkerConfig, args).checked(worker_class.role)
     try:
         asyncio.run(serve_until_signal(worker_class(config)))
     except (ValueError, OSError) as exc:  # a bad model or config, a busy --listen

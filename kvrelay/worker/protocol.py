@@ -4,6 +4,7 @@ sampling values `SamplingParams` refuses), the worker counters."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import msgspec
@@ -43,6 +44,8 @@ def tokens_of(packed: bytes, vocab: int, name: str = "tokens") -> list[int]:
 def params_of(params: Params, vocab: int) -> dict:
     """The request's params as the ranks take them; RequestError for values
     this model cannot honour."""
+    if not math.isfinite(params.temperature):
+        raise RequestError(f"temperature must be finite, got {params.temperature}")
     if any(t >= vocab for t in params.stop_token_ids):
         raise RequestError(f"stop_token_ids must be integers in [0, {vocab})")
     out = msgspec.structs.asdict(params)
@@ -65,6 +68,7 @@ class WorkerCounters:
     bytes_from_prefill: int = 0
     busy_rejections: int = 0
     errors: int = 0
+    writeback_skipped_pages: int = 0  # decode: full pages not written back, no staging rows
 
     def as_dict(self) -> dict:
         return asdict(self)

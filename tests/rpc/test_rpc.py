@@ -115,12 +115,14 @@ def test_a_server_of_the_old_wire_version_is_named_as_such():
     asyncio.run(main())
 
 
-def test_oversized_and_garbage_frames_drop_the_connection():
+def test_oversized_and_garbage_frames_are_refused_and_dropped():
     async def main():
         server = await _server()
         for raw in (struct.pack(">I", MAX_FRAME + 1), struct.pack(">I", 3) + b"\xc1\xc1\xc1"):
             conn, _ = await rpc.connect(server.address, TOKEN, Welcome, 5)
             await conn.send_bytes(raw)
+            refusal = await asyncio.wait_for(conn.recv(), 5)  # why, then the close
+            assert refusal["op"] == "error" and refusal["error"] == "ProtocolError"
             with pytest.raises(rpc.PeerError):
                 await asyncio.wait_for(conn.recv(), 5)
             conn.close()

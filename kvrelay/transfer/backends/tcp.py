@@ -66,7 +66,9 @@ class TcpTransport(Transport):
         arena, runs = _checked(agent, request)  # refused with its HandleError's name
         await conn.send(Accepted(int(runs[:, 1].sum())))
         views = [arena.buffer(offset, length) for offset, length in runs.tolist()]
-        await move_bytes(conn, views, receive=isinstance(request, Write))
+        # A writer that announces bytes and stalls must not hold the connection.
+        async with asyncio.timeout(agent.config.timeout):
+            await move_bytes(conn, views, receive=isinstance(request, Write))
         return rpc.Ok() if isinstance(request, Write) else None
 
 
@@ -141,8 +143,8 @@ def _checked(agent, request):
     ):
         raise LeaseExpired(f"lease {request.lease!r} is not active on arena {arena.arena_id}")
     runs = request.runs  # packed uint64 (offset, length) pairs
-    if len(runs) % 16 or len(runs) > 16 * MAX_RUNS:
-        raise MalformedHandle("packed runs must be 16-byte (offset, length) records")
+    if not runs or len(runs) % 16 or len(runs) > 16 * MAX_RUNS:
+        raise MalformedHandle("packed runs must be 16-byte (offset, length) records, one or more")
     runs = np.frombuffer(runs, dtype="<u8").astype(np.uint64).reshape(-1, 2)
     return arena, check_runs(runs, arena.size, "requested")
 
