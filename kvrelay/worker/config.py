@@ -15,13 +15,9 @@ BACKENDS = ("auto", "ucx", "tcp")
 
 def default_backend() -> str:
     """ucx when `kvrelay._ucx` is built, else tcp."""
-    try:
-        import torch  # noqa: F401  (loads libc10/libtorch, which _ucx links against)
+    from kvrelay.transfer import available
 
-        import kvrelay._ucx  # noqa: F401
-    except ImportError:
-        return "tcp"
-    return "ucx"
+    return "ucx" if available("ucx") else "tcp"
 
 
 @dataclass(slots=True)
