@@ -143,7 +143,7 @@ def _worker(
             timeout=timedelta(seconds=timeout_s),
         )
         from kvrelay.model.loader import load_engine
-        from kvrelay.model.transfer import export_prefix, import_prefix
+        from kvrelay.model.page_export import export_prefix, import_prefix
 
         parallel = list(sizes.all_ranks())[rank]
         comm = DistComm(parallel, device if backend == "nccl" else "cpu")

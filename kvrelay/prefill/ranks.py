@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from kvrelay.model.engine import Request
-from kvrelay.model.transfer import export_prefix, import_prefix
+from kvrelay.model.page_export import export_prefix, import_prefix
 from kvrelay.transfer import BlockHandle
 from kvrelay.worker.protocol import pages_of, sampling
 from kvrelay.worker.rank import RankOptions, RankRuntime
