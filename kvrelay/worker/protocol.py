@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from kvrelay.model.errors import RequestError
@@ -57,8 +58,12 @@ def check_params(params, vocab: int) -> dict:
     }
     if not is_int(out["max_new_tokens"]) or not is_int(out["top_k"]):
         raise RequestError("max_new_tokens and top_k must be integers")
-    if not all(isinstance(out[k], int | float) for k in ("temperature", "top_p")):
-        raise RequestError("temperature and top_p must be numbers")
+    if not all(
+        isinstance(out[k], int | float) and not isinstance(out[k], bool) and math.isfinite(out[k])
+        for k in ("temperature", "top_p")
+    ):
+        # NaN passed every range check below and then failed the whole batch.
+        raise RequestError("temperature and top_p must be finite numbers")
     if out["seed"] is not None and not is_int(out["seed"]):
         raise RequestError("seed must be an integer or null")
     if not isinstance(out["stop_token_ids"], list) or not all(
