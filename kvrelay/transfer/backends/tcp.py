@@ -36,6 +36,7 @@ from kvrelay.transfer.errors import (
     UnknownArena,
 )
 from kvrelay.transfer.handle import MAX_RUNS, check_runs
+from kvrelay.transfer.lease import covers
 from kvrelay.transfer.wire import error_reply
 
 _REMOTE_ERRORS = {
@@ -162,7 +163,12 @@ def _checked(agent, message):
         raise MalformedHandle("runs must be packed uint64 pairs or [offset, length] int pairs")
     if not len(runs):
         raise MalformedHandle("a request names at least one run")
-    return arena, check_runs(runs, arena.size, "requested")
+    runs = check_runs(runs, arena.size, "requested")
+    # The lease is the capability: a holder reads (or writes) the pages it
+    # was given, never the rest of the arena (another tenant's pages).
+    if not covers(lease, runs):
+        raise RunOutOfBounds(f"requested runs lie outside lease {lease_id}'s pages")
+    return arena, runs
 
 
 def _raise_refusal(reply: dict, address: str) -> None:
