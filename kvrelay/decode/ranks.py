@@ -166,32 +166,41 @@ class DecodeRanks:
 
     async def _from_prefill(self, handles, start, pages, rows, local) -> int:
         """Each prefill writer's handle, narrowed to the overlap of its
-        rectangle with this rank's, for pages [start, pages)."""
+        rectangle with this rank's, for pages [start, pages). A handle of a
+        context-parallel prefill rank holds only the pages its `pages` lists."""
         pb = self.rt.page_bytes
-        reads, covered = [], 0
+        reads, covered = [], [0] * (pages - start)
         for entry in handles:
             handle = BlockHandle.from_bytes(entry["handle"])
             theirs = [tuple(r) for r in entry["runs"]]
-            if not theirs or len(handle.runs) != pages * len(theirs):
+            held = entry.get("pages", list(range(pages)))
+            if not isinstance(held, list) or not all(
+                isinstance(p, int) and 0 <= p < pages for p in held
+            ):
+                raise RequestError(f"a prefill handle's pages must be page indices in [0, {pages})")
+            if not theirs or len(handle.runs) != len(held) * len(theirs):
                 raise RequestError("a prefill handle's runs do not match its pages")
             overlap = intersect(self.rt.runs, theirs)
             if not overlap:
                 continue
             remote, local_offsets = [], []
-            for page in range(start, pages):
-                row_base = handle.runs[page * len(theirs)][0] - theirs[0][0]
+            for slot, page in enumerate(held):
+                if not start <= page < pages:
+                    continue
+                row_base = handle.runs[slot * len(theirs)][0] - theirs[0][0]
                 for offset, length, _ in overlap:
                     remote.append((row_base + offset, length))
                     local_offsets.append(rows[page - local] * pb + offset)
-            covered += sum(length for _, length, _ in overlap)
-            reads.append((handle.narrow(remote), local_offsets))
-        if covered < self.rt.rect.num_bytes(self.rt.spec):
+                    covered[page - start] += length
+            if remote:
+                reads.append((handle.narrow(remote), local_offsets))
+        if any(n < self.rt.rect.num_bytes(self.rt.spec) for n in covered):
             raise RequestError("the prefill handles do not cover this rank's rectangle")
         # Coroutines only once every check passed: none is left unawaited.
         await asyncio.gather(*(
             self.rt.agent.read(h, self.rt.arena, offs, namespace=self.rt.namespace)
             for h, offs in reads))  # fmt: skip
-        return covered * (pages - start)
+        return sum(covered)
 
     async def _release(self, handles) -> None:
         async def one(entry) -> None:

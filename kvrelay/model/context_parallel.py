@@ -58,6 +58,11 @@ class ContextSplit:
         padded = local.new_zeros((width, *local.shape[1:]))
         padded[: local.size(0)] = local
         parts = self.comm.all_gather_cp(padded)
+        if len(parts) != len(self.rank_rows):
+            raise RuntimeError(
+                f"a CP={len(self.rank_rows)} prefill needs a group of that many CP ranks "
+                f"(ParallelEngine(cp=...)); this engine's comm gathered {len(parts)}"
+            )
         out = local.new_empty((self.total, *local.shape[1:]))
         for rows, part in zip(self.rank_rows, parts, strict=True):
             out[rows] = part[: rows.numel()]

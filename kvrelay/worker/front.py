@@ -43,6 +43,7 @@ class WorkerConfig:
     token: str
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context-parallel prefill ranks (prefill only)
     control: str = ""  # control's base URL; "" runs unregistered
     cache: tuple[str, ...] = ()
     backend: str = "tcp"
@@ -51,7 +52,7 @@ class WorkerConfig:
     page_size: int = 64
     dtype: str = "float32"
     device: str = "cpu"  # the first rank's; see kvrelay.model.device
-    staging: str = "device"  # GPU pools: "device" (GPU memory) or "pinned" (host)
+    staging: str = "pinned"  # GPU pools: "pinned" (host) or "device" (GPU memory)
     local_cache: bool = True
     max_batch: int = 8
     max_queue: int = 64
@@ -100,6 +101,7 @@ class WorkerFront:
             c.model_dir,
             tp=c.tp,
             pp=c.pp,
+            cp=c.cp,
             dtype=c.dtype,
             page_size=c.page_size,
             num_pages=c.num_pages,
@@ -130,6 +132,7 @@ class WorkerFront:
             "vocab_size": self.vocab,
             "tp": c.tp,
             "pp": c.pp,
+            "cp": c.cp,
             "num_pages": c.num_pages,
             "cache": bool(c.cache),
         }
