@@ -1,4 +1,5 @@
-"""One request's connection to a worker, and the worker errors control tells apart."""
+"""Control as a client of the workers: one request's connection to a worker, and
+the worker errors control tells apart."""
 
 from __future__ import annotations
 
