@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 
 import pytest
 
+from kvrelay.chaos import frames
 from kvrelay.chaos.cluster import ChaosCluster, ChaosConfig
-from kvrelay.chaos.faults import FaultRow, Faults, fault_round
+from kvrelay.chaos.faults import FaultRow, Faults, fault_round, settled_counts
 from kvrelay.chaos.valkey import server_binary
 from kvrelay.chaos.workload import Oracle, Workload
 from tests.chaos.conftest import DTYPE, PAGE, run
@@ -52,3 +54,30 @@ def test_random_faults_lose_nothing(cluster, chaos_model):
         assert row["completed_correct"] + row["failed_clear_error"] == row["requests"], row
     assert sum(r["completed_correct"] for r in rows) > 0, rows
     assert not any(cluster.unhandled_errors().values()), cluster.unhandled_errors()
+
+
+def test_prefill_killed_after_publishing_handles(cluster):
+    """Prefill answered (its handles name pages in its staging arena), then
+    dies before decode pulls them: decode answers a typed error within its
+    transfer deadline and its pool pages and staging rows all come back."""
+    token = cluster.config.token
+    victim = cluster.named("prefill")[0]
+    decode = cluster.named("decode")[0]
+    baseline = {decode.name: run(cluster.free_counts())[decode.name]}
+    prompt = random.Random(SEED).choices(range(1, 256), k=3 * PAGE + 5)
+    params = {"max_new_tokens": 6, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0,
+              "stop_token_ids": []}  # fmt: skip
+    request = {"op": "prefill", "rid": "p", "tokens": prompt, "params": params, "lease_s": 30.0}
+    answer = run(frames.call(victim.ready["address"], request, token))
+    assert answer["ok"] and answer["handles"], answer
+    faults = Faults(cluster, random.Random(SEED))
+    faults._victim = victim
+    os.killpg(victim.popen.pid, signal.SIGKILL)
+    victim.popen.wait(10)
+    message = {"op": "decode", "rid": "d", "tokens": prompt, "params": params,
+               "first_token": answer["first_token"], "tier_pages": 0, "pages": answer["pages"],
+               "handles": answer["handles"]}  # fmt: skip
+    reply = run(frames.call(decode.ready["address"], message, token, timeout=30))
+    assert reply["ok"] is False and reply["error"] == "PullFailed", reply
+    assert run(settled_counts(cluster, baseline, timeout_s=20)) == 0
+    faults.clear("kill_prefill")  # a new prefill on the cluster for the next test
