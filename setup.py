@@ -126,6 +126,7 @@ setup(
         "fastapi",
         "uvicorn",
         "httpx",
+        "prometheus-client",
     ],
     ext_modules=extensions() + ucx_extension() + [run_copy_extension()],
     cmdclass={"build_ext": IncrementalBuildExt},

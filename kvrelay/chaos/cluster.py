@@ -5,6 +5,7 @@ process ids, logs scanned for unhandled errors, free-count probes."""
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,7 +71,7 @@ class ChaosCluster(LocalCluster):
 
     def cache_args(self, i: int) -> list[str]:
         c, chaos = self.config, self.chaos
-        args = ["launch", "cache", "--token", c.token, "--page-bytes", str(c.page_bytes),
+        args = ["launch", "cache", "--page-bytes", str(c.page_bytes),
                 "--arena-gb", str(c.cache_gb / c.cache_servers), "--backend", c.backend,
                 "--timeout-s", str(chaos.timeout_s)]  # fmt: skip
         if chaos.l3 == "valkey":
@@ -144,3 +145,21 @@ class ChaosCluster(LocalCluster):
             out[process.name] = None if s is None else (
                 s["free_pages"], s["staging_free"], s["queued"], s["active"])  # fmt: skip
         return out
+
+
+def children(pid: int) -> list[int]:
+    """Every descendant of `pid` (a worker's rank processes)."""
+    out = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                kids = [int(k) for k in f.read().split()]
+        except OSError:
+            continue
+        for kid in kids:
+            out += [kid, *children(kid)]
+    return out

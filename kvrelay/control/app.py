@@ -64,6 +64,7 @@ def create_app(config: ControlConfig) -> FastAPI:
         raise ValueError("the control endpoint needs a cluster token")
     registry = Registry(config.heartbeat_s)
     stats = ControlStats()
+    prometheus = metrics.ControlMetrics(stats, registry)
     tier = TierProbe(config.cache, config.token, config.tier_timeout_s) if config.cache else None
     runner = CompletionRunner(Dispatcher(config, registry, stats, tier), registry, stats)
 
@@ -156,7 +157,7 @@ def create_app(config: ControlConfig) -> FastAPI:
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=METRICS)
     async def metrics_route() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(stats, registry), media_type=metrics.CONTENT_TYPE)
+        return PlainTextResponse(prometheus.render(), media_type=metrics.CONTENT_TYPE)
 
     @app.post("/v1/nodes", dependencies=admin, responses=BAD_REQUEST | AUTH)
     async def register(body: NodeRegistration) -> dict:

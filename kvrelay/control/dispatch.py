@@ -105,7 +105,9 @@ class Dispatcher:
             job.tier_hit = 0
             if self.tier is not None and self.tier.servers:
                 keys = job.page_keys(nodes[0])
+                probe_started = time.monotonic()
                 job.tier_hit = await self.tier.probe(nodes[0].namespace, keys)
+                self.stats.record_tier_probe(time.monotonic() - probe_started)
                 self.stats.probed_tier_tokens += job.tier_hit * nodes[0].page_size
         scores = {n.node_id: max(job.tier_hit, n.estimate.hit(job.page_keys(n))) for n in nodes}
         return rank(nodes, scores)
@@ -153,6 +155,7 @@ class Dispatcher:
                         event["ttft_s"] = time.monotonic() - started
                         event["prefill_timings"] = dict(reply.timings)
                         self.stats.record_ttft(event["ttft_s"])
+                        self.stats.record_prefill_phases(event["prefill_timings"])
                         self.stats.record_prefill(len(job.tokens), **event["cached"])
                     emitted.append(first)
                     yield event
@@ -277,6 +280,8 @@ class Dispatcher:
                     tokens = unpack_tokens(frame.tokens) if isinstance(frame, TokenBatch) else []
                     if tokens:
                         now = time.monotonic()
+                        if not streamed:
+                            self.stats.record_transfer(now - last_at)
                         self.stats.record_gap(now - last_at, len(tokens))
                         last_at = now
                         streamed += len(tokens)

@@ -44,8 +44,9 @@ def tokens_of(packed: bytes, vocab: int, name: str = "tokens") -> list[int]:
 def params_of(params: Params, vocab: int) -> dict:
     """The request's params as the ranks take them; RequestError for values
     this model cannot honour."""
-    if not math.isfinite(params.temperature):
-        raise RequestError(f"temperature must be finite, got {params.temperature}")
+    # NaN passed every range check and then failed the whole batch.
+    if not (math.isfinite(params.temperature) and math.isfinite(params.top_p)):
+        raise RequestError("temperature and top_p must be finite numbers")
     if any(t >= vocab for t in params.stop_token_ids):
         raise RequestError(f"stop_token_ids must be integers in [0, {vocab})")
     out = msgspec.structs.asdict(params)

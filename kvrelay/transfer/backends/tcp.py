@@ -36,6 +36,7 @@ from kvrelay.transfer.errors import (
     UnknownArena,
 )
 from kvrelay.transfer.handle import MAX_RUNS, check_runs
+from kvrelay.transfer.lease import covers
 
 _REMOTE_ERRORS = {
     cls.__name__: cls for cls in (LeaseExpired, RunOutOfBounds, UnknownArena, MalformedHandle)
@@ -146,7 +147,12 @@ def _checked(agent, request):
     if not runs or len(runs) % 16 or len(runs) > 16 * MAX_RUNS:
         raise MalformedHandle("packed runs must be 16-byte (offset, length) records, one or more")
     runs = np.frombuffer(runs, dtype="<u8").astype(np.uint64).reshape(-1, 2)
-    return arena, check_runs(runs, arena.size, "requested")
+    runs = check_runs(runs, arena.size, "requested")
+    # The lease is the capability: a holder reads (or writes) the pages it
+    # was given, never the rest of the arena (another tenant's pages).
+    if not covers(lease, runs):
+        raise RunOutOfBounds(f"requested runs lie outside lease {request.lease!r}'s pages")
+    return arena, runs
 
 
 async def _call(conn, request, reply, address: str):
