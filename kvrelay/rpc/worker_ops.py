@@ -44,7 +44,7 @@ def _packed(tokens: bytes, name: str = "tokens") -> None:
         raise ValueError(f"{name} must be packed uint32 token ids, at least one")
 
 
-class HandleRef(msgspec.Struct, forbid_unknown_fields=True):
+class HandleRef(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """One writer rank's pages: `handle` is `BlockHandle.to_bytes()` (for each
     page i, the rank's rectangle runs shifted to page i's arena row), `runs`
     the rank's rectangle runs within one page object."""
