@@ -77,6 +77,9 @@ class Connection:
         except OSError as exc:
             sock.close()
             raise PeerError(f"cannot connect to {host}:{port}: {exc}") from exc
+        except BaseException:  # a deadline or a cancellation mid-connect
+            sock.close()
+            raise
         return cls(sock)
 
     async def send(self, message) -> None:
