@@ -8,8 +8,9 @@ from kvrelay.layout import ModelKVSpec, ParallelConfig, rank_rectangle
 from kvrelay.model.comm import Comm
 from kvrelay.model.config import TORCH_DTYPES, ModelConfig
 from kvrelay.model.decoder import DecoderShard
-from kvrelay.model.engine import Engine
+from kvrelay.model.engine import DEFAULT_MAX_PREFILL_TOKENS, Engine
 from kvrelay.model.errors import ModelLoadError
+from kvrelay.model.paged_attention import DEFAULT_CHUNK_TOKENS, PagedOnlineSoftmaxBackend
 from kvrelay.model.pool import PagedKVPool
 from kvrelay.model.weights import ShardPlan, fingerprint, load_weights
 
@@ -64,6 +65,8 @@ def load_engine(
     num_pages: int = 256,
     parallel: ParallelConfig | None = None,
     comm: Comm | None = None,
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+    attention_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> Engine:
     """An engine for one rank (the whole model when `parallel` is None)."""
     if dtype not in TORCH_DTYPES:
@@ -84,4 +87,6 @@ def load_engine(
         head_dim=config.head_dim,
         dtype=torch_dtype,
     )
-    return Engine(DecoderShard(config, plan, weights, pool, comm), spec, parallel)
+    backend = PagedOnlineSoftmaxBackend(attention_chunk_tokens)
+    shard = DecoderShard(config, plan, weights, pool, comm, backend)
+    return Engine(shard, spec, parallel, max_prefill_tokens)

@@ -23,7 +23,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvrelay.layout import ModelKVSpec, ParallelConfig
-from kvrelay.model.engine import Request, Result
+from kvrelay.model.engine import DEFAULT_MAX_PREFILL_TOKENS, Request, Result
+from kvrelay.model.paged_attention import DEFAULT_CHUNK_TOKENS
 
 # How long the other ranks get to answer once one rank has failed.
 ERROR_GRACE_S = 10.0
@@ -180,6 +181,8 @@ class ParallelEngine:
         num_pages: int = 256,
         timeout_s: float = 300.0,
         rank_setup=None,
+        max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+        attention_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     ) -> None:
         """`rank_setup(engine) -> {name: handler}` (picklable, e.g. a
         module-level function or a partial of one) runs in each rank after its
@@ -193,7 +196,13 @@ class ParallelEngine:
         context = mp.get_context("spawn")
         self._commands = [context.Queue() for _ in range(self.world)]
         self._results = context.Queue()
-        options = {"dtype": dtype, "page_size": page_size, "num_pages": num_pages}
+        options = {
+            "dtype": dtype,
+            "page_size": page_size,
+            "num_pages": num_pages,
+            "max_prefill_tokens": max_prefill_tokens,
+            "attention_chunk_tokens": attention_chunk_tokens,
+        }
         port = free_port()
         self._procs = []
         for rank in range(self.world):
