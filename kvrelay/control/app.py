@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import re
 from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrelay.control import metrics
 from kvrelay.control.completions import CompletionRunner, error_body
@@ -42,10 +44,16 @@ class ControlConfig:
     tier_timeout_s: float = 1.0  # per cache server call
 
 
+# pydantic names a union's member in the error location ("prompt.list[int]");
+# the client knows its field by name only.
+_UNION_MEMBER = re.compile(r"^(constrained-|function-|list\[|dict\[|(str|int|float|bool)$)")
+
+
 def _validation_message(exc: RequestValidationError) -> str:
     parts = []
     for error in exc.errors():
         loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+        loc = [p for p in loc if not _UNION_MEMBER.match(p)]
         parts.append(f"{'.'.join(loc) or 'body'}: {error.get('msg', 'invalid')}")
     return "; ".join(parts)
 
@@ -90,8 +98,14 @@ def create_app(config: ControlConfig) -> FastAPI:
             stats.errors += 1
             stats.client_errors += 1
         message = _validation_message(exc)
-        body = error_body(422, message) | {"detail": message}
-        return JSONResponse(body, status_code=422)
+        return JSONResponse(error_body(400, message) | {"detail": message}, status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # One error shape for every answer (OpenAI's, plus FastAPI's `detail`).
+        message = str(exc.detail)
+        return JSONResponse(error_body(exc.status_code, message) | {"detail": message},
+                            status_code=exc.status_code, headers=exc.headers)  # fmt: skip
 
     def authorized(request: Request) -> None:
         header = request.headers.get("authorization", "")

@@ -14,6 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_TOKENS_LIMIT = 1 << 16  # per request; a worker's pool bounds it further
 MAX_PROMPT_TOKENS = 1 << 20
+MAX_TOKEN_ID = (1 << 31) - 1  # token ids are int32 on every worker
+MAX_STOPS = 4  # stop strings per request, as OpenAI allows
+MAX_STOP_CHARS = 256
 _ADDRESS = re.compile(r"^[A-Za-z0-9.\-]+:\d{1,5}$")
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
 
@@ -69,28 +72,87 @@ class Heartbeat(_Lenient):
     stats: dict[str, int | float] = Field(default_factory=dict)
 
 
-class CompletionRequest(BaseModel):
-    # Unknown OpenAI fields (n, logprobs, ...) are ignored, as clients send them.
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
+def _only(value, allowed: tuple, message: str):
+    """An OpenAI parameter kvrelay does not implement: accepted only at the
+    value that means "off", refused with the reason otherwise."""
+    if value not in allowed:
+        raise ValueError(f"{message} (got {value!r})")
+    return value
+
+
+class CompletionRequest(_Strict):
+    """OpenAI's completion fields: each one works, or (n, best_of, logprobs,
+    echo, suffix, penalties, logit_bias) is accepted only at its "off" value
+    and refused with the reason otherwise; an unknown field is refused."""
+
     model: str | None = None
-    prompt: str | list[int]
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+    )
     max_tokens: int = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float = Field(0.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     seed: int | None = Field(None, ge=0, lt=1 << 63)
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=1024)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=1024)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None
     stream: bool = False
+    user: str | None = Field(None, max_length=256)  # the client's own tag; not used
+    n: Literal[1] = 1
+    best_of: Literal[1] | None = None
+    logprobs: None = None
+    echo: Literal[False] = False
+    suffix: None = None
+    presence_penalty: Literal[0] = 0
+    frequency_penalty: Literal[0] = 0
+    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
 
-    @field_validator("prompt")
+    @field_validator("n", "best_of", mode="before")
     @classmethod
-    def _prompt(cls, value: str | list[int]) -> str | list[int]:
-        if len(value) == 0:
+    def _one_choice(cls, value):
+        return _only(value, (1, None), "only one choice per request is supported (n=1)")
+
+    @field_validator("logprobs", "suffix", mode="before")
+    @classmethod
+    def _null(cls, value):
+        return _only(value, (None,), "not supported; send null or leave it out")
+
+    @field_validator("echo", mode="before")
+    @classmethod
+    def _echo(cls, value):
+        return _only(value, (False,), "echo is not supported; send false or leave it out")
+
+    @field_validator("presence_penalty", "frequency_penalty", mode="before")
+    @classmethod
+    def _penalty(cls, value):
+        return _only(value, (0, 0.0), "penalties are not supported; send 0 or leave it out")
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias(cls, value):
+        return _only(value, (None, {}), "logit_bias is not supported")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, value):
+        # Checked before the union, so the message is one reason, not one per member.
+        if isinstance(value, str | list) and len(value) == 0:
             raise ValueError("prompt must not be empty")
-        if isinstance(value, list) and len(value) > MAX_PROMPT_TOKENS:
-            raise ValueError(f"prompt has more than {MAX_PROMPT_TOKENS} tokens")
-        if isinstance(value, list) and min(value) < 0:
+        if isinstance(value, list) and any(
+            isinstance(t, int) and not isinstance(t, bool) and t < 0 for t in value
+        ):
             raise ValueError("prompt token ids must not be negative")
         return value
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
 class FlushRequest(_Strict):

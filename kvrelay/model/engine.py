@@ -15,6 +15,7 @@ import torch
 
 from kvrelay.layout import ModelKVSpec, ParallelConfig, page_keys
 from kvrelay.model.attention import AttentionBatch
+from kvrelay.model.context_parallel import split_batch
 from kvrelay.model.decoder import DecoderShard, ForwardBatch
 from kvrelay.model.errors import PoolExhausted, RequestError
 from kvrelay.model.pool import partial_page_key
@@ -270,7 +271,7 @@ class Engine:
         last: dict[int, torch.Tensor] = {}
         parts: dict[int, list[torch.Tensor]] = {id(s): [] for s in sequences}
         for spans in self._prefill_chunks(sequences):
-            logits = self._forward(spans, all_rows=all_rows)
+            logits = self._forward(spans, all_rows=all_rows, split=self.parallel.cp > 1)
             if logits is None:
                 continue  # not the last stage
             row = 0
@@ -286,7 +287,8 @@ class Engine:
             logits = torch.stack([last[id(s)] for s in sequences])
             for seq in sequences:
                 if seq.request.return_logits:
-                    seq.prompt_logits = torch.cat(parts[id(seq)])
+                    # Results leave the rank (pickled to the parent): host copies.
+                    seq.prompt_logits = torch.cat(parts[id(seq)]).cpu()
         self._sample(sequences, logits)
         for seq in sequences:
             self._register_full_pages(seq)
@@ -315,9 +317,10 @@ class Engine:
         for seq in active:
             self._register_full_pages(seq)
 
-    def _forward(self, spans, all_rows: bool) -> torch.Tensor | None:
+    def _forward(self, spans, all_rows: bool, split: bool = False) -> torch.Tensor | None:
         """One forward over tokens [begin, end) of each sequence (end - 1 is the
-        last token whose KV gets written)."""
+        last token whose KV gets written). `split`: the new tokens are shared
+        out over the CP ranks (prefill); decode steps run whole on every rank."""
         token_ids, positions, write_slots, starts, lens, contexts, tables, last = (
             [] for _ in range(8)
         )
@@ -333,15 +336,23 @@ class Engine:
             tables.append(table)
             row += end - begin
             last.append(row - 1)
+        # Built on the CPU, then moved to the pool's device in one place.
+        dev = self.pool.device
         batch = ForwardBatch(
-            token_ids=torch.tensor(token_ids, dtype=torch.int64),
-            positions=torch.cat(positions),
-            write_slots=torch.cat(write_slots),
+            token_ids=torch.tensor(token_ids, dtype=torch.int64).to(dev),
+            positions=torch.cat(positions).to(dev),
+            write_slots=torch.cat(write_slots).to(dev),
             attention=AttentionBatch(
-                tuple(starts), tuple(lens), tuple(contexts), tuple(tables), page_size=ps
+                tuple(starts),
+                tuple(lens),
+                tuple(contexts),
+                tuple(t.to(dev) for t in tables),
+                page_size=ps,
             ),
-            last_rows=None if all_rows else torch.tensor(last, dtype=torch.int64),
+            last_rows=None if all_rows else torch.tensor(last, dtype=torch.int64).to(dev),
         )
+        if split:
+            batch = split_batch(batch, self.comm, self.parallel.cp, self.parallel.cp_rank)
         return self.shard.forward(batch)
 
     def _sample(self, sequences: list[_Sequence], logits: torch.Tensor | None) -> None:
@@ -354,7 +365,7 @@ class Engine:
         for i, seq in enumerate(sequences):
             token = int(chosen[i])
             if logits is not None and seq.request.return_logits:
-                seq.step_logits.append(logits[i].clone())
+                seq.step_logits.append(logits[i].cpu().clone())
             seq.generated.append(token)
             seq.tokens.append(token)
             params = seq.request.params

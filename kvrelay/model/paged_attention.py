@@ -44,7 +44,7 @@ def attend_block_reference(q, k, v, scale: float, causal: bool):
     qg = q.to(acc).reshape(kv_heads, group * length, dim)
     scores = torch.matmul(qg, k.to(acc).transpose(1, 2)) * scale
     if causal:
-        visible = torch.ones(length, length, dtype=torch.bool).tril()
+        visible = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
         scores = scores.view(kv_heads, group, length, length).masked_fill(~visible, -torch.inf)
         scores = scores.view(kv_heads, group * length, length)
     lse = torch.logsumexp(scores, dim=-1)
@@ -86,7 +86,7 @@ def read_pages(pool_pages: torch.Tensor, chunk: torch.Tensor, tokens: int) -> to
     when its pages are consecutive, else a gathered copy of the chunk only."""
     first = int(chunk[0])
     consecutive = chunk.numel() == 1 or bool(
-        torch.equal(chunk, torch.arange(first, first + chunk.numel(), dtype=chunk.dtype))
+        torch.equal(chunk, torch.arange(first, first + chunk.numel(), device=chunk.device))
     )
     if consecutive:
         rows = pool_pages[first : first + chunk.numel()]
@@ -131,7 +131,7 @@ class PagedOnlineSoftmaxBackend:
     def _new_part(query, k_pool, v_pool, table, cached, context, ps, scale):
         """The causal state of the new tokens over themselves (their K and V
         were written to the pool before attention)."""
-        positions = torch.arange(cached, context, dtype=torch.int64)
+        positions = torch.arange(cached, context, dtype=torch.int64, device=table.device)
         slots = table[positions // ps] * ps + positions % ps
         k = k_pool.index_select(0, slots).transpose(0, 1)
         v = v_pool.index_select(0, slots).transpose(0, 1)

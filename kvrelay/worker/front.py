@@ -42,6 +42,8 @@ class WorkerConfig:
     num_pages: int = 256
     page_size: int = 64
     dtype: str = "float32"
+    device: str = "cpu"  # the first rank's; see kvrelay.model.device
+    staging: str = "device"  # GPU pools: "device" (GPU memory) or "pinned" (host)
     local_cache: bool = True
     max_batch: int = 8
     max_queue: int = 64
@@ -57,6 +59,7 @@ class WorkerConfig:
             backend=self.backend,
             cache=tuple(self.cache),
             staging_pages=self.staging_pages or self.num_pages,
+            staging=self.staging,
             transfer_timeout_s=self.transfer_timeout_s,
             local_cache=self.local_cache,
             write_back=self.write_back,
@@ -92,6 +95,7 @@ class WorkerFront:
             dtype=c.dtype,
             page_size=c.page_size,
             num_pages=c.num_pages,
+            device=c.device,
             rank_setup=functools.partial(self._rank_setup, c.rank_options()),
         )
         self.spec = self.engine.spec
@@ -174,6 +178,7 @@ class WorkerFront:
             "staging_free": min(c["staging_free"] for c in counters),
             "bytes_from_tier": sum(c["bytes_from_tier"] for c in counters),
             "bytes_to_tier": sum(c["bytes_to_tier"] for c in counters),
+            "writeback_skipped_pages": max(c.get("writeback_skipped_pages", 0) for c in counters),
         }
         return self._last_status
 
@@ -185,6 +190,7 @@ class WorkerFront:
     def _stats(self, status: dict) -> dict:
         self.counters.bytes_from_tier = status["bytes_from_tier"]
         self.counters.bytes_to_tier = status["bytes_to_tier"]
+        self.counters.writeback_skipped_pages = status["writeback_skipped_pages"]
         return self.counters.as_dict() | {
             k: status[k] for k in ("queued", "active", "free_pages", "staging_free")
         }

@@ -32,6 +32,14 @@ def add_arguments(parser: argparse.ArgumentParser, *, decode: bool = False) -> N
     parser.add_argument("--num-pages", type=int, default=256, help="KV pool pages per rank")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, cuda or cuda:N: the first rank's device; rank r on "
+                        "cuda:N+r, or all on one GPU when one is visible")  # fmt: skip
+    # The choices are kvrelay.model.device.STAGING_KINDS, not imported here:
+    # parsing the command line must not load torch.
+    parser.add_argument("--staging", default=None, choices=["device", "pinned"],
+                        help="GPU pools: staging in GPU memory (device; ucx only) or host "
+                        "memory via pinned buffers (pinned); default: device with ucx")  # fmt: skip
     parser.add_argument("--no-local-cache", action="store_true",
                         help="no prefix reuse from the worker's own pool")  # fmt: skip
     parser.add_argument("--max-batch", type=int, default=8)
@@ -49,6 +57,7 @@ def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace):
+    from kvrelay.model.device import DeviceError, parse_device
     from kvrelay.worker.front import WorkerConfig
 
     if not args.token:
@@ -56,6 +65,17 @@ def _config(args: argparse.Namespace):
     for name in ("tp", "pp", "num_pages", "page_size", "max_batch", "max_queue"):
         if getattr(args, name) < 1:
             raise SystemExit(f"kvrelay launch: --{name.replace('_', '-')} must be >= 1")
+    backend = args.backend or _default_backend()
+    try:
+        device = parse_device(args.device)
+    except DeviceError as exc:
+        raise SystemExit(f"kvrelay launch: {exc}") from None
+    staging = args.staging or ("device" if backend == "ucx" else "pinned")
+    if device.type == "cuda" and staging == "device" and backend != "ucx":
+        raise SystemExit(
+            f"kvrelay launch: --staging device puts staging in GPU memory, which only the ucx "
+            f"backend moves; use --backend ucx or --staging pinned (not --backend {backend})"
+        )
     return WorkerConfig(
         model_dir=args.model,
         token=args.token,
@@ -63,7 +83,9 @@ def _config(args: argparse.Namespace):
         pp=args.pp,
         control=args.control,
         cache=tuple(a for a in args.cache.split(",") if a),
-        backend=args.backend or _default_backend(),
+        backend=backend,
+        device=str(device),
+        staging=staging,
         listen=args.listen,
         num_pages=args.num_pages,
         page_size=args.page_size,
