@@ -37,6 +37,22 @@ def intersect(mine, theirs) -> list[tuple[int, int, int]]:
     return out
 
 
+def staged_from(handles, pages: int) -> int:
+    """The first page the prefill handles cover: prefill stages the pages
+    [staged, pages), one run list per page. Every handle must agree."""
+    firsts = set()
+    for entry in handles:
+        handle = BlockHandle.from_bytes(entry["handle"])
+        theirs = entry["runs"]
+        count, extra = divmod(len(handle.runs), len(theirs)) if theirs else (0, 1)
+        if extra or not 0 < count <= pages:
+            raise RequestError("a prefill handle's runs do not match its pages")
+        firsts.add(pages - count)
+    if len(firsts) > 1:
+        raise RequestError("the prefill handles cover different pages")
+    return firsts.pop() if firsts else pages
+
+
 @dataclass(slots=True)
 class _Load:
     item: dict
@@ -112,7 +128,10 @@ class DecodeRanks:
 
     async def _pull(self, item, keys, local, pages, rows) -> dict:
         """This rank's pages [local, pages): what the tier has of
-        [local, tier_pages), the rest from the prefill handles."""
+        [local, tier_pages), the rest from the prefill handles, which cover
+        only the pages prefill staged (those after its tier prefix). Pages
+        neither gives (the tier lost some, or this worker has no tier) are
+        recomputed by the engine at admission: `have` says where that starts."""
         tier = 0
         tier_end = max(local, min(int(item["tier_pages"]), len(keys)))
         if self.rt.cache is not None and tier_end > local:
@@ -120,9 +139,17 @@ class DecodeRanks:
                 keys[local:tier_end], self.rt.arena, self.rt.offsets(rows[: tier_end - local])
             )
         start, nbytes = local + tier, 0
+        staged = staged_from(item["handles"], pages)
+        if start < staged:  # a gap before what prefill staged: recompute from it
+            return {"tier_pages": tier, "prefill_pages": 0, "bytes_from_prefill": 0, "have": start}
         if start < pages:
             nbytes = await self._from_prefill(item["handles"], start, pages, rows, local)
-        return {"tier_pages": tier, "prefill_pages": pages - start, "bytes_from_prefill": nbytes}
+        return {
+            "tier_pages": tier,
+            "prefill_pages": pages - start,
+            "bytes_from_prefill": nbytes,
+            "have": pages,
+        }
 
     def _finish_loads(self) -> list[dict]:
         """Loads whose pulls are done on every rank: scatter into the pool and
@@ -145,9 +172,14 @@ class DecodeRanks:
             try:
                 if not ok:
                     raise PullFailed(why or "another rank failed to pull its pages")
-                if load.rows:
+                tokens = load.item["tokens"]
+                have = self.rt.agree(pulled["have"])
+                if have < pages_of(len(tokens), self.ps):
+                    tokens = tokens[: have * self.ps]  # the engine computes the rest
+                    answer["recomputed_pages"] = pages_of(len(load.item["tokens"]), self.ps) - have
+                if load.rows and have > load.local:
                     ids = [load.rows[0]] * load.local + load.rows
-                    import_prefix(self.engine, load.item["tokens"], self.rt.staging, ids)
+                    import_prefix(self.engine, tokens, self.rt.staging, ids)
                 answer["seq_id"] = self.engine.admit(load.request)
                 answer["tier_pages"] = self.rt.agree(pulled["tier_pages"])
                 answer["prefill_pages"] = pulled["prefill_pages"]
@@ -172,14 +204,13 @@ class DecodeRanks:
         for entry in handles:
             handle = BlockHandle.from_bytes(entry["handle"])
             theirs = [tuple(r) for r in entry["runs"]]
-            if not theirs or len(handle.runs) != pages * len(theirs):
-                raise RequestError("a prefill handle's runs do not match its pages")
+            staged = staged_from([entry], pages)
             overlap = intersect(self.rt.runs, theirs)
             if not overlap:
                 continue
             remote, local_offsets = [], []
             for page in range(start, pages):
-                row_base = handle.runs[page * len(theirs)][0] - theirs[0][0]
+                row_base = handle.runs[(page - staged) * len(theirs)][0] - theirs[0][0]
                 for offset, length, _ in overlap:
                     remote.append((row_base + offset, length))
                     local_offsets.append(rows[page - local] * pb + offset)

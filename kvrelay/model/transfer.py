@@ -56,10 +56,13 @@ def _slot_mapping(engine: Engine, pages: list[int], first: int, num_tokens: int)
     return slots.view(len(pages), ps)
 
 
-def export_prefix(engine: Engine, tokens, arena: torch.Tensor, page_ids=None) -> int:
-    """Write this rank's rectangle of every page of `tokens` (all cached in the
-    pool, a trailing partial page included) into `arena` rows `page_ids`
-    (default 0, 1, ...). Returns the number of pages."""
+def export_prefix(
+    engine: Engine, tokens, arena: torch.Tensor, page_ids=None, first_page: int = 0
+) -> int:
+    """Write this rank's rectangle of pages [first_page, ...) of `tokens` (all
+    cached in the pool, a trailing partial page included) into `arena` rows
+    `page_ids` (default 0, 1, ...; one per exported page). Returns the number
+    of pages of `tokens`."""
     tokens = [int(t) for t in tokens]
     spec, pool = engine.spec, engine.pool
     keys = _page_keys(engine, tokens)
@@ -71,10 +74,13 @@ def export_prefix(engine: Engine, tokens, arena: torch.Tensor, page_ids=None) ->
             )
         rect = rank_rectangle(spec, engine.parallel)
         # Under CP every rank holds every page; page i is written by CP rank i % cp only.
-        owned = [i for i in range(len(pages)) if engine.parallel.owns_page(i)]
+        count = len(pages) - first_page
+        owned = [
+            i - first_page for i in range(first_page, len(pages)) if engine.parallel.owns_page(i)
+        ]
         if rect.writer and owned:
-            ids = _arena_rows(range(len(pages)) if page_ids is None else page_ids, len(pages))
-            slots = _slot_mapping(engine, pages, 0, len(tokens))
+            ids = _arena_rows(range(count) if page_ids is None else page_ids, count)
+            slots = _slot_mapping(engine, pages[first_page:], first_page, len(tokens))
             ids, slots = ids[owned].contiguous(), slots[owned].contiguous()
             gather_rect(pool, arena, ids, slots, spec, rect)
     finally:

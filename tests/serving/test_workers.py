@@ -181,9 +181,33 @@ def test_flush_drops_the_pool_cache(cluster):
         return got["done"]["pulled"]
 
     assert pulled()["local_pages"] == 0
+    # prefill's pool holds the 3 full pages (written through to the tier), so
+    # it stages only the partial one; decode's pool has the others.
     assert pulled() == {"local_pages": 3, "tier_pages": 0, "prefill_pages": 1}
     assert run(fc.call(addr(decode), {"op": "flush"})) == {"ok": True}
-    assert pulled()["local_pages"] == 0
+    # Now decode (no tier) cannot get the 3 pages prefill did not stage: it
+    # recomputes the prompt instead of every prefill staging them.
+    assert pulled() == {"local_pages": 0, "tier_pages": 0, "prefill_pages": 0,
+                        "recomputed_pages": 4}  # fmt: skip
+
+
+def test_decode_recomputes_pages_it_cannot_get(cluster, reference):
+    """Prefill stages only what the tier does not hold; a decode that cannot
+    get the rest (its tier lost them, or it has none) computes them itself,
+    with the same tokens."""
+    prompt = prompt_tokens(3 * PAGE + 6, seed=95)
+    sampling = fc.params(8)
+    first = run(fc.serve(addr(cluster["prefill"]), addr(cluster["decode"]), "l1", prompt, sampling))
+    assert first["ok"], first
+    answer = run(fc.prefill(addr(cluster["prefill"]), "l2", prompt, sampling))
+    assert answer["ok"] and answer["cached_tokens"]["local"] == 3 * PAGE
+    assert answer["tier_pages"] == 3
+    # decode_tp2 has no tier and none of these pages: the 3 unstaged pages are recomputed.
+    got = run(fc.decode(addr(cluster["decode_tp2"]), "l3", prompt, sampling, answer))
+    assert got["ok"], got
+    assert got["done"]["pulled"] == {"local_pages": 0, "tier_pages": 0, "prefill_pages": 0,
+                                     "recomputed_pages": 4}  # fmt: skip
+    assert got["tokens"] == reference(prompt, sampling)
 
 
 def test_bad_requests_get_typed_errors(cluster):
