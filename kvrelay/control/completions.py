@@ -61,7 +61,7 @@ class Answer:
 
 def error_body(status: int, message: str) -> dict:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "code": status}}
+    return {"error": {"message": message, "type": kind, "code": status}, "detail": message}
 
 
 class CompletionRunner:

@@ -37,20 +37,27 @@ def intersect(mine, theirs) -> list[tuple[int, int, int]]:
     return out
 
 
+def held_pages(entry: dict, pages: int) -> list[int]:
+    """The prompt pages a prefill handle holds, in its order: its entry's
+    `pages` (prefill sends them when it staged only some pages: those after
+    its cached prefix, or a CP rank's share), else every page."""
+    handle = BlockHandle.from_bytes(entry["handle"])
+    theirs = entry["runs"]
+    held = entry.get("pages", list(range(pages)))
+    if not isinstance(held, list) or not all(
+        isinstance(p, int) and not isinstance(p, bool) and 0 <= p < pages for p in held
+    ):
+        raise RequestError(f"a prefill handle's pages must be page indices in [0, {pages})")
+    if not theirs or len(handle.runs) != len(held) * len(theirs):
+        raise RequestError("a prefill handle's runs do not match its pages")
+    return held
+
+
 def staged_from(handles, pages: int) -> int:
-    """The first page the prefill handles cover: prefill stages the pages
-    [staged, pages), one run list per page. Every handle must agree."""
-    firsts = set()
-    for entry in handles:
-        handle = BlockHandle.from_bytes(entry["handle"])
-        theirs = entry["runs"]
-        count, extra = divmod(len(handle.runs), len(theirs)) if theirs else (0, 1)
-        if extra or not 0 < count <= pages:
-            raise RequestError("a prefill handle's runs do not match its pages")
-        firsts.add(pages - count)
-    if len(firsts) > 1:
-        raise RequestError("the prefill handles cover different pages")
-    return firsts.pop() if firsts else pages
+    """The first page any prefill handle holds (pages before it were not
+    staged: decode takes them from the tier or computes them)."""
+    firsts = [min(held) for entry in handles if (held := held_pages(entry, pages))]
+    return min(firsts, default=pages)
 
 
 @dataclass(slots=True)
@@ -198,33 +205,37 @@ class DecodeRanks:
 
     async def _from_prefill(self, handles, start, pages, rows, local) -> int:
         """Each prefill writer's handle, narrowed to the overlap of its
-        rectangle with this rank's, for pages [start, pages)."""
+        rectangle with this rank's, for pages [start, pages). A handle of a
+        context-parallel prefill rank holds only the pages its `pages` lists."""
         pb = self.rt.page_bytes
-        reads, covered = [], 0
+        reads, covered = [], [0] * (pages - start)
         for entry in handles:
             handle = BlockHandle.from_bytes(entry["handle"])
             theirs = [tuple(r) for r in entry["runs"]]
-            staged = staged_from([entry], pages)
+            held = held_pages(entry, pages)
             overlap = intersect(self.rt.runs, theirs)
             if not overlap:
                 continue
             remote, local_offsets = [], []
-            for page in range(start, pages):
-                row_base = handle.runs[(page - staged) * len(theirs)][0] - theirs[0][0]
+            for slot, page in enumerate(held):
+                if not start <= page < pages:
+                    continue
+                row_base = handle.runs[slot * len(theirs)][0] - theirs[0][0]
                 for offset, length, _ in overlap:
                     remote.append((row_base + offset, length))
                     local_offsets.append(rows[page - local] * pb + offset)
-            covered += sum(length for _, length, _ in overlap)
-            reads.append(
-                self.rt.agent.read(
-                    handle.narrow(remote), self.rt.arena, local_offsets,
-                    namespace=self.rt.namespace,
-                )
-            )  # fmt: skip
-        if covered < self.rt.rect.num_bytes(self.rt.spec):
+                    covered[page - start] += length
+            if remote:
+                reads.append(
+                    self.rt.agent.read(
+                        handle.narrow(remote), self.rt.arena, local_offsets,
+                        namespace=self.rt.namespace,
+                    )
+                )  # fmt: skip
+        if any(n < self.rt.rect.num_bytes(self.rt.spec) for n in covered):
             raise RequestError("the prefill handles do not cover this rank's rectangle")
         await asyncio.gather(*reads)
-        return covered * (pages - start)
+        return sum(covered)
 
     async def _release(self, handles) -> None:
         async def one(entry) -> None:

@@ -34,10 +34,12 @@ def _arena_rows(page_ids, count: int) -> torch.Tensor:
     return ids[:count].contiguous()
 
 
-def _page_keys(engine: Engine, tokens: list[int]) -> list[bytes]:
-    """Index keys of every page of `tokens`: the chain for full pages, then the
-    partial key of a trailing partial page."""
-    keys = engine.spec.page_keys(tokens)
+def _page_keys(engine: Engine, tokens: list[int], chain=None) -> list[bytes]:
+    """Index keys of every page of `tokens`: the chain for full pages (`chain`,
+    when the caller computed it already, at least as long), then the partial
+    key of a trailing partial page."""
+    full = len(tokens) // engine.spec.page_size
+    keys = list(chain[:full]) if chain is not None else engine.spec.page_keys(tokens)
     tail = len(tokens) % engine.spec.page_size
     if tail:
         parent = keys[-1] if keys else engine.namespace
@@ -57,15 +59,15 @@ def _slot_mapping(engine: Engine, pages: list[int], first: int, num_tokens: int)
 
 
 def export_prefix(
-    engine: Engine, tokens, arena: torch.Tensor, page_ids=None, first_page: int = 0
+    engine: Engine, tokens, arena: torch.Tensor, page_ids=None, first_page: int = 0, chain=None
 ) -> int:
     """Write this rank's rectangle of pages [first_page, ...) of `tokens` (all
     cached in the pool, a trailing partial page included) into `arena` rows
     `page_ids` (default 0, 1, ...; one per exported page). Returns the number
-    of pages of `tokens`."""
+    of pages of `tokens`. `chain`: the full pages' keys, if already known."""
     tokens = [int(t) for t in tokens]
     spec, pool = engine.spec, engine.pool
-    keys = _page_keys(engine, tokens)
+    keys = _page_keys(engine, tokens, chain)
     pages = pool.match_prefix(keys)
     try:
         if len(pages) < len(keys):
@@ -88,14 +90,15 @@ def export_prefix(
     return len(keys)
 
 
-def import_prefix(engine: Engine, tokens, arena: torch.Tensor, page_ids=None) -> int:
+def import_prefix(engine: Engine, tokens, arena: torch.Tensor, page_ids=None, chain=None) -> int:
     """Read this rank's rectangle of the pages of `tokens` from `arena` into
     fresh pool pages and index them. Pages already cached are kept, not
     overwritten. Returns the number of pages now cached for `tokens`.
-    PoolExhausted (nothing taken) when the pool cannot hold them."""
+    PoolExhausted (nothing taken) when the pool cannot hold them. `chain`:
+    the full pages' keys, if already known (a windowed import reuses them)."""
     tokens = [int(t) for t in tokens]
     spec, pool = engine.spec, engine.pool
-    keys = _page_keys(engine, tokens)
+    keys = _page_keys(engine, tokens, chain)
     ids = _arena_rows(range(len(keys)) if page_ids is None else page_ids, len(keys))
     have = pool.match_prefix(keys)
     try:

@@ -171,7 +171,7 @@ class PrefillRanks:
                     # Pages before `position` are cached: their row ids are not read.
                     ids = [rows[0]] * position + rows[:hit]
                     end = (position + hit) * self.ps
-                    import_prefix(self.engine, tokens[:end], self.rt.staging, ids)
+                    import_prefix(self.engine, tokens[:end], self.rt.staging, ids, chain=keys)
                 position += hit
                 if hit < count:
                     break
@@ -184,17 +184,19 @@ class PrefillRanks:
         the partial last page) into the staging rows, write the new full
         pages through to the tier, publish this rank's handle over them."""
         tokens, keys, rows = item["tokens"], state["keys"], state["rows"]
-        local, tier, start = state["local"], state["tier"], state["start"]
+        tier, start = state["tier"], state["start"]
         started = time.perf_counter()
-        export_prefix(self.engine, tokens, self.rt.staging, rows, first_page=start)
+        # `export_prefix` skips pages a CP rank does not own (page i: CP rank
+        # i % cp); every CP rank computed and holds all of them.
+        export_prefix(self.engine, tokens, self.rt.staging, rows, first_page=start, chain=keys)
         staged = time.perf_counter()
+        owned = [i for i in range(start, start + len(rows)) if self.engine.parallel.owns_page(i)]
         full = len(keys)
         # Without the tier start is 0 and nothing is written. Pages before
         # `start` are already there (tier hits, or this worker's own pages,
         # written through when it computed them).
-        new = range(max(start, local + tier), full)
-        offset = start
-        written = self.rt.tier_write([keys[i] for i in new], [rows[i - offset] for i in new])
+        new = [i for i in owned if i < full]
+        written = self.rt.tier_write([keys[i] for i in new], [rows[i - start] for i in new])
         tier_pages = 0
         if self.rt.cache is not None:
             tier_pages = full if written else start
@@ -206,9 +208,11 @@ class PrefillRanks:
         elif params["max_new_tokens"] <= 1:
             finish = "length"
         handle = None
-        if self.rt.rect.writer and finish is None:
-            handle = self.rt.run(self._grant(rows, float(item["lease_s"])))
-        else:  # a replica publishes nothing; a finished request needs no decode
+        if self.rt.rect.writer and owned and finish is None:
+            mine = [i - start for i in owned]
+            handle = self.rt.run(self._grant(rows, mine, float(item["lease_s"])))
+        else:  # a replica (or a CP rank owning no page) publishes nothing;
+            # a finished request needs no decode
             self.rt.rows.give_back(rows)
         tier_tokens = min(tier * self.ps, result.cached_tokens)
         state["timings"] |= {"stage_s": staged - started, "publish_s": time.perf_counter() - staged}
@@ -222,13 +226,16 @@ class PrefillRanks:
             "pages": pages_of(len(tokens), self.ps),
             "handle": handle,
             "runs": [list(r) for r in self.rt.runs],
+            # The prompt's pages this handle holds: those after the cached
+            # prefix, a CP rank's share of them; None for every page.
+            "page_indices": None if len(owned) == pages_of(len(tokens), self.ps) else owned,
         }
 
-    async def _grant(self, rows: list[int], lease_s: float) -> bytes:
-        # publish() touches the lease table: on the loop thread.
-        handle = self.rt.agent.publish(
-            self.rt.arena, self.rt.page_runs(rows), self.rt.namespace, lease_s
-        )
+    async def _grant(self, rows: list[int], owned: list[int], lease_s: float) -> bytes:
+        # publish() touches the lease table: on the loop thread. The handle
+        # covers the owned pages' rows; all the rows go back on its release.
+        runs = self.rt.page_runs([rows[i] for i in owned])
+        handle = self.rt.agent.publish(self.rt.arena, runs, self.rt.namespace, lease_s)
         self.outstanding[handle.lease_id] = rows
         return handle.to_bytes()
 

@@ -27,7 +27,7 @@ class RankOptions:
     backend: str = "tcp"
     cache: tuple[str, ...] = ()
     staging_pages: int = 256
-    staging: str = "device"  # a GPU pool's staging: "device" (GPU memory) or "pinned" (host)
+    staging: str = "pinned"  # a GPU pool's staging: "pinned" (host) or "device" (GPU memory)
     transfer_timeout_s: float = 10.0
     local_cache: bool = True
     write_back: bool = False

@@ -114,7 +114,7 @@ def test_prefill_then_decode_equals_one_process(cluster, reference, sampling, se
     # decode released prefill's handle: its staging rows are free again
     assert run(stats(cluster["prefill"]))["staging_free"] == 128
     assert answer["pages"] == 4 and answer["tier_pages"] == 3
-    assert answer["spec"] == {"tp": 1, "pp": 1} and len(answer["handles"]) == 1
+    assert answer["spec"] == {"tp": 1, "pp": 1, "cp": 1} and len(answer["handles"]) == 1
     pulled = got["done"]["pulled"]
     # Three full pages sealed by prefill's write-through, the partial one from prefill.
     assert pulled == {"local_pages": 0, "tier_pages": 3, "prefill_pages": 1}
