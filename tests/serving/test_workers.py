@@ -117,7 +117,7 @@ def test_prefill_then_decode_equals_one_process(cluster, reference, sampling, se
     assert answer["spec"] == {"tp": 1, "pp": 1, "cp": 1} and len(answer["handles"]) == 1
     pulled = got["done"]["pulled"]
     # Three full pages sealed by prefill's write-through, the partial one from prefill.
-    assert pulled == {"local_pages": 0, "tier_pages": 3, "prefill_pages": 1}
+    assert pulled == {"local_pages": 0, "tier_pages": 3, "prefill_pages": 1, "recomputed_pages": 0}
 
 
 @pytest.mark.parametrize(
@@ -183,8 +183,9 @@ def test_flush_drops_the_pool_cache(cluster):
     assert pulled()["local_pages"] == 0
     # prefill's pool holds the 3 full pages (written through to the tier), so
     # it stages only the partial one; decode's pool has the others.
-    assert pulled() == {"local_pages": 3, "tier_pages": 0, "prefill_pages": 1}
-    assert run(fc.call(addr(decode), {"op": "flush"})) == {"ok": True}
+    assert pulled() == {"local_pages": 3, "tier_pages": 0, "prefill_pages": 1,
+                        "recomputed_pages": 0}  # fmt: skip
+    assert run(fc.call(addr(decode), {"op": "flush"}))["op"] == "ok"
     # Now decode (no tier) cannot get the 3 pages prefill did not stage: it
     # recomputes the prompt instead of every prefill staging them.
     assert pulled() == {"local_pages": 0, "tier_pages": 0, "prefill_pages": 0,
@@ -217,9 +218,16 @@ def test_bad_requests_get_typed_errors(cluster):
     assert reply["error"] == "RequestError" and reply["rid"] == "x"
     reply = run(fc.call(address, {"op": "prefill", "rid": "y", "tokens": [1, 2],
                                   "params": fc.params(max_new_tokens=0)}))  # fmt: skip
-    assert reply["error"] == "RequestError"
-    reply = run(fc.call(address, {"op": "decode"}))
-    assert reply["error"] == "RequestError"
+    assert reply["error"] == "MalformedMessage"  # the params type bounds it
+    assert "max_new_tokens" in reply["message"]
+    reply = run(fc.call(address, {"op": "prefill", "rid": "v", "tokens": [1, 2],
+                                  "params": fc.params(stop=[999])}))  # fmt: skip
+    assert reply["error"] == "RequestError"  # outside this model's vocabulary
+    reply = run(fc.call(address, {"op": "decode"}))  # no fields: refused by its type
+    assert reply["error"] == "MalformedMessage"
+    reply = run(fc.call(address, {"op": "decode", "rid": "w", "tokens": [1], "first_token": 2,
+                                  "pages": 1}))  # fmt: skip
+    assert reply["error"] == "RequestError" and reply["rid"] == "w"  # not a decode worker
     huge = prompt_tokens(129 * PAGE, seed=1)  # more pages than the pool has
     reply = run(fc.prefill(address, "z", huge, fc.params()))
     assert reply["error"] == "PoolExhausted"
@@ -238,7 +246,7 @@ def test_prefill_abandoned_by_control_returns_its_staging_rows(cluster):
     async def send_and_close(rid, length):
         conn = await fc.open_worker(addr(prefill))
         await conn.send({"op": "prefill", "rid": rid, "tokens": prompt_tokens(length, seed=7),
-                         "params": fc.params(4), "lease_s": 600})  # fmt: skip
+                         "params": fc.params(4), "lease_s": 300})  # fmt: skip
         conn.close()
 
     async def abandon():
@@ -248,7 +256,7 @@ def test_prefill_abandoned_by_control_returns_its_staging_rows(cluster):
             while (await stats(prefill))["staging_free"] != 128:
                 await asyncio.sleep(0.1)
 
-    run(abandon())  # the 600 s leases ended at once, not by expiry
+    run(abandon())  # the 300 s leases ended at once, not by expiry
 
 
 @pytest.mark.parametrize("length", [1, 2 * PAGE], ids=["one-token", "whole-pages"])
