@@ -80,6 +80,11 @@ class LookupResult:
     def hits(self) -> int:
         return len(self.entries)
 
+    @property
+    def slots(self) -> list[int]:
+        """The L2 slots of the entries (the tier's index holds L2 pages only)."""
+        return [e.location.slot for e in self.entries]
+
 
 def _check_key(key: bytes) -> None:
     if not isinstance(key, bytes) or len(key) != KEY_BYTES:

@@ -8,7 +8,9 @@ the rest follow by score, then load, as fallbacks. Decode: the same with
 the decode nodes' estimates (they hold whole conversations, answer
 included), so a conversation's next turn returns to its decode worker.
 
-Failures (see docs/architecture.md): `Busy` -> next worker, not a retry; a
+Failures (see docs/architecture.md): `Busy` -> next worker, not a retry
+(when every worker is busy, the request waits for capacity within its
+deadline); a
 refused connection removes the node, any other fault makes it suspect; both
 retry elsewhere, at most `max_retries` times per request. A decode that
 fails before streaming a token is retried on another decode worker with the
@@ -24,34 +26,22 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from kvrelay.control.config import ControlConfig
 from kvrelay.control.registry import Node, Registry
 from kvrelay.control.stats import ControlStats
 from kvrelay.control.tier import TierProbe
-from kvrelay.control.worker import (
+from kvrelay.control.worker_client import (
     WorkerBusy,
     WorkerCall,
     WorkerError,
-    WorkerFault,
     WorkerRefused,
     WorkerRejected,
-    raise_for_error,
 )
 from kvrelay.layout.keys import page_keys
+from kvrelay.rpc import pack_tokens, unpack_tokens
+from kvrelay.rpc.worker_ops import Decode, DecodeDone, Params, Prefill, PrefillReply, TokenBatch
 
 LEASE_MARGIN_S = 1.0  # don't reuse handles this close to their expiry
-
-
-@dataclass(slots=True)
-class DispatchConfig:
-    token: str
-    request_timeout_s: float = 300.0
-    lease_s: float = 30.0  # how long prefill holds staging rows for decode
-    max_retries: int = 2
-    connect_timeout_s: float = 5.0  # connect + hello of one worker attempt
-    # Prefill's reply, or decode's first frame, must come within this, else
-    # the node is suspect and the attempt goes elsewhere (after decode tokens
-    # were streamed, only the request timeout bounds the stream).
-    attempt_timeout_s: float = 60.0
 
 
 class DispatchError(Exception):
@@ -74,6 +64,7 @@ class Job:
     keys: dict = field(default_factory=dict)  # (namespace, page_size) -> page keys
     current: Node | None = None  # the worker of the latest attempt (blamed for a timeout)
     tier_hit: int | None = None  # pages, probed once per request
+    waiting: bool = False  # every prefill worker answered Busy; waiting for one
 
     def page_keys(self, node: Node, tokens: list[int] | None = None) -> list[bytes]:
         if tokens is not None:
@@ -98,7 +89,7 @@ def rank(nodes: list[Node], scores: dict[str, int]) -> list[Node]:
 
 
 class Dispatcher:
-    def __init__(self, config: DispatchConfig, registry: Registry, stats: ControlStats,
+    def __init__(self, config: ControlConfig, registry: Registry, stats: ControlStats,
                  tier: TierProbe | None) -> None:  # fmt: skip
         self.config = config
         self.registry = registry
@@ -114,7 +105,9 @@ class Dispatcher:
             job.tier_hit = 0
             if self.tier is not None and self.tier.servers:
                 keys = job.page_keys(nodes[0])
+                probe_started = time.monotonic()
                 job.tier_hit = await self.tier.probe(nodes[0].namespace, keys)
+                self.stats.record_tier_probe(time.monotonic() - probe_started)
                 self.stats.probed_tier_tokens += job.tier_hit * nodes[0].page_size
         scores = {n.node_id: max(job.tier_hit, n.estimate.hit(job.page_keys(n))) for n in nodes}
         return rank(nodes, scores)
@@ -154,20 +147,20 @@ class Dispatcher:
                     reply, pnode = await self._prefill(job, prompt, params, budget)
                     margin = min(LEASE_MARGIN_S, self.config.lease_s / 4)
                     lease_end = time.monotonic() + self.config.lease_s - margin
-                    first = int(reply["first_token"])
+                    first = reply.first_token
                     event = {"type": "first", "tokens": [first], "prefill": pnode.node_id}
                     if not emitted:
-                        cached = reply.get("cached_tokens") or {}
-                        event["cached"] = {"local": int(cached.get("local", 0)),
-                                           "tier": int(cached.get("tier", 0))}  # fmt: skip
+                        cached = reply.cached_tokens
+                        event["cached"] = {"local": cached.local, "tier": cached.tier}
                         event["ttft_s"] = time.monotonic() - started
-                        event["prefill_timings"] = _timings(reply.get("timings"))
+                        event["prefill_timings"] = dict(reply.timings)
                         self.stats.record_ttft(event["ttft_s"])
+                        self.stats.record_prefill_phases(event["prefill_timings"])
                         self.stats.record_prefill(len(job.tokens), **event["cached"])
                     emitted.append(first)
                     yield event
-                    if reply.get("finish_reason"):
-                        yield {"type": "done", "finish_reason": reply["finish_reason"],
+                    if reply.finish_reason:
+                        yield {"type": "done", "finish_reason": reply.finish_reason,
                                "decode": None}  # fmt: skip
                         return
                     decode = self._decode(job, prompt, params, reply, lease_end, emitted, budget)
@@ -180,6 +173,11 @@ class Dispatcher:
                         await decode.aclose()  # closes its worker connection at once
                     # Decode could not run on these handles: prefill again.
         except TimeoutError:
+            if job.waiting:
+                raise DispatchError(
+                    503, f"every prefill worker for {job.model} stayed busy until the "
+                         f"request's deadline ({self.config.request_timeout_s:g} s)",
+                ) from None  # fmt: skip
             if job.current is not None:
                 self.registry.suspect(job.current)  # it held the request until the deadline
             raise DispatchError(
@@ -188,12 +186,20 @@ class Dispatcher:
             ) from None  # fmt: skip
 
     async def _prefill(self, job: Job, prompt: list[int], params: dict,
-                       budget: list[int]) -> tuple[dict, Node]:  # fmt: skip
+                       budget: list[int]) -> tuple[PrefillReply, Node]:  # fmt: skip
         tried: set[str] = set()
+        busy: set[str] = set()
         last: str | None = None
         rejected: WorkerRejected | None = None
         while True:
             order = await self._prefill_order(job, tried)
+            if not order and busy and rejected is None:
+                # Every worker left is busy: wait for one to free up (a heartbeat,
+                # a node, a request of ours ending), within the request's deadline.
+                await self._wait_for_capacity(job)
+                tried -= busy
+                busy.clear()
+                continue
             if not order:
                 if rejected is not None:
                     raise DispatchError(400, f"{rejected.error}: {rejected}")
@@ -201,46 +207,54 @@ class Dispatcher:
                 raise DispatchError(503, f"no prefill worker available for {job.model}{why}")
             node = order[0]
             tried.add(node.node_id)
-            message = {"op": "prefill", "rid": job.rid, "tokens": prompt, "params": params,
-                       "lease_s": self.config.lease_s}  # fmt: skip
+            message = Prefill(job.rid, pack_tokens(prompt), Params(**params), self.config.lease_s)
             call = WorkerCall(node, self.config.token, self.config.connect_timeout_s)
             job.current = node
             node.inflight += 1
             try:
                 await call.open()
                 await call.send(message)
-                reply = await call.recv(self.config.attempt_timeout_s)
-                raise_for_error(reply, node)
-                _check_prefill(reply, node)
+                reply = await call.recv(PrefillReply, self.config.attempt_timeout_s)
             except WorkerBusy as exc:
                 self.stats.busy += 1
+                busy.add(node.node_id)
                 last = str(exc)
                 continue
             except WorkerRejected as exc:
+                job.waiting = False
                 if exc.error == "RequestError":
                     raise DispatchError(400, f"rejected by {node.node_id}: {exc}") from None
                 rejected = exc  # PoolExhausted: another worker may have a bigger pool
                 continue
             except WorkerError as exc:
+                job.waiting = False
                 self._fault(node, exc, budget, "prefill")
                 last = str(exc)
                 continue
             finally:
                 node.inflight -= 1
+                self.registry.capacity_changed()
                 call.close()
+            job.waiting = False
             node.estimate.add(job.page_keys(node, prompt))
             return reply, node
 
-    async def _decode(self, job: Job, prompt: list[int], params: dict, prefill: dict,
+    async def _wait_for_capacity(self, job: Job) -> None:
+        """Until the registry reports a change in capacity; the request's
+        timeout (around `run`) bounds the wait, and no node is blamed for it."""
+        job.current = None
+        job.waiting = True  # until a worker answers anything but Busy
+        self.stats.busy_waits += 1
+        await self.registry.wait_for_capacity()
+
+    async def _decode(self, job: Job, prompt: list[int], params: dict, prefill: PrefillReply,
                       lease_end: float, emitted: list[int],
                       budget: list[int]) -> AsyncIterator[dict]:  # fmt: skip
         tried: set[str] = set()
-        message = {
-            "op": "decode", "rid": job.rid, "tokens": prompt,
-            "first_token": int(prefill["first_token"]), "params": params,
-            "tier_pages": int(prefill.get("tier_pages", 0)), "pages": int(prefill["pages"]),
-            "handles": prefill["handles"],
-        }  # fmt: skip
+        message = Decode(
+            job.rid, pack_tokens(prompt), prefill.first_token, prefill.pages, Params(**params),
+            prefill.tier_pages, prefill.handles,
+        )  # fmt: skip
         last: str | None = None
         # The first attempt always runs; a retry only while the handles' lease holds.
         while not tried or time.monotonic() < lease_end:
@@ -260,19 +274,22 @@ class Dispatcher:
                 await call.send(message)
                 last_at = time.monotonic()
                 while True:
-                    frame = await call.recv(None if streamed else self.config.attempt_timeout_s)
-                    raise_for_error(frame, node)
-                    tokens = _tokens(frame, node)
+                    frame = await call.recv(
+                        TokenBatch | DecodeDone, None if streamed else self.config.attempt_timeout_s
+                    )
+                    tokens = unpack_tokens(frame.tokens) if isinstance(frame, TokenBatch) else []
                     if tokens:
                         now = time.monotonic()
+                        if not streamed:
+                            self.stats.record_transfer(now - last_at)
                         self.stats.record_gap(now - last_at, len(tokens))
                         last_at = now
                         streamed += len(tokens)
                         emitted.extend(tokens)
-                        yield {"type": "tokens", "tokens": tokens}
-                    if frame.get("done"):
+                        yield {"type": "tokens", "tokens": tokens, "decode": node.node_id}
+                    if isinstance(frame, DecodeDone):
                         node.estimate.add(job.page_keys(node, job.tokens + emitted))
-                        yield {"type": "done", "finish_reason": frame.get("finish_reason"),
+                        yield {"type": "done", "finish_reason": frame.finish_reason,
                                "decode": node.node_id}  # fmt: skip
                         return
             except WorkerBusy as exc:
@@ -298,34 +315,5 @@ class Dispatcher:
                 continue
             finally:
                 node.inflight -= 1
+                self.registry.capacity_changed()
                 call.close()
-
-
-def _check_prefill(reply: dict, node: Node) -> None:
-    """A reply control cannot use is the worker's fault, not the client's."""
-    first = reply.get("first_token")
-    if not isinstance(first, int) or isinstance(first, bool) or first < 0:
-        raise WorkerFault(f"{node.node_id} sent a prefill reply without a valid first_token")
-    if reply.get("finish_reason") not in (None, "stop", "length"):
-        raise WorkerFault(f"{node.node_id} sent finish_reason {reply.get('finish_reason')!r}")
-    if reply.get("finish_reason") is None and (
-        not isinstance(reply.get("handles"), list) or not isinstance(reply.get("pages"), int)
-    ):
-        raise WorkerFault(f"{node.node_id} sent a prefill reply without handles/pages")
-
-
-def _tokens(frame: dict, node: Node) -> list[int]:
-    tokens = frame.get("tokens", [])
-    if not isinstance(tokens, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens
-    ):
-        raise WorkerFault(f"{node.node_id} sent malformed tokens")
-    return tokens
-
-
-def _timings(raw) -> dict:
-    """The prefill worker's own breakdown of a request (queue, lookup,
-    compute, publish seconds), passed on to the client; junk is dropped."""
-    if not isinstance(raw, dict):
-        return {}
-    return {str(k): float(v) for k, v in raw.items() if isinstance(v, int | float)}

@@ -31,6 +31,7 @@ class ControlStats:
     client_errors: int = 0  # of those, 4xx (bad input)
     retries: int = 0  # a prefill or decode attempt repeated elsewhere after a fault
     busy: int = 0  # Busy answers that moved a request to the next worker
+    busy_waits: int = 0  # waits for capacity after every prefill worker was busy
     cancelled: int = 0  # clients that went away mid-request
     prompt_tokens: int = 0
     local_tokens: int = 0
@@ -44,6 +45,13 @@ class ControlStats:
     ttft_count: int = 0
     itl_sum: float = 0.0
     itl_count: int = 0
+    # The app's Prometheus histograms (metrics.LatencyHistograms), fed as
+    # latencies are recorded; None when no /metrics is served.
+    histograms: object | None = None
+
+    def _observe(self, what: str, seconds: float, count: int = 1, **labels: str) -> None:
+        if self.histograms is not None:
+            self.histograms.observe(what, seconds, count, **labels)
 
     def record_prefill(self, prompt_tokens: int, local: int, tier: int) -> None:
         self.prompt_tokens += prompt_tokens
@@ -55,6 +63,7 @@ class ControlStats:
         self.ttft_s.append(seconds)
         self.ttft_sum += seconds
         self.ttft_count += 1
+        self._observe("ttft", seconds)
 
     def record_gap(self, seconds: float, tokens: int) -> None:
         """A batch of `tokens` arrived `seconds` after the previous one: each
@@ -66,6 +75,19 @@ class ControlStats:
             self.itl_s.append(per_token)
         self.itl_sum += seconds
         self.itl_count += tokens
+        self._observe("itl", per_token, tokens)
+
+    def record_prefill_phases(self, timings: dict[str, float]) -> None:
+        """The prefill worker's own breakdown (`queue_s`, `lookup_s`, ...)."""
+        for name, seconds in timings.items():
+            self._observe("prefill_phase", seconds, phase=name.removesuffix("_s"))
+
+    def record_transfer(self, seconds: float) -> None:
+        """Decode request sent with the handles -> its first token batch."""
+        self._observe("handoff", seconds)
+
+    def record_tier_probe(self, seconds: float) -> None:
+        self._observe("tier_probe", seconds)
 
     def hit_rates(self) -> dict[str, float | None]:
         total = self.prompt_tokens
@@ -84,6 +106,7 @@ class ControlStats:
         return {
             "requests": self.requests, "completed": self.completed, "errors": self.errors,
             "client_errors": self.client_errors, "retries": self.retries, "busy": self.busy,
+            "busy_waits": self.busy_waits,
             "cancelled": self.cancelled,
             "tokens": {
                 "prompt": self.prompt_tokens, "local": self.local_tokens,

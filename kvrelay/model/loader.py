@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from kvrelay.layout import ModelKVSpec, ParallelConfig, rank_rectangle
 from kvrelay.model.comm import Comm
 from kvrelay.model.config import TORCH_DTYPES, ModelConfig
 from kvrelay.model.decoder import DecoderShard
-from kvrelay.model.engine import Engine
+from kvrelay.model.device import parse_device
+from kvrelay.model.engine import DEFAULT_MAX_PREFILL_TOKENS, Engine
 from kvrelay.model.errors import ModelLoadError
+from kvrelay.model.paged_attention import DEFAULT_CHUNK_TOKENS, PagedOnlineSoftmaxBackend
 from kvrelay.model.pool import PagedKVPool
 from kvrelay.model.weights import ShardPlan, fingerprint, load_weights
 
@@ -64,18 +68,21 @@ def load_engine(
     num_pages: int = 256,
     parallel: ParallelConfig | None = None,
     comm: Comm | None = None,
+    device: torch.device | str = "cpu",
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+    attention_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> Engine:
-    """An engine for one rank (the whole model when `parallel` is None)."""
+    """An engine for one rank (the whole model when `parallel` is None), its
+    weights, KV pool and activations on `device`."""
     if dtype not in TORCH_DTYPES:
         raise ModelLoadError(f"dtype {dtype!r} is not one of {sorted(TORCH_DTYPES)}")
     parallel = parallel or ParallelConfig()
-    if parallel.cp != 1:
-        raise ModelLoadError("context parallelism is not implemented by the reference runner")
     config = ModelConfig.from_dir(model_dir)
     spec = kv_spec(model_dir, config, dtype, page_size)
     plan = shard_plan(config, spec, parallel)
     torch_dtype = TORCH_DTYPES[dtype]
-    weights = load_weights(model_dir, config, plan, torch_dtype)
+    device = parse_device(device)
+    weights = load_weights(model_dir, config, plan, torch_dtype, device)
     pool = PagedKVPool(
         num_pages=num_pages,
         page_size=page_size,
@@ -83,5 +90,8 @@ def load_engine(
         num_heads=plan.num_kv_heads,
         head_dim=config.head_dim,
         dtype=torch_dtype,
+        device=device,
     )
-    return Engine(DecoderShard(config, plan, weights, pool, comm), spec, parallel)
+    backend = PagedOnlineSoftmaxBackend(attention_chunk_tokens)
+    shard = DecoderShard(config, plan, weights, pool, comm, backend)
+    return Engine(shard, spec, parallel, max_prefill_tokens)

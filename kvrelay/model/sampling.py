@@ -55,8 +55,10 @@ class Sampler:
                 torch.multinomial(flat, 1, generator=self.generator)
 
     def __call__(self, logits: torch.Tensor) -> int:
-        """logits: [vocab] of any float dtype."""
+        """logits: [vocab] of any float dtype, on any device. Sampling runs on
+        the CPU, whose seeded generator gives the same draws on every device."""
         p = self.params
+        logits = logits.cpu()
         if p.greedy:
             return int(torch.argmax(logits))
         scores = logits.to(torch.float64) / p.temperature
