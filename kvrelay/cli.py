@@ -53,12 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     _subcommand(servers, "cache", "a cache server (L2 arena, optional L3)",
                 cache_launch.add_arguments, cache_launch.run)  # fmt: skip
-    from kvrelay.worker import launch as worker_launch
+    from kvrelay.decode import launch as decode_launch
+    from kvrelay.prefill import launch as prefill_launch
 
     _subcommand(servers, "prefill", "a prefill worker (registers with control)",
-                worker_launch.add_arguments, worker_launch.run_prefill)  # fmt: skip
+                prefill_launch.add_arguments, prefill_launch.run_prefill)  # fmt: skip
     _subcommand(servers, "decode", "a decode worker (registers with control)",
-                worker_launch.add_decode_arguments, worker_launch.run_decode)  # fmt: skip
+                decode_launch.add_decode_arguments, decode_launch.run_decode)  # fmt: skip
 
     from kvrelay.control import launch as control_launch
 

@@ -128,14 +128,14 @@ class ChaosCluster(LocalCluster):
                                       self.config.token, timeout=10)  # fmt: skip
         except (OSError, TimeoutError):
             return None
-        return reply.get("stats") if reply and reply.get("ok") else None
+        return reply.get("stats") if frames.accepted(reply) else None
 
     async def cache_stats(self, address: str) -> dict | None:
         try:
             reply = await frames.call(address, {"op": "stats"}, self.config.token, timeout=10)
         except (OSError, TimeoutError):
             return None
-        return reply if reply and reply.get("ok") else None
+        return reply if frames.accepted(reply) else None
 
     async def free_counts(self) -> dict[str, tuple]:
         """Per worker: (free pool pages, free staging rows, queued, active)."""

@@ -1,12 +1,12 @@
-"""One request's msgpack connection to a worker, and the worker errors control tells apart."""
+"""One request's connection to a worker, and the worker errors control tells apart."""
 
 from __future__ import annotations
 
 import asyncio
 
+from kvrelay import rpc
 from kvrelay.control.registry import Node
-from kvrelay.transfer.errors import PeerError, TransferError
-from kvrelay.transfer.wire import WIRE_VERSION, Connection
+from kvrelay.rpc.worker_ops import WorkerWelcome
 
 CONNECT_TIMEOUT_S = 5.0
 
@@ -36,16 +36,12 @@ class WorkerRejected(WorkerError):
         self.error = error
 
 
-def raise_for_error(reply: dict, node: Node) -> None:
-    if reply.get("ok") is True:
-        return
-    error = str(reply.get("error", "UnknownError"))
-    message = str(reply.get("message", ""))[:500]
-    if error == "Busy":
-        raise WorkerBusy(f"{node.node_id} is busy")
-    if error in ("RequestError", "PoolExhausted"):
-        raise WorkerRejected(error, message or error)
-    raise WorkerFault(f"{node.node_id} answered {error}: {message}")
+def _refusal(error: rpc.Error, node: Node) -> WorkerError:
+    if error.error == "Busy":
+        return WorkerBusy(f"{node.node_id} is busy")
+    if error.error in ("RequestError", "PoolExhausted"):
+        return WorkerRejected(error.error, error.message[:500] or error.error)
+    return WorkerFault(f"{node.node_id} answered {error.error}: {error.message[:500]}")
 
 
 class WorkerCall:
@@ -55,50 +51,48 @@ class WorkerCall:
         self.node = node
         self.token = token
         self.connect_timeout_s = connect_timeout_s
-        self.conn: Connection | None = None
+        self.conn: rpc.Connection | None = None
 
     async def open(self) -> None:
         """Connect and exchange hellos; a host that does not answer within
         `connect_timeout_s` is a fault, so it cannot eat the whole request budget."""
-        host, port = self.node.address.rsplit(":", 1)
+        node = self.node
+        host, port = rpc.split_address(node.address)
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 try:
-                    self.conn = await Connection.open(host, int(port))
-                except PeerError as exc:
-                    raise WorkerRefused(
-                        f"{self.node.node_id} at {self.node.address}: {exc}"
-                    ) from None
-                await self.send({"op": "hello", "v": WIRE_VERSION, "token": self.token})
-                hello = await self.recv()
-        except TimeoutError:
-            raise WorkerFault(
-                f"{self.node.node_id} did not answer the hello within {self.connect_timeout_s:g} s"
-            ) from None
-        if hello.get("ok") is not True:
-            raise WorkerFault(f"{self.node.node_id} refused the hello: {hello.get('error')}")
-        if hello.get("role") not in (None, self.node.role):
-            raise WorkerFault(f"{self.node.node_id} answers as {hello.get('role')!r}")
+                    self.conn = await rpc.Connection.open(host, port)
+                except rpc.PeerError as exc:
+                    raise WorkerRefused(f"{node.node_id} at {node.address}: {exc}") from exc
+            welcome = await rpc.hello(self.conn, self.token, WorkerWelcome, self.connect_timeout_s)
+        except (TimeoutError, rpc.RpcError) as exc:
+            raise WorkerFault(f"{node.node_id} refused or missed the hello: {exc}") from exc
+        if welcome.role != node.role:
+            raise WorkerFault(f"{node.node_id} answers as {welcome.role!r}")
 
-    async def send(self, message: dict) -> None:
+    async def send(self, message: rpc.Message) -> None:
         try:
             await self.conn.send(message)
-        except (TransferError, OSError) as exc:
-            raise WorkerFault(f"{self.node.node_id}: {exc}") from None
+        except (rpc.RpcError, OSError) as exc:
+            raise WorkerFault(f"{self.node.node_id}: {exc}") from exc
 
-    async def recv(self, timeout_s: float | None = None) -> dict:
-        """The next frame; with `timeout_s`, a worker that takes longer is at fault."""
+    async def recv(self, kind, timeout_s: float | None = None):
+        """The next frame as `kind`; an error reply raises its `WorkerError`;
+        with `timeout_s`, a worker that takes longer is at fault."""
         try:
             async with asyncio.timeout(timeout_s):
-                return await self.conn.recv()
-        except (TransferError, OSError) as exc:
-            raise WorkerFault(f"{self.node.node_id}: {exc}") from None
+                frame = await self.conn.recv(kind | rpc.Error)
+        except (rpc.RpcError, OSError) as exc:
+            raise WorkerFault(f"{self.node.node_id}: {exc}") from exc
         except TimeoutError:
             # Only this timeout's own expiry lands here: an outer deadline
             # reaches us as a cancellation and passes through.
             raise WorkerFault(
                 f"{self.node.node_id} did not answer within {timeout_s:g} s"
             ) from None
+        if isinstance(frame, rpc.Error):
+            raise _refusal(frame, self.node)
+        return frame
 
     def close(self) -> None:
         if self.conn is not None:
@@ -106,14 +100,12 @@ class WorkerCall:
             self.conn = None
 
 
-async def one_shot(node: Node, token: str, message: dict) -> dict:
+async def one_shot(node: Node, token: str, request: rpc.Message, reply):
     """A whole call for the small ops (flush, drain, stats); the caller bounds its time."""
     call = WorkerCall(node, token)
     try:
         await call.open()
-        await call.send(message)
-        reply = await call.recv()
-        raise_for_error(reply, node)
-        return reply
+        await call.send(request)
+        return await call.recv(reply)
     finally:
         call.close()
