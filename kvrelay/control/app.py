@@ -37,7 +37,7 @@ from kvrelay.control.schemas import (
 )
 from kvrelay.control.stats import ControlStats
 from kvrelay.control.tier import TierProbe
-from kvrelay.control.worker import WorkerError, one_shot
+from kvrelay.control.worker_client import WorkerError, one_shot
 from kvrelay.rpc import Ok
 from kvrelay.rpc.worker_ops import Drain, FlushPool
 

@@ -30,7 +30,7 @@ from kvrelay.control.config import ControlConfig
 from kvrelay.control.registry import Node, Registry
 from kvrelay.control.stats import ControlStats
 from kvrelay.control.tier import TierProbe
-from kvrelay.control.worker import (
+from kvrelay.control.worker_client import (
     WorkerBusy,
     WorkerCall,
     WorkerError,

@@ -18,7 +18,6 @@ from kvrelay.chaos.cluster import ChaosCluster, ChaosConfig
 from kvrelay.chaos.faults import FaultRow, Faults, fault_round, settled_counts
 from kvrelay.chaos.valkey import server_binary
 from kvrelay.chaos.workload import Oracle, Workload
-from kvrelay.rpc.messages import pack_tokens
 from tests.chaos.conftest import DTYPE, PAGE, run
 
 SEED = int(os.environ.get("KVRELAY_CHAOS_SEED", random.randrange(1 << 16)))
@@ -68,15 +67,15 @@ def test_prefill_killed_after_publishing_handles(cluster):
     prompt = random.Random(SEED).choices(range(1, 256), k=3 * PAGE + 5)
     params = {"max_new_tokens": 6, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0,
               "stop_token_ids": []}  # fmt: skip
-    packed = pack_tokens(prompt)
-    request = {"op": "prefill", "rid": "p", "tokens": packed, "params": params, "lease_s": 30.0}
+    request = {"op": "prefill", "rid": "p", "tokens": frames.tokens(prompt), "params": params,
+               "lease_s": 30.0}  # fmt: skip
     answer = run(frames.call(victim.ready["address"], request, token))
     assert frames.accepted(answer) and answer["handles"], answer
     faults = Faults(cluster, random.Random(SEED))
     faults._victim = victim
     os.killpg(victim.popen.pid, signal.SIGKILL)
     victim.popen.wait(10)
-    message = {"op": "decode", "rid": "d", "tokens": packed, "params": params,
+    message = {"op": "decode", "rid": "d", "tokens": frames.tokens(prompt), "params": params,
                "first_token": answer["first_token"], "tier_pages": 0, "pages": answer["pages"],
                "handles": answer["handles"]}  # fmt: skip
     reply = run(frames.call(decode.ready["address"], message, token, timeout=30))

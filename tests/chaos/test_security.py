@@ -23,7 +23,6 @@ from kvrelay.chaos import frames, setup
 from kvrelay.layout import ParallelConfig, rank_rectangle
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.loader import kv_spec
-from kvrelay.rpc.messages import pack_tokens
 from kvrelay.transfer import create_agent
 from tests.chaos.conftest import DTYPE, PAGE, run
 
@@ -143,9 +142,9 @@ def test_exposed_arenas_hold_only_kv_pages(small_cluster):
     prefill = c.named("prefill")[0].ready["address"]
     params = {"max_new_tokens": 2, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0,
               "stop_token_ids": []}  # fmt: skip
-    request = {"op": "prefill", "rid": "sec", "tokens": pack_tokens(range(40)), "params": params,
-               "lease_s": 2.0}  # fmt: skip
-    reply = run(frames.call(prefill, request, token))
+    reply = run(frames.call(prefill, {"op": "prefill", "rid": "sec",
+                                      "tokens": frames.tokens(range(40)),
+                                      "params": params, "lease_s": 2.0}, token))  # fmt: skip
     assert frames.accepted(reply), reply
     handle = msgpack.unpackb(reply["handles"][0]["handle"], raw=False)
     arenas = run(_hello(handle["agent"], token))["arenas"]
