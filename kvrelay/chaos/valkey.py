@@ -41,6 +41,9 @@ class Valkey:
         return f"valkey://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 10.0) -> Valkey:
+        if self.process is not None:  # a restart: reap the killed one first
+            self.process.kill()
+            self.process.wait(10)
         self.process = subprocess.Popen(
             [self.binary, "--bind", "127.0.0.1", "--port", str(self.port),
              "--dir", str(self.directory), "--save", "", "--appendonly", "no",
