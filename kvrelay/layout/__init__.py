@@ -1,5 +1,6 @@
 """The unified page layout (DESIGN.md section 3): specs, rectangles, page keys."""
 
+from kvrelay.layout.draft import draft_page_keys, draft_rectangle
 from kvrelay.layout.keys import page_keys, tokens_as_uint32
 from kvrelay.layout.parallel import (
     ParallelConfig,
@@ -10,6 +11,7 @@ from kvrelay.layout.parallel import (
 )
 from kvrelay.layout.spec import (
     ATTENTION_KINDS,
+    DRAFT_POSITION_CONVENTIONS,
     KV_DTYPE_ITEMSIZE,
     LAYOUT_VERSION,
     LayoutError,
@@ -18,12 +20,15 @@ from kvrelay.layout.spec import (
 
 __all__ = [
     "ATTENTION_KINDS",
+    "DRAFT_POSITION_CONVENTIONS",
     "KV_DTYPE_ITEMSIZE",
     "LAYOUT_VERSION",
     "LayoutError",
     "ModelKVSpec",
     "ParallelConfig",
     "Rectangle",
+    "draft_page_keys",
+    "draft_rectangle",
     "page_keys",
     "page_writers",
     "rank_rectangle",

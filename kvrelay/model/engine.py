@@ -8,6 +8,7 @@ sampled tokens from the sampling rank to all others.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -19,6 +20,7 @@ from kvrelay.model.decoder import DecoderShard, ForwardBatch
 from kvrelay.model.errors import PoolExhausted, RequestError
 from kvrelay.model.pool import partial_page_key
 from kvrelay.model.sampling import Sampler, SamplingParams
+from kvrelay.model.speculative import DraftState, SpecDecoder
 
 
 @dataclass(slots=True)
@@ -44,6 +46,10 @@ class Result:
     # Wall time of the batch's prefill and of its decode steps (what benchmarks read).
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    # With speculation: {"proposed", "accepted", "steps"} (see model/speculative.py).
+    spec: dict | None = None
+    draft_prompt_logits: torch.Tensor | None = None  # MTP rows of the prefill
+    proposals: list[list[int]] = field(default_factory=list)  # per step, with return_logits
 
 
 @dataclass(slots=True)
@@ -60,6 +66,7 @@ class _Sequence:
     prompt_logits: torch.Tensor | None = None
     step_logits: list[torch.Tensor] = field(default_factory=list)
     seq_id: int = 0
+    draft: DraftState | None = None  # with speculation
 
 
 @dataclass(slots=True)
@@ -75,7 +82,11 @@ class StepOutput:
 
 class Engine:
     def __init__(
-        self, shard: DecoderShard, spec: ModelKVSpec, parallel: ParallelConfig | None = None
+        self,
+        shard: DecoderShard,
+        spec: ModelKVSpec,
+        parallel: ParallelConfig | None = None,
+        draft: SpecDecoder | None = None,
     ) -> None:
         if spec.page_size != shard.pool.page_size:
             raise ValueError("the pool's page size must be the unified page size")
@@ -85,6 +96,9 @@ class Engine:
         self.comm = shard.comm
         self.namespace = spec.namespace()
         self.parallel = parallel or ParallelConfig()
+        # Speculative decoding with an MTP layer (None: one token per step).
+        self.draft = draft
+        shard.keep_hidden = draft is not None and draft.mtp is not None
         # Continuous batching state: admitted but not yet prefilled, and decoding.
         self._pending: list[_Sequence] = []
         self._active: list[_Sequence] = []
@@ -124,6 +138,9 @@ class Engine:
                 step_logits=s.step_logits,
                 prefill_seconds=prefilled - start,
                 decode_seconds=done - prefilled,
+                spec=s.draft.stats.as_dict() if s.draft else None,
+                draft_prompt_logits=s.draft.prompt_logits if s.draft else None,
+                proposals=s.draft.proposals if s.draft else [],
             )
             for s in sequences
         ]
@@ -146,15 +163,18 @@ class Engine:
         and return their pages."""
         pending, decoding = self._pending, self._active
         self._pending = []
+        before = [len(seq.generated) for seq in decoding]
         if pending:
             self._active = decoding + pending
             self._prefill(pending)
-        if decoding:
+        if decoding and self.draft is not None:
+            self.draft.decode_step(self, decoding)
+        elif decoding:
             self._decode_step(decoding)
         outputs = []
-        for seq in pending + decoding:
+        for seq, old in zip(pending + decoding, [0] * len(pending) + before, strict=True):
             outputs.append(
-                StepOutput(seq.seq_id, seq.generated[-1:], seq.finish_reason, seq.cached)
+                StepOutput(seq.seq_id, seq.generated[old:], seq.finish_reason, seq.cached)
             )
             if seq.finish_reason is not None:
                 outputs[-1].all_tokens = list(seq.tokens)
@@ -168,6 +188,8 @@ class Engine:
                 if seq.seq_id == seq_id:
                     group.remove(seq)
                     self.pool.release(seq.pages)
+                    if self.draft is not None:
+                        self.draft.release(seq.draft)
                     return True
         return False
 
@@ -182,6 +204,8 @@ class Engine:
         finally:
             self.pool.release(seq.pages)
             seq.pages = []
+            if self.draft is not None:
+                self.draft.release(seq.draft)
 
     # -- admission --------------------------------------------------------
     def _admit(self, request: Request) -> _Sequence:
@@ -196,18 +220,31 @@ class Engine:
         # At least the last prompt token is computed: its logits pick the first token.
         usable = min(len(keys), (len(prompt) - 1) // ps)
         hit = self.pool.match_prefix(keys[:usable])
+        if self.draft is not None:
+            # Reuse only as far as the draft's pages are cached too; target
+            # pages past that are recomputed (the draft needs their hidden states).
+            drafted = self.draft.cached_pages(prompt, keys[: len(hit)])
+            self.pool.release(hit[drafted:])
+            hit = hit[:drafted]
         agreed = self.comm.min_all(len(hit))
         self.pool.release(hit[agreed:])
         hit = hit[:agreed]
         # KV slots for the prompt and every generated token but the last.
         total_pages = -(-(len(prompt) + request.params.max_new_tokens - 1) // ps)
         fits = self.pool.free_pages >= total_pages - agreed
+        fits = fits and (self.draft is None or self.draft.fits(total_pages - agreed))
         if not self.comm.min_all(int(fits)):
             available = self.pool.free_pages
             self.pool.release(hit)
             raise PoolExhausted(total_pages - agreed, available)
         pages = hit + self.pool.allocate(total_pages - agreed)
-        cached = agreed * ps + self._reuse_partial_page(prompt, keys, agreed, pages)
+        draft = None
+        if self.draft is not None:
+            # A partial page's draft state is not kept: the tail is recomputed.
+            draft = self.draft.admit(prompt, keys, agreed, total_pages)
+            cached = agreed * ps
+        else:
+            cached = agreed * ps + self._reuse_partial_page(prompt, keys, agreed, pages)
         return _Sequence(
             request=request,
             tokens=prompt,
@@ -216,6 +253,7 @@ class Engine:
             keys=keys,
             registered=agreed,
             sampler=Sampler(request.params, skip=request.skip_draws, vocab=vocab),
+            draft=draft,
         )
 
     def _reuse_partial_page(self, prompt, keys, full: int, pages: list[int]) -> int:
@@ -255,6 +293,7 @@ class Engine:
         spans = [(s, s.cached, len(s.tokens)) for s in sequences]
         all_rows = any(s.request.return_logits for s in sequences)
         logits = self._forward(spans, all_rows=all_rows)
+        row_begins = list(itertools.accumulate([0] + [end - begin for _, begin, end in spans]))
         if logits is not None and all_rows:
             rows, start = [], 0
             for seq, begin, end in spans:
@@ -264,6 +303,8 @@ class Engine:
                 rows.append(start - 1)
             logits = logits[rows]
         self._sample(sequences, logits)
+        if self.draft is not None:
+            self.draft.prefill(self, sequences, row_begins[:-1])
         for seq in sequences:
             self._register_full_pages(seq)
 
@@ -334,3 +375,5 @@ class Engine:
         for index in range(seq.registered, full):
             self.pool.register(seq.pages[index], seq.keys[index])
         seq.registered = max(seq.registered, full)
+        if self.draft is not None:
+            self.draft.register(seq)

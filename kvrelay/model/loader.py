@@ -10,7 +10,9 @@ from kvrelay.model.config import TORCH_DTYPES, ModelConfig
 from kvrelay.model.decoder import DecoderShard
 from kvrelay.model.engine import Engine
 from kvrelay.model.errors import ModelLoadError
+from kvrelay.model.mtp import MtpLayer, draft_kv_spec, load_mtp_weights
 from kvrelay.model.pool import PagedKVPool
+from kvrelay.model.speculative import SpecDecoder
 from kvrelay.model.weights import ShardPlan, fingerprint, load_weights
 
 
@@ -64,11 +66,16 @@ def load_engine(
     num_pages: int = 256,
     parallel: ParallelConfig | None = None,
     comm: Comm | None = None,
+    speculative: int = 0,
+    mtp_positions: str = "target",
 ) -> Engine:
-    """An engine for one rank (the whole model when `parallel` is None)."""
+    """An engine for one rank (the whole model when `parallel` is None);
+    `speculative` K > 0 drafts K tokens per step with the model's MTP layer."""
     if dtype not in TORCH_DTYPES:
         raise ModelLoadError(f"dtype {dtype!r} is not one of {sorted(TORCH_DTYPES)}")
     parallel = parallel or ParallelConfig()
+    if not isinstance(speculative, int) or speculative < 0:
+        raise ModelLoadError(f"speculative must be a non-negative int, got {speculative!r}")
     if parallel.cp != 1:
         raise ModelLoadError("context parallelism is not implemented by the reference runner")
     config = ModelConfig.from_dir(model_dir)
@@ -84,4 +91,33 @@ def load_engine(
         head_dim=config.head_dim,
         dtype=torch_dtype,
     )
-    return Engine(DecoderShard(config, plan, weights, pool, comm), spec, parallel)
+    draft = None
+    if speculative:
+        draft = load_draft(
+            model_dir, config, plan, torch_dtype, num_pages, page_size, comm, mtp_positions
+        )
+        draft = SpecDecoder(draft, draft_kv_spec(spec, config, mtp_positions), speculative)
+    return Engine(DecoderShard(config, plan, weights, pool, comm), spec, parallel, draft)
+
+
+def load_draft(
+    model_dir, config, plan, dtype, pages, page_size, comm, positions
+) -> MtpLayer | None:
+    """The MTP layer of the last PP stage's ranks (None on other stages), with
+    a draft pool of as many pages as the target's."""
+    if config.num_mtp_layers < 1:
+        raise ModelLoadError(
+            f"{model_dir}: --speculative needs an MTP layer (num_nextn_predict_layers)"
+        )
+    if not plan.last_stage:
+        return None
+    pool = PagedKVPool(
+        num_pages=pages,
+        page_size=page_size,
+        num_layers=1,
+        num_heads=plan.num_kv_heads,
+        head_dim=config.head_dim,
+        dtype=dtype,
+    )
+    weights = load_mtp_weights(model_dir, config, plan, dtype)
+    return MtpLayer(config, plan, weights, pool, comm, positions)

@@ -107,6 +107,7 @@ def _worker(
             world_size=tp * pp,
             timeout=timedelta(seconds=timeout_s),
         )
+        from kvrelay.model.draft_transfer import export_draft_prefix, import_draft_prefix
         from kvrelay.model.loader import load_engine
         from kvrelay.model.transfer import export_prefix, import_prefix
 
@@ -123,6 +124,8 @@ def _worker(
         "generate": engine.generate,
         "export": lambda tokens, arena: export_prefix(engine, tokens, arena),
         "import": lambda tokens, arena: import_prefix(engine, tokens, arena),
+        "export_draft": lambda tokens, arena: export_draft_prefix(engine, tokens, arena),
+        "import_draft": lambda tokens, arena: import_draft_prefix(engine, tokens, arena),
         "free_pages": lambda: engine.pool.free_pages,
         "clear_cache": engine.pool.clear_cache,
         "describe": lambda: _describe(engine),
@@ -180,6 +183,7 @@ class ParallelEngine:
         num_pages: int = 256,
         timeout_s: float = 300.0,
         rank_setup=None,
+        speculative: int = 0,
     ) -> None:
         """`rank_setup(engine) -> {name: handler}` (picklable, e.g. a
         module-level function or a partial of one) runs in each rank after its
@@ -194,6 +198,8 @@ class ParallelEngine:
         self._commands = [context.Queue() for _ in range(self.world)]
         self._results = context.Queue()
         options = {"dtype": dtype, "page_size": page_size, "num_pages": num_pages}
+        if speculative:
+            options["speculative"] = speculative
         port = free_port()
         self._procs = []
         for rank in range(self.world):
@@ -226,6 +232,18 @@ class ParallelEngine:
         if not arena.is_shared():
             arena = arena.clone().share_memory_()
         return self._call("import", list(tokens), arena)[0]
+
+    def export_draft_prefix(self, tokens: list[int], draft_page_bytes: int) -> torch.Tensor:
+        """The draft pages of `tokens` (`kvrelay.model.draft_transfer`)."""
+        num_pages = max(0, (len(tokens) - 1) // self.spec.page_size)
+        arena = torch.zeros(num_pages, draft_page_bytes, dtype=torch.uint8).share_memory_()
+        self._call("export_draft", list(tokens), arena)
+        return arena
+
+    def import_draft_prefix(self, tokens: list[int], arena: torch.Tensor) -> int:
+        if not arena.is_shared():
+            arena = arena.clone().share_memory_()
+        return self._call("import_draft", list(tokens), arena)[0]
 
     def free_pages(self) -> list[int]:
         """Each rank's free pages."""
