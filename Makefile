@@ -3,14 +3,16 @@
 # rebuilds only what changed.
 PYTHON ?= python3
 VENV ?= .venv
-# CPU torch by default; GPU users pass e.g. TORCH_SPEC='torch==2.13.0' with a CUDA index.
+# pip arguments for torch. GPU machines pass a CUDA build, e.g.
+# TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'
+# (README: GPUs); the CUDA kernel is then compiled when nvcc is found.
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip -q --disable-pip-version-check
 EXT_SOURCES := $(wildcard kvrelay/cuda_ext/csrc/*) $(wildcard kvrelay/transfer/csrc/*)
 NVCC ?= nvcc
 
-.PHONY: setup test test-numba lint cuda-check bench demo clean
+.PHONY: setup test test-numba test-gpu gpu-check lint cuda-check bench demo clean
 
 setup: $(VENV)/.ext-stamp
 
@@ -18,7 +20,7 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.deps-stamp: requirements-dev.txt | $(PY)
-	$(PIP) install "$(TORCH_SPEC)"
+	$(PIP) install $(TORCH_SPEC)
 	$(PIP) install -r requirements-dev.txt
 	touch $@
 
@@ -40,10 +42,22 @@ test: setup lint
 test-numba: setup
 	KVRELAY_NO_EXT=1 $(PY) -m pytest -q tests/cuda_ext
 
+# Exactly the gpu-marked tests (kernel vs oracle, UCX GPU pulls, the runner
+# on CUDA vs HF, the two-GPU cluster, the GPU benches): under 10 minutes on
+# one GPU node. Refused where torch sees no GPU (they would all skip).
+test-gpu: setup
+	@$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else \
+	  f'make test-gpu: torch {torch.__version__} sees no CUDA device')"
+	$(PY) -m pytest -m gpu -q
+
+# One go on a GPU machine: CUDA build, make test-gpu, the two GPU benches.
+gpu-check:
+	scripts/gpu-check.sh
+
 # Compiles the CUDA source alone, so it cannot rot on machines without a GPU.
 cuda-check:
 	@if command -v $(NVCC) >/dev/null 2>&1; then \
-	  $(NVCC) -c -std=c++17 -O3 -DKVRELAY_WITH_CUDA -Ikvrelay/cuda_ext/csrc \
+	  mkdir -p build && $(NVCC) -c -std=c++17 -O3 -DKVRELAY_WITH_CUDA -Ikvrelay/cuda_ext/csrc \
 	    -gencode arch=compute_90,code=sm_90 \
 	    kvrelay/cuda_ext/csrc/page_copy_cuda.cu -o build/page_copy_cuda.o && \
 	  echo "cuda-check: page_copy_cuda.cu compiles with $$($(NVCC) --version | tail -1)"; \

@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks: print a table, write JSON")
     benches = bench.add_subparsers(dest="bench", required=True)
     from kvrelay.bench import cache, layout, transfer
+    from kvrelay.bench import cp as cp_bench
     from kvrelay.bench import model as model_bench
 
     for name, module, help_text in (
@@ -76,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
          "prefill/decode tokens/s vs HF transformers; prefill saved by prefix reuse"),
         ("transfer", transfer, "page pulls between two processes"),
         ("cache", cache, "replay a Mooncake trace: shared tier vs local caches vs infinite"),
+        ("cp", cp_bench, "prefill time of a long prompt at CP=1 vs CP=2, in one run"),
     ):  # fmt: skip
         _subcommand(benches, name, help_text, module.add_arguments, module.run)
     return parser

@@ -5,7 +5,9 @@ bf16 model) sits in an engine pool of 16-token pages, shuffled as a busy pool
 is. Each run times, back to back on the same buffers: `Tensor.copy_` of the
 same number of bytes (the baseline), gather_pages (pool -> unified pages) and
 scatter_pages (unified pages -> pool). The ratio op/memcpy is taken per run,
-so slow phases of a noisy machine hit both sides, then summarised.
+so slow phases of a noisy machine hit both sides, then summarised. With
+`--device cuda` everything lives on the GPU: the CUDA kernel against a
+device-to-device `copy_` of the same bytes, each timed to stream completion.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from kvrelay.cuda_ext import (
     slot_mapping_from_block_table,
 )
 from kvrelay.layout import ModelKVSpec, ParallelConfig, rank_rectangle
+from kvrelay.model.device import DeviceError, parse_device, synchronize
 
 TORCH_DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -48,8 +51,14 @@ class Workload:
 
 
 def build_workload(
-    spec: ModelKVSpec, parallel: ParallelConfig, tokens: int, engine_page: int, seed: int = 0
+    spec: ModelKVSpec,
+    parallel: ParallelConfig,
+    tokens: int,
+    engine_page: int,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
 ) -> Workload:
+    """On `device`: the pool, the page arena and the copy baseline's buffers."""
     rect = rank_rectangle(spec, parallel)
     dtype = TORCH_DTYPES[spec.kv_dtype]
     gen = torch.Generator().manual_seed(seed)
@@ -57,7 +66,7 @@ def build_workload(
     num_slots = engine_pages * engine_page
     # vLLM-style per-layer tensor [2, slots, heads, dim]: K and V are its halves.
     kv = [
-        torch.empty(2, num_slots, rect.num_heads, spec.k_head_dim, dtype=dtype)
+        torch.empty(2, num_slots, rect.num_heads, spec.k_head_dim, dtype=dtype, device=device)
         for _ in range(rect.num_layers)
     ]
     for i, t in enumerate(kv):
@@ -66,18 +75,19 @@ def build_workload(
     slots = slot_mapping_from_block_table(
         torch.randperm(engine_pages, generator=gen), engine_page, tokens, spec.page_size
     )
+    slots = slots.to(device)
     num_pages = slots.size(0)
-    pages = torch.zeros(num_pages, spec.page_bytes, dtype=torch.uint8)
+    pages = torch.zeros(num_pages, spec.page_bytes, dtype=torch.uint8, device=device)
     moved = num_pages * rect.num_bytes(spec)
     return Workload(
         k=[t[0] for t in kv],
         v=[t[1] for t in kv],
         pages=pages,
-        page_ids=torch.arange(num_pages),
+        page_ids=torch.arange(num_pages, device=device),
         slots=slots,
         geometry=rect_geometry(spec, rect),
         bytes_moved=moved,
-        flat_src=torch.ones(moved, dtype=torch.uint8),
+        flat_src=torch.ones(moved, dtype=torch.uint8, device=device),
         flat_dst=pages.view(-1)[:moved],
     )
 
@@ -98,12 +108,18 @@ def measure(work: Workload, runs: int, threads: int) -> dict[str, Summary]:
         def scatter():
             scatter_pages(*args, **work.geometry)
 
+        device = work.pages.device
+
+        def timed(fn) -> float:
+            # A GPU op is timed to its completion: launch, then wait for the stream.
+            return time_once(lambda: (fn(), synchronize(device)))
+
         for fn in (memcpy, gather, scatter):  # warm up: page faults, numba compile
-            fn()
+            timed(fn)
         times: dict[str, list[float]] = {"memcpy": [], "gather": [], "scatter": []}
         for _ in range(runs):
             for name, fn in (("memcpy", memcpy), ("gather", gather), ("scatter", scatter)):
-                times[name].append(time_once(fn))
+                times[name].append(timed(fn))
     finally:
         torch.set_num_threads(previous)
     out = {name: Summary.of(values) for name, values in times.items()}
@@ -123,14 +139,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-page-size", type=int, default=16)
     parser.add_argument("--tp", type=int, default=4, help="TP degree of the partial case")
     parser.add_argument("--runs", type=int, default=7)
-    parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
+    parser.add_argument("--threads", default=None,
+                        help="CPU thread counts, comma-separated (default 1,2)")  # fmt: skip
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, or cuda[:N]: the CUDA kernel vs a device copy_")  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="write the results here")
 
 
 def run(args: argparse.Namespace) -> dict:
     if args.runs < 1 or args.tokens < 1:
         raise SystemExit("--runs and --tokens must be positive")
-    threads = [int(t) for t in str(args.threads).split(",") if t]
+    try:
+        device = parse_device(args.device)
+    except DeviceError as exc:
+        raise SystemExit(f"kvrelay bench layout: {exc}") from None
+    if device.type == "cuda" and args.threads is not None:
+        raise SystemExit("kvrelay bench layout: --threads applies to the CPU op only")
+    threads = [int(t) for t in str(args.threads or "1,2").split(",") if t]
+    if device.type == "cuda":
+        threads = [1]  # one launch per call; the row's thread count is the host's
     spec = ModelKVSpec(
         model_id="bench",
         weights_fingerprint="",
@@ -146,7 +173,7 @@ def run(args: argparse.Namespace) -> dict:
         cases.append((f"TP={args.tp} rank 0", ParallelConfig(tp=args.tp)))
     results, rows = [], []
     for name, parallel in cases:
-        work = build_workload(spec, parallel, args.tokens, args.engine_page_size)
+        work = build_workload(spec, parallel, args.tokens, args.engine_page_size, device=device)
         for n in threads:
             m = measure(work, args.runs, n)
             results.append(
@@ -174,10 +201,13 @@ def run(args: argparse.Namespace) -> dict:
             rows,
         )
     )
+    baseline = "device-to-device copy_" if device.type == "cuda" else "memcpy (copy_)"
+    print(f"on {device}; memcpy = {baseline} of the same bytes in the same run")
     print("GB/s and ratios: median of runs [min-max]; ratio = memcpy time / op time per run")
     payload = {
         "benchmark": "layout",
-        "config": {k: v for k, v in vars(args).items() if not callable(v)} | {"threads": threads},
+        "config": {k: v for k, v in vars(args).items() if not callable(v)}
+        | {"threads": threads, "device": str(device)},
         "machine": machine_info(),
         "results": results,
     }

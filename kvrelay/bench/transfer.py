@@ -205,16 +205,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--run-kib", type=int, default=64)
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated")
+    parser.add_argument(
+        "--modes", default=None, help=f"comma-separated (default {','.join(MODES)})"
+    )
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--no-perftest", action="store_true")
-    parser.add_argument("--nixl", action=argparse.BooleanOptionalAction, default=True,
-                        help="NIXL UCX READ of the same cases, if importable")  # fmt: skip
+    parser.add_argument("--nixl", action=argparse.BooleanOptionalAction, default=None,
+                        help="NIXL UCX READ of the same cases if importable (on)")  # fmt: skip
+    parser.add_argument("--device", default="cpu",
+                        help="cuda[:N]: pulls of GPU memory (bench/transfer_gpu.py)")  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="write the results here")
 
 
 def run(args: argparse.Namespace) -> dict:
-    modes = [m for m in args.modes.split(",") if m]
+    if args.device != "cpu":
+        return _run_on_gpu(args)
+    modes = [m for m in (args.modes or ",".join(MODES)).split(",") if m]
     for mode in modes:
         if mode not in MODES:
             raise SystemExit(f"unknown mode {mode!r}; choose from {list(MODES)}")
@@ -230,7 +236,8 @@ def run(args: argparse.Namespace) -> dict:
         os.environ.pop("UCX_TLS", None)
         if saved_tls is not None:
             os.environ["UCX_TLS"] = saved_tls
-    nixl = nixl_peer.measure(cases, arena, args.runs, args.timeout) if args.nixl else None
+    wants_nixl = args.nixl is not False
+    nixl = nixl_peer.measure(cases, arena, args.runs, args.timeout) if wants_nixl else None
     results, rows, nixl_lines = [], [], []
     # The fast path's copy without a second process: the same runs out of a
     # private arena-sized buffer, split over threads exactly as the fast path does.
@@ -328,6 +335,23 @@ def run(args: argparse.Namespace) -> dict:
     if args.json:
         write_json(args.json, payload)
     return payload
+
+
+def _run_on_gpu(args: argparse.Namespace) -> dict:
+    from kvrelay.bench import transfer_gpu
+    from kvrelay.model.device import DeviceError, parse_device
+
+    try:
+        device = parse_device(args.device)
+    except DeviceError as exc:
+        raise SystemExit(f"kvrelay bench transfer: {exc}") from None
+    if device.type != "cuda":
+        raise SystemExit("kvrelay bench transfer: --device is cpu (the default) or cuda[:N]")
+    host_only = {"--modes": args.modes, "--nixl": args.nixl, "--no-perftest": args.no_perftest}
+    given = [flag for flag, value in host_only.items() if value]
+    if given:
+        raise SystemExit(f"kvrelay bench transfer --device cuda: {', '.join(given)} are host-only")
+    return transfer_gpu.run(args, device)
 
 
 def _copy_same_runs(source: torch.Tensor, run_list, runs: int) -> Summary:

@@ -25,6 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--listen", default="127.0.0.1:0", help="control address HOST:PORT")
     parser.add_argument("--backend", default="tcp", choices=["tcp", "ucx"])
+    parser.add_argument("--timeout-s", type=float, default=10.0,
+                        help="hello deadline, frame stall limit, transfer deadline")  # fmt: skip
     parser.add_argument(
         "--token", default=os.environ.get("KVRELAY_TOKEN"), help="cluster token ($KVRELAY_TOKEN)"
     )
@@ -44,6 +46,7 @@ def run(args: argparse.Namespace) -> None:
         l3=args.l3,
         l3_capacity_bytes=None if args.l3_gb is None else int(args.l3_gb * GIB),
         l3_policy=args.l3_policy,
+        timeout_s=args.timeout_s,
     )
     asyncio.run(_serve(config))
 

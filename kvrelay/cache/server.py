@@ -27,13 +27,22 @@ import asyncio
 import dataclasses
 import socket
 from dataclasses import dataclass
+from reprlib import repr as brief
 
 from kvrelay.cache.arena import ArenaConfig, PageArena
 from kvrelay.cache.index import CacheIndexError
 from kvrelay.cache.l3 import open_store
 from kvrelay.cache.tier import CacheTier, TierConfig
-from kvrelay.transfer import TransferError, create_agent
-from kvrelay.transfer.wire import WIRE_VERSION, Connection, error_reply, listen_socket, token_ok
+from kvrelay.transfer import ProtocolError, TransferError, create_agent
+from kvrelay.transfer.wire import (
+    MAX_HELLO_FRAME,
+    WIRE_VERSION,
+    Connection,
+    error_reply,
+    listen_socket,
+    refuse,
+    token_ok,
+)
 
 MAX_LEASE_S = 300.0
 
@@ -72,14 +81,25 @@ def _runs(message: dict, page_bytes: int) -> list[tuple[int, int]]:
         if (
             not isinstance(run, list | tuple)
             or len(run) != 2
-            or not all(isinstance(v, int) for v in run)
+            or not all(_is_int(v) for v in run)
             or run[0] < 0
             or run[1] <= 0
             or run[0] + run[1] > page_bytes
         ):
-            raise ProtocolViolation(f"run {run!r} is not inside a page of {page_bytes} bytes")
+            raise ProtocolViolation(f"run {brief(run)} is not inside a page of {page_bytes} bytes")
         out.append((run[0], run[1]))
     return out
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _lease_id(message: dict) -> int:
+    lease = message.get("lease")
+    if not _is_int(lease):
+        raise ProtocolViolation(f"lease must be an integer, got {brief(lease)}")
+    return lease
 
 
 def _namespace(message: dict, required: bool = False) -> bytes | None:
@@ -93,7 +113,8 @@ def _namespace(message: dict, required: bool = False) -> bytes | None:
 
 def _lease_s(message: dict) -> float:
     lease_s = message.get("lease_s", 30.0)
-    if not isinstance(lease_s, int | float) or not 0 < lease_s <= MAX_LEASE_S:
+    ok = isinstance(lease_s, int | float) and not isinstance(lease_s, bool)
+    if not ok or not 0 < lease_s <= MAX_LEASE_S:
         raise ProtocolViolation(f"lease_s must be in (0, {MAX_LEASE_S}]")
     return float(lease_s)
 
@@ -114,7 +135,7 @@ class CacheServer:
 
     async def start(self) -> CacheServer:
         c = self.config
-        self.agent = await create_agent(c.backend, token=c.token, host=c.host)
+        self.agent = await create_agent(c.backend, token=c.token, host=c.host, timeout=c.timeout_s)
         arena = PageArena(self.agent, ArenaConfig(c.page_bytes, capacity_bytes=c.arena_bytes))
         l3 = open_store(c.l3, capacity_bytes=c.l3_capacity_bytes) if c.l3 else None
         self.tier = CacheTier(arena, l3, TierConfig(l3_policy=c.l3_policy))
@@ -144,7 +165,7 @@ class CacheServer:
 
     async def _serve(self, conn: Connection) -> None:
         try:
-            hello = await asyncio.wait_for(conn.recv(), self.config.timeout_s)
+            hello = await asyncio.wait_for(conn.recv(MAX_HELLO_FRAME), self.config.timeout_s)
             if hello.get("op") != "hello" or not token_ok(hello.get("token"), self.config.token):
                 await conn.send({"ok": False, "error": "AuthError", "message": "bad token"})
                 return
@@ -155,12 +176,14 @@ class CacheServer:
                 {"ok": True, "page_bytes": self.config.page_bytes, "agent": self.agent.address}
             )
             while True:
-                message = await conn.recv()
+                message = await conn.recv(stall_timeout=self.config.timeout_s)
                 try:
                     reply = self.handle(message)
                 except (ProtocolViolation, CacheIndexError, TransferError, ValueError) as exc:
                     reply = error_reply(exc)
                 await conn.send(reply)
+        except ProtocolError as exc:
+            await refuse(conn, exc)
         except (TransferError, TimeoutError, OSError):
             pass  # the client went away or spoke garbage: drop the connection
         finally:
@@ -191,8 +214,8 @@ class CacheServer:
             runs = _runs(message, self.config.page_bytes)
             return {"ok": True, "sealed": [tier.commit(k, runs) for k in _keys(message)]}
         if op == "release":
-            lease = message.get("lease")
-            released = isinstance(lease, int) and tier.release(lease)
+            lease = _lease_id(message)
+            released = tier.release(lease)
             self._lease_keys.pop(lease, None)
             for handle_lease in self._handle_leases.pop(lease, []):
                 self.agent.leases.release(handle_lease)
@@ -205,7 +228,7 @@ class CacheServer:
         if op == "flush":
             l2, l3 = tier.flush(_namespace(message))
             return {"ok": True, "dropped": l2, "l3_dropped": l3}
-        raise ProtocolViolation(f"unknown op {op!r}")
+        raise ProtocolViolation(f"unknown op {brief(op)}")
 
     def _forget_dead_leases(self) -> None:
         for lease in [lid for lid in self._lease_keys if self.tier.index.lease(lid) is None]:
@@ -213,14 +236,14 @@ class CacheServer:
             self._handle_leases.pop(lease, None)
 
     def _publish(self, message: dict) -> dict:
-        lease = message.get("lease")
+        lease = _lease_id(message)
         count = message.get("count")
         namespace = _namespace(message, required=True)
-        keys = self._lease_keys.get(lease) if isinstance(lease, int) else None
+        keys = self._lease_keys.get(lease)
         live = self.tier.index.lease(lease) if keys is not None else None
         if live is None:
-            raise ProtocolViolation(f"lease {lease!r} is unknown or expired")
-        if not isinstance(count, int) or not 0 < count <= len(keys):
+            raise ProtocolViolation(f"lease {brief(lease)} is unknown or expired")
+        if not _is_int(count) or not 0 < count <= len(keys):
             raise ProtocolViolation(f"count must be in [1, {len(keys)}]")
         page_runs = _runs(message, self.config.page_bytes)
         arena = self.tier.arena

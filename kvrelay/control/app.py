@@ -6,15 +6,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import re
 from dataclasses import dataclass
+from typing import Annotated
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrelay.control import metrics
 from kvrelay.control.completions import CompletionRunner, error_body
 from kvrelay.control.dispatch import DispatchConfig, Dispatcher
+from kvrelay.control.openapi import (
+    AUTH,
+    BAD_REQUEST,
+    COMPLETION,
+    METRICS,
+    UNKNOWN_NODE,
+    openapi_without_422,
+)
 from kvrelay.control.registry import MISSED_HEARTBEATS, Registry
 from kvrelay.control.schemas import (
     CompletionRequest,
@@ -42,12 +54,22 @@ class ControlConfig:
     tier_timeout_s: float = 1.0  # per cache server call
 
 
+# pydantic names a union's member in the error location ("prompt.list[int]");
+# the client knows its field by name only.
+_UNION_MEMBER = re.compile(r"^(constrained-|function-|list\[|dict\[|(str|int|float|bool)$)")
+
+
 def _validation_message(exc: RequestValidationError) -> str:
     parts = []
     for error in exc.errors():
         loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+        loc = [p for p in loc if not _UNION_MEMBER.match(p)]
         parts.append(f"{'.'.join(loc) or 'body'}: {error.get('msg', 'invalid')}")
     return "; ".join(parts)
+
+
+# Module level: the routes' annotations are resolved in this module's globals.
+_BEARER = HTTPBearer(auto_error=False, description="The cluster token")
 
 
 def create_app(config: ControlConfig) -> FastAPI:
@@ -81,6 +103,7 @@ def create_app(config: ControlConfig) -> FastAPI:
                 tier.close()
 
     app = FastAPI(title="kvrelay control", lifespan=lifespan)
+    app.openapi = openapi_without_422(app)
     app.state.registry, app.state.stats, app.state.tier = registry, stats, tier
 
     @app.exception_handler(RequestValidationError)
@@ -90,21 +113,28 @@ def create_app(config: ControlConfig) -> FastAPI:
             stats.errors += 1
             stats.client_errors += 1
         message = _validation_message(exc)
-        body = error_body(422, message) | {"detail": message}
-        return JSONResponse(body, status_code=422)
+        return JSONResponse(error_body(400, message), status_code=400)
 
-    def authorized(request: Request) -> None:
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not given:
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # One error shape for every answer (OpenAI's, plus FastAPI's `detail`).
+        message = str(exc.detail)
+        return JSONResponse(error_body(exc.status_code, message),
+                            status_code=exc.status_code, headers=exc.headers)  # fmt: skip
+
+    def authorized(
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)],
+    ) -> None:
+        if credentials is None or not credentials.credentials:
             raise HTTPException(401, "missing bearer token",
                                 headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
-        if not hmac.compare_digest(given.strip().encode(), config.token.encode()):
+        given = credentials.credentials.strip().encode()
+        if not hmac.compare_digest(given, config.token.encode()):
             raise HTTPException(403, "wrong token")
 
     admin = [Depends(authorized)]
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=COMPLETION)
     async def completions(body: CompletionRequest, request: Request):
         return await runner.handle(body, request)
 
@@ -142,11 +172,11 @@ def create_app(config: ControlConfig) -> FastAPI:
                                                "errors": tier.errors},
         }  # fmt: skip
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=METRICS)
     async def metrics_route() -> PlainTextResponse:
         return PlainTextResponse(metrics.render(stats, registry), media_type=metrics.CONTENT_TYPE)
 
-    @app.post("/v1/nodes", dependencies=admin)
+    @app.post("/v1/nodes", dependencies=admin, responses=BAD_REQUEST | AUTH)
     async def register(body: NodeRegistration) -> dict:
         node = registry.register(
             role=body.role, address=body.address, model=body.model,
@@ -157,19 +187,20 @@ def create_app(config: ControlConfig) -> FastAPI:
         return {"node_id": node.node_id, "heartbeat_s": config.heartbeat_s,
                 "missed_heartbeats_allowed": MISSED_HEARTBEATS}  # fmt: skip
 
-    @app.post("/v1/nodes/{node_id}/heartbeat", dependencies=admin)
+    @app.post("/v1/nodes/{node_id}/heartbeat", dependencies=admin,
+              responses=BAD_REQUEST | AUTH | UNKNOWN_NODE)  # fmt: skip
     async def heartbeat(node_id: str, body: Heartbeat) -> dict:
         if not registry.heartbeat(node_id, body.queued, body.active, body.free_pages, body.stats):
             raise HTTPException(404, f"unknown node {node_id}: register again")
         return {}
 
-    @app.delete("/v1/nodes/{node_id}", dependencies=admin)
+    @app.delete("/v1/nodes/{node_id}", dependencies=admin, responses=AUTH | UNKNOWN_NODE)
     async def deregister(node_id: str) -> dict:
         if not registry.deregister(node_id):
             raise HTTPException(404, f"unknown node {node_id}")
         return {}
 
-    @app.post("/admin/flush", dependencies=admin)
+    @app.post("/admin/flush", dependencies=admin, responses=BAD_REQUEST | AUTH)
     async def flush(body: FlushRequest) -> dict:
         namespace = None if body.namespace is None else bytes.fromhex(body.namespace)
         nodes = [n for n in registry.nodes.values()
@@ -189,7 +220,8 @@ def create_app(config: ControlConfig) -> FastAPI:
         workers = {n.node_id: ok for n, ok in zip(nodes, results, strict=True)}
         return {"tier": tier_result, "workers": workers}
 
-    @app.post("/admin/drain", dependencies=admin)
+    @app.post("/admin/drain", dependencies=admin,
+              responses=BAD_REQUEST | AUTH | UNKNOWN_NODE)  # fmt: skip
     async def drain(body: DrainRequest) -> dict:
         node = registry.drain(body.node_id)
         if node is None:

@@ -24,6 +24,7 @@ from kvrelay.control.dispatch import Dispatcher, DispatchError, Job
 from kvrelay.control.registry import Registry
 from kvrelay.control.schemas import CompletionRequest
 from kvrelay.control.stats import ControlStats
+from kvrelay.control.stops import StopMatcher
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25
@@ -34,9 +35,33 @@ class ClientGone(Exception):
     pass
 
 
+class Answer:
+    """The text of an answer as its tokens arrive: decoded incrementally (a
+    character split over batches comes out whole) and cut before the first
+    stop string (`stopped` then; the stop string is not part of the text)."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.decoder = tokenizer.StreamDecoder()
+        self.stops = StopMatcher(stops)
+        self.tokens: list[int] = []
+
+    @property
+    def stopped(self) -> bool:
+        return self.stops.stopped
+
+    def add(self, batch: list[int]) -> str:
+        """Text to emit for this batch (held back while it may begin a stop)."""
+        self.tokens += batch
+        return self.stops.feed(self.decoder.feed(batch))
+
+    def finish(self) -> str:
+        """The rest of the text once generation ended."""
+        return self.stops.feed(self.decoder.flush()) + self.stops.flush()
+
+
 def error_body(status: int, message: str) -> dict:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "code": status}}
+    return {"error": {"message": message, "type": kind, "code": status}, "detail": message}
 
 
 class CompletionRunner:
@@ -101,27 +126,37 @@ class CompletionRunner:
             return JSONResponse(error_body(499, "client went away"), status_code=499)
         if isinstance(first, DispatchError):
             return self._failed(first)
+        answer = Answer(body.stop_strings())
         if body.stream:
-            return StreamingResponse(self._sse(job, first, queue, producer),
+            return StreamingResponse(self._sse(job, first, queue, producer, answer),
                                      media_type="text/event-stream")  # fmt: skip
-        events = [first]
         try:
-            while events[-1]["type"] != "done":
-                event = await self._next(queue, request)
-                if isinstance(event, DispatchError):
-                    return self._failed(event)
-                events.append(event)
+            return await self._collect(job, first, queue, request, producer, answer)
         except ClientGone:
             await self._cancel(producer)
             return JSONResponse(error_body(499, "client went away"), status_code=499)
-        tokens = [t for e in events for t in e.get("tokens", ())]
-        self._finished(tokens)
+
+    async def _collect(self, job: Job, first: dict, queue: asyncio.Queue, request: Request,
+                       producer: asyncio.Task, answer: Answer):  # fmt: skip
+        """A whole answer as one JSON document."""
+        event, text = first, []
+        while event["type"] != "done":
+            text.append(answer.add(event["tokens"]))
+            if answer.stopped:  # a stop string: the worker's request ends here
+                await self._cancel(producer)
+                event = {"type": "done", "finish_reason": "stop", "decode": event.get("decode")}
+                break
+            event = await self._next(queue, request)
+            if isinstance(event, DispatchError):
+                return self._failed(event)
+        text.append(answer.finish())
+        self._finished(answer.tokens)
         return {
             "id": job.rid, "object": "text_completion", "created": int(time.time()),
             "model": job.model,
-            "choices": [{"index": 0, "text": tokenizer.decode(tokens), "token_ids": tokens,
-                         "finish_reason": events[-1]["finish_reason"]}],
-            "usage": self._usage(job, tokens), "kvrelay": self._info(first, events[-1]),
+            "choices": [{"index": 0, "text": "".join(text), "token_ids": answer.tokens,
+                         "finish_reason": event["finish_reason"]}],
+            "usage": self._usage(job, answer.tokens), "kvrelay": self._info(first, event),
         }  # fmt: skip
 
     async def _produce(self, job: Job, queue: asyncio.Queue) -> None:
@@ -172,17 +207,21 @@ class CompletionRunner:
                 "cached_tokens": first["cached"], "ttft_s": first["ttft_s"],
                 "prefill_timings": first.get("prefill_timings", {})}  # fmt: skip
 
-    async def _sse(self, job: Job, first: dict, queue: asyncio.Queue, producer: asyncio.Task):
-        decoder = tokenizer.StreamDecoder()
-        tokens: list[int] = []
+    async def _sse(self, job: Job, first: dict, queue: asyncio.Queue, producer: asyncio.Task,
+                   answer: Answer):  # fmt: skip
         created = int(time.time())
 
-        def chunk(batch: list[int], finish_reason=None, **extra) -> str:
-            text = decoder.feed(batch) + (decoder.flush() if finish_reason else "")
+        def chunk(text: str, batch: list[int], finish_reason=None, **extra) -> str:
             data = {"id": job.rid, "object": "text_completion", "created": created,
                     "model": job.model, "choices": [{"index": 0, "text": text,
                     "token_ids": batch, "finish_reason": finish_reason}]} | extra  # fmt: skip
             return f"data: {json.dumps(data)}\n\n"
+
+        def last(event: dict) -> str:
+            self._finished(answer.tokens)
+            return chunk(answer.finish(), [], event["finish_reason"],
+                         usage=self._usage(job, answer.tokens),
+                         kvrelay=self._info(first, event))  # fmt: skip
 
         try:
             event = first
@@ -196,13 +235,15 @@ class CompletionRunner:
                 if event is _END:
                     return
                 if event["type"] == "done":
-                    self._finished(tokens)
-                    yield chunk([], event["finish_reason"], usage=self._usage(job, tokens),
-                                kvrelay=self._info(first, event))  # fmt: skip
+                    yield last(event)
                     yield "data: [DONE]\n\n"
                     return
-                tokens += event["tokens"]
-                yield chunk(event["tokens"])
+                yield chunk(answer.add(event["tokens"]), event["tokens"])
+                if answer.stopped:  # a stop string: the worker's request ends here
+                    await self._cancel(producer)
+                    yield last({"finish_reason": "stop", "decode": event.get("decode")})
+                    yield "data: [DONE]\n\n"
+                    return
                 event = await queue.get()
         finally:
             # Client gone or stream over: the job (and its worker connection) ends too.

@@ -8,7 +8,9 @@ the rest follow by score, then load, as fallbacks. Decode: the same with
 the decode nodes' estimates (they hold whole conversations, answer
 included), so a conversation's next turn returns to its decode worker.
 
-Failures (see docs/architecture.md): `Busy` -> next worker, not a retry; a
+Failures (see docs/architecture.md): `Busy` -> next worker, not a retry
+(when every worker is busy, the request waits for capacity within its
+deadline); a
 refused connection removes the node, any other fault makes it suspect; both
 retry elsewhere, at most `max_retries` times per request. A decode that
 fails before streaming a token is retried on another decode worker with the
@@ -74,6 +76,7 @@ class Job:
     keys: dict = field(default_factory=dict)  # (namespace, page_size) -> page keys
     current: Node | None = None  # the worker of the latest attempt (blamed for a timeout)
     tier_hit: int | None = None  # pages, probed once per request
+    waiting: bool = False  # every prefill worker answered Busy; waiting for one
 
     def page_keys(self, node: Node, tokens: list[int] | None = None) -> list[bytes]:
         if tokens is not None:
@@ -180,6 +183,11 @@ class Dispatcher:
                         await decode.aclose()  # closes its worker connection at once
                     # Decode could not run on these handles: prefill again.
         except TimeoutError:
+            if job.waiting:
+                raise DispatchError(
+                    503, f"every prefill worker for {job.model} stayed busy until the "
+                         f"request's deadline ({self.config.request_timeout_s:g} s)",
+                ) from None  # fmt: skip
             if job.current is not None:
                 self.registry.suspect(job.current)  # it held the request until the deadline
             raise DispatchError(
@@ -190,10 +198,18 @@ class Dispatcher:
     async def _prefill(self, job: Job, prompt: list[int], params: dict,
                        budget: list[int]) -> tuple[dict, Node]:  # fmt: skip
         tried: set[str] = set()
+        busy: set[str] = set()
         last: str | None = None
         rejected: WorkerRejected | None = None
         while True:
             order = await self._prefill_order(job, tried)
+            if not order and busy and rejected is None:
+                # Every worker left is busy: wait for one to free up (a heartbeat,
+                # a node, a request of ours ending), within the request's deadline.
+                await self._wait_for_capacity(job)
+                tried -= busy
+                busy.clear()
+                continue
             if not order:
                 if rejected is not None:
                     raise DispatchError(400, f"{rejected.error}: {rejected}")
@@ -214,22 +230,35 @@ class Dispatcher:
                 _check_prefill(reply, node)
             except WorkerBusy as exc:
                 self.stats.busy += 1
+                busy.add(node.node_id)
                 last = str(exc)
                 continue
             except WorkerRejected as exc:
+                job.waiting = False
                 if exc.error == "RequestError":
                     raise DispatchError(400, f"rejected by {node.node_id}: {exc}") from None
                 rejected = exc  # PoolExhausted: another worker may have a bigger pool
                 continue
             except WorkerError as exc:
+                job.waiting = False
                 self._fault(node, exc, budget, "prefill")
                 last = str(exc)
                 continue
             finally:
                 node.inflight -= 1
+                self.registry.capacity_changed()
                 call.close()
+            job.waiting = False
             node.estimate.add(job.page_keys(node, prompt))
             return reply, node
+
+    async def _wait_for_capacity(self, job: Job) -> None:
+        """Until the registry reports a change in capacity; the request's
+        timeout (around `run`) bounds the wait, and no node is blamed for it."""
+        job.current = None
+        job.waiting = True  # until a worker answers anything but Busy
+        self.stats.busy_waits += 1
+        await self.registry.wait_for_capacity()
 
     async def _decode(self, job: Job, prompt: list[int], params: dict, prefill: dict,
                       lease_end: float, emitted: list[int],
@@ -269,7 +298,7 @@ class Dispatcher:
                         last_at = now
                         streamed += len(tokens)
                         emitted.extend(tokens)
-                        yield {"type": "tokens", "tokens": tokens}
+                        yield {"type": "tokens", "tokens": tokens, "decode": node.node_id}
                     if frame.get("done"):
                         node.estimate.add(job.page_keys(node, job.tokens + emitted))
                         yield {"type": "done", "finish_reason": frame.get("finish_reason"),
@@ -298,6 +327,7 @@ class Dispatcher:
                 continue
             finally:
                 node.inflight -= 1
+                self.registry.capacity_changed()
                 call.close()
 
 

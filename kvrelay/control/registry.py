@@ -9,6 +9,7 @@ heartbeats, is removed: its next heartbeat gets 404 and it registers again.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import secrets
 import time
@@ -21,7 +22,7 @@ MAX_ESTIMATE_PAGES = 1 << 20  # keys remembered per node, whatever its pool clai
 COUNTER_NAMES = (
     "requests", "prompt_tokens", "computed_tokens", "local_hit_tokens", "tier_hit_tokens",
     "generated_tokens", "bytes_from_tier", "bytes_to_tier", "bytes_from_prefill",
-    "busy_rejections", "errors",
+    "busy_rejections", "errors", "writeback_skipped_pages",
 )  # fmt: skip
 
 
@@ -108,6 +109,20 @@ class Registry:
         # Counters of nodes that left, so totals over the cluster never go back.
         self.retired_counters: dict[str, float] = dict.fromkeys(COUNTER_NAMES, 0)
         self._ids = itertools.count(1)
+        self._capacity: asyncio.Event | None = None
+
+    def capacity_changed(self) -> None:
+        """A node may take work now (a heartbeat, a new node, a request of
+        control's ended on it): wake the requests waiting for one."""
+        if self._capacity is not None:
+            self._capacity.set()
+            self._capacity = None
+
+    async def wait_for_capacity(self) -> None:
+        """Until the next `capacity_changed` (the caller bounds the wait)."""
+        if self._capacity is None:
+            self._capacity = asyncio.Event()
+        await self._capacity.wait()
 
     def register(self, *, role: str, address: str, model: str, namespace: bytes,
                  page_size: int, vocab_size: int, tp: int, pp: int, num_pages: int,
@@ -124,6 +139,7 @@ class Registry:
             estimate=PageEstimate(min(num_pages, MAX_ESTIMATE_PAGES)), free_pages=num_pages,
         )  # fmt: skip
         self.nodes[node_id] = node
+        self.capacity_changed()
         return node
 
     def heartbeat(self, node_id: str, queued: int, active: int, free_pages: int,
@@ -136,6 +152,7 @@ class Registry:
         node.counters = {k: v for k, v in counters.items() if isinstance(v, int | float)}
         if node.state == "suspect":
             node.state = "live"
+        self.capacity_changed()
         return True
 
     def deregister(self, node_id: str) -> bool:

@@ -1,8 +1,10 @@
 """Pydantic models of the HTTP edge (the only place pydantic is used).
 
-Each field constraint names the field in the error, so a 422 says exactly
-what is wrong. Checks that need the registry (vocabulary, known model) are
-made by the routes.
+Each field constraint names the field in the error, so a 400 says exactly
+what is wrong, and the OpenAPI schema states every constraint the server
+checks (a schema-valid body is never refused for its form; the patterns in
+`json_schema_extra` are the validators' own). Checks that need the registry
+(vocabulary, known model) are made by the routes.
 """
 
 from __future__ import annotations
@@ -10,49 +12,76 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 MAX_TOKENS_LIMIT = 1 << 16  # per request; a worker's pool bounds it further
 MAX_PROMPT_TOKENS = 1 << 20
-_ADDRESS = re.compile(r"^[A-Za-z0-9.\-]+:\d{1,5}$")
-_HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
+MAX_TOKEN_ID = (1 << 31) - 1  # token ids are int32 on every worker
+MAX_STOPS = 4  # stop strings per request, as OpenAI allows
+MAX_STOP_CHARS = 256
+_PORT = "([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
+_LABEL = "[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"  # a DNS label (IPv4 parts too)
+ADDRESS_PATTERN = f"^{_LABEL}(\\.{_LABEL})*:{_PORT}$"
+HEX64_PATTERN = "^[0-9a-fA-F]{64}$"
+_ADDRESS = re.compile(ADDRESS_PATTERN)
+_HEX64 = re.compile(HEX64_PATTERN)
+MAX_COUNT = 1 << 40  # queue depths, page counts: far above any real value
 
-NonNegative = Annotated[int, Field(ge=0)]
-Positive = Annotated[int, Field(ge=1)]
+
+def _integral(value):
+    """JSON Schema counts 3.0 as an integer; strict pydantic would not."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
+Int = Annotated[int, BeforeValidator(_integral)]
+
+
+def int_in(**bounds):
+    """An integer within `bounds` (the Field first, so the schema states them)."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
+
+NonNegative = int_in(ge=0, le=MAX_COUNT)
+Positive = int_in(ge=1, le=MAX_COUNT)
+# Bounds a JSON Schema validator compares exactly (floats carry 53 bits):
+# bigger integers are counted as floats.
+EXACT = 1 << 53
+Counter = int_in(ge=-EXACT, le=EXACT) | Annotated[float, Field(ge=-1e300, le=1e300)]
+
+
+# strict: no "3" for an integer, no 0 for a boolean: what the schema says.
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class _Lenient(BaseModel):
     # Workers are built separately: a field this control does not know yet is
     # ignored rather than failing every registration or heartbeat.
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 def _check_namespace(value: str) -> str:
-    if not _HEX64.match(value):
+    if not _HEX64.fullmatch(value):
         raise ValueError("namespace must be 64 hex characters (a sha256 digest)")
     return value.lower()
 
 
 class NodeRegistration(_Lenient):
     role: Literal["prefill", "decode"]
-    address: str
+    address: str = Field(max_length=259, json_schema_extra={"pattern": ADDRESS_PATTERN})
     model: str = Field(min_length=1, max_length=256)
-    namespace: str
-    page_size: Positive
-    vocab_size: Positive
-    tp: Positive = 1
-    pp: Positive = 1
+    namespace: str = Field(json_schema_extra={"pattern": HEX64_PATTERN})
+    page_size: int_in(ge=1, le=1 << 20)
+    vocab_size: int_in(ge=1, le=MAX_TOKEN_ID + 1)
+    tp: int_in(ge=1, le=1024) = 1
+    pp: int_in(ge=1, le=1024) = 1
     num_pages: Positive
     cache: bool = False
 
     @field_validator("address")
     @classmethod
     def _address(cls, value: str) -> str:
-        if not _ADDRESS.match(value) or not 0 < int(value.rsplit(":", 1)[1]) < 65536:
+        if not _ADDRESS.fullmatch(value):
             raise ValueError("address must be host:port with a port in 1-65535")
         return value
 
@@ -66,35 +95,96 @@ class Heartbeat(_Lenient):
     queued: NonNegative = 0
     active: NonNegative = 0
     free_pages: NonNegative = 0
-    stats: dict[str, int | float] = Field(default_factory=dict)
+    stats: dict[str, Counter] = Field(default_factory=dict)
 
 
-class CompletionRequest(BaseModel):
-    # Unknown OpenAI fields (n, logprobs, ...) are ignored, as clients send them.
+TokenId = int_in(ge=0, le=MAX_TOKEN_ID)
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
+def _only(value, allowed: tuple, message: str):
+    """An OpenAI parameter kvrelay does not implement: accepted only at the
+    value that means "off", refused with the reason otherwise."""
+    # True == 1 and False == 0 in Python: a boolean is only what a boolean allows.
+    is_bool = isinstance(value, bool)
+    if value not in allowed or is_bool != any(isinstance(a, bool) for a in allowed):
+        raise ValueError(f"{message} (got {value!r})")
+    return _integral(value)
+
+
+class CompletionRequest(_Strict):
+    """OpenAI's completion fields: each one works, or (n, best_of, logprobs,
+    echo, suffix, penalties, logit_bias) is accepted only at its "off" value
+    and refused with the reason otherwise; an unknown field is refused."""
+
     model: str | None = None
-    prompt: str | list[int]
-    max_tokens: int = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+    )
+    max_tokens: Int = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float = Field(0.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    seed: int | None = Field(None, ge=0, lt=1 << 63)
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=1024)
+    top_k: Int = Field(0, ge=0, le=MAX_TOKEN_ID)
+    seed: int_in(ge=0, le=EXACT) | None = None
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=1024)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None
     stream: bool = False
+    user: str | None = Field(None, max_length=256)  # the client's own tag; not used
+    n: Literal[1] = 1
+    best_of: Literal[1] | None = None
+    logprobs: None = None
+    echo: Literal[False] = False
+    suffix: None = None
+    presence_penalty: Literal[0] = 0
+    frequency_penalty: Literal[0] = 0
+    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
 
-    @field_validator("prompt")
+    @field_validator("n", "best_of", mode="before")
     @classmethod
-    def _prompt(cls, value: str | list[int]) -> str | list[int]:
-        if len(value) == 0:
+    def _one_choice(cls, value):
+        return _only(value, (1, None), "only one choice per request is supported (n=1)")
+
+    @field_validator("logprobs", "suffix", mode="before")
+    @classmethod
+    def _null(cls, value):
+        return _only(value, (None,), "not supported; send null or leave it out")
+
+    @field_validator("echo", mode="before")
+    @classmethod
+    def _echo(cls, value):
+        return _only(value, (False,), "echo is not supported; send false or leave it out")
+
+    @field_validator("presence_penalty", "frequency_penalty", mode="before")
+    @classmethod
+    def _penalty(cls, value):
+        return _only(value, (0, 0.0), "penalties are not supported; send 0 or leave it out")
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias(cls, value):
+        return _only(value, (None, {}), "logit_bias is not supported")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, value):
+        # Checked before the union, so the message is one reason, not one per member.
+        if isinstance(value, str | list) and len(value) == 0:
             raise ValueError("prompt must not be empty")
-        if isinstance(value, list) and len(value) > MAX_PROMPT_TOKENS:
-            raise ValueError(f"prompt has more than {MAX_PROMPT_TOKENS} tokens")
-        if isinstance(value, list) and min(value) < 0:
+        if isinstance(value, list) and any(
+            isinstance(t, int) and not isinstance(t, bool) and t < 0 for t in value
+        ):
             raise ValueError("prompt token ids must not be negative")
         return value
 
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
 
 class FlushRequest(_Strict):
-    namespace: str | None = None
+    namespace: str | None = Field(None, json_schema_extra={"pattern": HEX64_PATTERN})
 
     @field_validator("namespace")
     @classmethod

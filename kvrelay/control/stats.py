@@ -31,6 +31,7 @@ class ControlStats:
     client_errors: int = 0  # of those, 4xx (bad input)
     retries: int = 0  # a prefill or decode attempt repeated elsewhere after a fault
     busy: int = 0  # Busy answers that moved a request to the next worker
+    busy_waits: int = 0  # waits for capacity after every prefill worker was busy
     cancelled: int = 0  # clients that went away mid-request
     prompt_tokens: int = 0
     local_tokens: int = 0
@@ -84,6 +85,7 @@ class ControlStats:
         return {
             "requests": self.requests, "completed": self.completed, "errors": self.errors,
             "client_errors": self.client_errors, "retries": self.retries, "busy": self.busy,
+            "busy_waits": self.busy_waits,
             "cancelled": self.cancelled,
             "tokens": {
                 "prompt": self.prompt_tokens, "local": self.local_tokens,

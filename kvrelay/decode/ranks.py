@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 from dataclasses import dataclass
 
 from kvrelay.layout import rank_rectangle
@@ -20,6 +21,8 @@ from kvrelay.model.transfer import export_prefix, import_prefix
 from kvrelay.transfer import BlockHandle, TransferError
 from kvrelay.worker.protocol import pages_of, sampling
 from kvrelay.worker.rank import PullFailed, RankOptions, RankRuntime
+
+log = logging.getLogger("kvrelay.decode")
 
 
 def intersect(mine, theirs) -> list[tuple[int, int, int]]:
@@ -54,15 +57,21 @@ class DecodeRanks:
         self.reserved = 0  # pool pages promised to loads in flight
         # seq_id -> (tier write running on the loop, its staging rows)
         self.writes: dict[int, tuple[concurrent.futures.Future, list[int]]] = {}
+        # Full pages a write-back left out because staging had no free row
+        # for them (reported in the worker's stats, never skipped silently).
+        self.writeback_skipped_pages = 0
 
     def handlers(self) -> dict:
         return {
             "load_start": self.load_start,
             "step": self.step,
             "cancel": self.engine.cancel,
-            "counters": self.rt.counters,
+            "counters": self.counters,
             "close": self.rt.close,
         }
+
+    def counters(self) -> dict:
+        return self.rt.counters() | {"writeback_skipped_pages": self.writeback_skipped_pages}
 
     # -- bringing the prompt's KV in ---------------------------------------------
     def load_start(self, load_id: int, item: dict) -> dict:
@@ -157,34 +166,43 @@ class DecodeRanks:
 
     async def _from_prefill(self, handles, start, pages, rows, local) -> int:
         """Each prefill writer's handle, narrowed to the overlap of its
-        rectangle with this rank's, for pages [start, pages)."""
+        rectangle with this rank's, for pages [start, pages). A handle of a
+        context-parallel prefill rank holds only the pages its `pages` lists."""
         pb = self.rt.page_bytes
-        reads, covered = [], 0
+        reads, covered = [], [0] * (pages - start)
         for entry in handles:
             handle = BlockHandle.from_bytes(entry["handle"])
             theirs = [tuple(r) for r in entry["runs"]]
-            if not theirs or len(handle.runs) != pages * len(theirs):
+            held = entry.get("pages", list(range(pages)))
+            if not isinstance(held, list) or not all(
+                isinstance(p, int) and 0 <= p < pages for p in held
+            ):
+                raise RequestError(f"a prefill handle's pages must be page indices in [0, {pages})")
+            if not theirs or len(handle.runs) != len(held) * len(theirs):
                 raise RequestError("a prefill handle's runs do not match its pages")
             overlap = intersect(self.rt.runs, theirs)
             if not overlap:
                 continue
             remote, local_offsets = [], []
-            for page in range(start, pages):
-                row_base = handle.runs[page * len(theirs)][0] - theirs[0][0]
+            for slot, page in enumerate(held):
+                if not start <= page < pages:
+                    continue
+                row_base = handle.runs[slot * len(theirs)][0] - theirs[0][0]
                 for offset, length, _ in overlap:
                     remote.append((row_base + offset, length))
                     local_offsets.append(rows[page - local] * pb + offset)
-            covered += sum(length for _, length, _ in overlap)
-            reads.append(
-                self.rt.agent.read(
-                    handle.narrow(remote), self.rt.arena, local_offsets,
-                    namespace=self.rt.namespace,
-                )
-            )  # fmt: skip
-        if covered < self.rt.rect.num_bytes(self.rt.spec):
+                    covered[page - start] += length
+            if remote:
+                reads.append(
+                    self.rt.agent.read(
+                        handle.narrow(remote), self.rt.arena, local_offsets,
+                        namespace=self.rt.namespace,
+                    )
+                )  # fmt: skip
+        if any(n < self.rt.rect.num_bytes(self.rt.spec) for n in covered):
             raise RequestError("the prefill handles do not cover this rank's rectangle")
         await asyncio.gather(*reads)
-        return covered * (pages - start)
+        return sum(covered)
 
     async def _release(self, handles) -> None:
         async def one(entry) -> None:
@@ -225,8 +243,18 @@ class DecodeRanks:
         if self.rt.cache is None or not rank_rectangle(self.rt.spec, self.engine.parallel).writer:
             return None, False
         full = (len(tokens) - 1) // self.ps
-        if not full or self.rt.rows.free < full:
+        # Rows are held by loads and earlier write-backs in flight, and the
+        # finished sequence's pool pages go back now, so waiting for rows is
+        # not an option: write the prefix that fits (still a valid chain of
+        # keys) and count the pages left out.
+        fits = min(full, self.rt.rows.free)
+        if fits < full:
+            self.writeback_skipped_pages += full - fits
+            log.warning("decode write-back: %d of %d pages skipped, no free staging rows",
+                        full - fits, full)  # fmt: skip
+        if not fits:
             return 0, False
+        full = fits
         rows = self.rt.rows.take(full)
         try:
             export_prefix(self.engine, tokens[: full * self.ps], self.rt.staging, rows)

@@ -15,7 +15,7 @@ from kvrelay.model.errors import PoolExhausted, RequestError
 from kvrelay.transfer import PeerError
 from kvrelay.transfer.wire import Connection
 from kvrelay.worker.front import WorkerConfig, WorkerFront, log
-from kvrelay.worker.protocol import Busy, check_params, check_tokens, error_reply
+from kvrelay.worker.protocol import Busy, check_params, check_tokens, error_reply, is_int
 
 # How often the ranks are asked whether pulls finished while nothing runs.
 LOAD_POLL_S = 0.002
@@ -81,7 +81,7 @@ class DecodeWorker(WorkerFront):
         if params["max_new_tokens"] < 2 or first in params["stop_token_ids"]:
             raise RequestError("nothing to decode: prefill's first token already ends it")
         tier_pages, pages = message.get("tier_pages", 0), message.get("pages")
-        if not isinstance(tier_pages, int) or not isinstance(pages, int) or tier_pages < 0:
+        if not is_int(tier_pages) or not is_int(pages) or tier_pages < 0:
             raise RequestError("tier_pages and pages must be non-negative integers")
         handles = _check_handles(message.get("handles", []))
         if self.draining or len(self._waiting) >= self.config.max_queue:

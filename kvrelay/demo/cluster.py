@@ -32,6 +32,8 @@ class PoolConfig:
     workers: int = 1
     tp: int = 1
     pp: int = 1
+    device: str = "cpu"  # the first rank's (`kvrelay launch --device`)
+    staging: str = ""  # "device" or "pinned" for GPU pools; "" = the worker's default
 
     @classmethod
     def parse(cls, text: str) -> PoolConfig:
@@ -215,6 +217,10 @@ class LocalCluster:
             "--backend", c.backend, "--page-size", str(c.page_size), "--dtype", c.dtype,
             "--num-pages", str(c.prefill_pages if role == "prefill" else c.decode_pages),
         ]  # fmt: skip
+        if pool.device != "cpu":
+            args += ["--device", pool.device]
+        if pool.staging:
+            args += ["--staging", pool.staging]
         if c.cache == "shared":
             args += ["--cache", ",".join(self.cache_addresses)]
             if role == "decode":

@@ -73,8 +73,8 @@ class TorchSDPABackend:
             mask = None
             if length > 1 and cached > 0:
                 # Key j is visible to new token i when j <= cached + i.
-                rows = torch.arange(length)[:, None] + cached
-                mask = torch.arange(context)[None, :] <= rows
+                rows = torch.arange(length, device=q.device)[:, None] + cached
+                mask = torch.arange(context, device=q.device)[None, :] <= rows
             result = F.scaled_dot_product_attention(
                 query[None],
                 k[None],

@@ -1,4 +1,4 @@
-"""Communication between the ranks of a TP x PP group, as one small seam.
+"""Communication between the ranks of a TP x PP x CP group, as one small seam.
 
 The decoder and the engine call these and nothing else of torch.distributed,
 so one process (`LocalComm`) and a process group (`kvrelay.model.parallel`)
@@ -32,6 +32,10 @@ class Comm(Protocol):
     def min_all(self, value: int) -> int:
         """Minimum of `value` over every rank (agreeing on a usable prefix)."""
 
+    def all_gather_cp(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """`x` of every rank of this CP group (same TP and PP coordinates), in
+        CP rank order; every rank passes the same shape."""
+
     @property
     def samples(self) -> bool:
         """Whether this rank samples the next tokens."""
@@ -59,3 +63,6 @@ class LocalComm:
 
     def min_all(self, value: int) -> int:
         return value
+
+    def all_gather_cp(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [x]

@@ -9,8 +9,9 @@ import argparse
 import json
 import sys
 
-from kvrelay.layout import LayoutError
+from kvrelay.layout import LayoutError, ParallelConfig
 from kvrelay.model.config import TORCH_DTYPES, ModelConfig
+from kvrelay.model.cross_config import open_runner, parse_parallel, prefix_unified_pages
 from kvrelay.model.engine import Request
 from kvrelay.model.errors import ModelLoadError, PoolExhausted, RequestError
 from kvrelay.model.make_model import RandomModelSpec, write_model
@@ -33,12 +34,25 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="float32")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel prefill ranks")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, cuda or cuda:N (the first rank's; rank r on cuda:N+r, or all on one GPU)",
+    )
     parser.add_argument(
         "--reuse-prefix",
         type=int,
         default=0,
         metavar="K",
         help="run and cache the first K prompt tokens first; the full prompt reuses their pages",
+    )
+    parser.add_argument(
+        "--prefix-parallel",
+        type=parse_parallel,
+        default=None,
+        metavar="tp=T,pp=P,cp=C",
+        help="compute the --reuse-prefix pages under this parallel config, then import them",
     )
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -88,26 +102,32 @@ def _generate(args: argparse.Namespace) -> dict:
         seed=args.seed,
         stop_token_ids=stops,
     )
+    if args.prefix_parallel is not None and not args.reuse_prefix:
+        raise SystemExit("--prefix-parallel needs --reuse-prefix K > 0")
+    sizes = ParallelConfig(tp=args.tp, pp=args.pp, cp=args.cp)
     # Room for both runs even if nothing were shared.
     pages = 2 * (-(-(len(prompt) + args.max_new_tokens) // args.page_size)) + 1
-    options = {"dtype": args.dtype, "page_size": args.page_size, "num_pages": pages}
+    options = {
+        "dtype": args.dtype,
+        "page_size": args.page_size,
+        "num_pages": pages,
+        "device": args.device,
+    }
     if args.speculative:
         options["speculative"] = args.speculative
-    requests = []
-    if args.reuse_prefix:
-        requests.append([Request(prompt[: args.reuse_prefix], SamplingParams(1))])
-    requests.append([Request(prompt, params)])
-    if args.tp * args.pp == 1:
-        from kvrelay.model.loader import load_engine
-
-        engine = load_engine(args.model, **options)
-        results = [engine.generate(batch)[0] for batch in requests]
-    else:
-        from kvrelay.model.parallel import ParallelEngine
-
-        with ParallelEngine(args.model, tp=args.tp, pp=args.pp, **options) as group:
-            results = [group.generate(batch)[0] for batch in requests]
-    result = results[-1]
+    prefix, imported = prompt[: args.reuse_prefix], None
+    if prefix and args.prefix_parallel is not None:
+        # The prefix's pages (target and draft) from another config: they
+        # must serve this one as is.
+        imported = prefix_unified_pages(args.model, args.prefix_parallel, prefix, **options)
+    with open_runner(args.model, sizes, **options) as runner:
+        if imported is not None:
+            runner.import_prefix(prefix, imported[0])
+            if imported[1] is not None:
+                runner.import_draft_prefix(prefix, imported[1])
+        elif prefix:
+            runner.generate([Request(prefix, SamplingParams(1))])
+        result = runner.generate([Request(prompt, params)])[0]
     if args.json:
         line = {"tokens": result.tokens}
         if result.spec is not None:

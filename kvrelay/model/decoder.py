@@ -11,6 +11,7 @@ the first stage embeds tokens, the last applies the final norm and LM head.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,9 @@ from kvrelay.model.config import ModelConfig
 from kvrelay.model.pool import PagedKVPool
 from kvrelay.model.rope import RotaryEmbedding, apply_rotary
 from kvrelay.model.weights import LayerWeights, ModelWeights, ShardPlan
+
+if TYPE_CHECKING:
+    from kvrelay.model.context_parallel import ContextSplit
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -44,6 +48,11 @@ class ForwardBatch:
     write_slots: torch.Tensor
     attention: AttentionBatch
     last_rows: torch.Tensor | None
+    # Context parallelism: this rank's rows are a share of the batch's new
+    # tokens; K/V and the last stage's hidden states are all-gathered
+    # (`kvrelay.model.context_parallel`). write_slots and last_rows then
+    # index the whole batch.
+    split: ContextSplit | None = None
 
 
 class DecoderShard:
@@ -79,7 +88,12 @@ class DecoderShard:
         if self.comm.first_stage:
             hidden = F.embedding(batch.token_ids, w.embed)
         else:
-            like = torch.empty(batch.token_ids.numel(), self.config.hidden_size, dtype=self.dtype)
+            like = torch.empty(
+                batch.token_ids.numel(),
+                self.config.hidden_size,
+                dtype=self.dtype,
+                device=self.pool.device,
+            )
             hidden = self.comm.recv_prev(like)
         cos, sin = self.rope.cos_sin(batch.positions, self.dtype)
         for index, layer in enumerate(w.layers):
@@ -87,6 +101,8 @@ class DecoderShard:
         if not self.comm.last_stage:
             self.comm.send_next(hidden)
             return None
+        if batch.split is not None:
+            hidden = batch.split.all_gather(hidden)
         if self.keep_hidden:
             hidden = self.last_hidden = rms_norm(hidden, w.final_norm, self.config.rms_norm_eps)
         if batch.last_rows is not None:
@@ -104,6 +120,8 @@ class DecoderShard:
         v = F.linear(x, layer.v_proj, layer.v_bias).view(tokens, plan.num_kv_heads, hd)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
+        if batch.split is not None:  # every CP rank holds the K/V of every new token
+            k, v = batch.split.all_gather(k), batch.split.all_gather(v)
         k_pool, v_pool = self.pool.k_layers[index], self.pool.v_layers[index]
         # The pool holds post-RoPE K, as HF's cache and every paged engine do.
         k_pool[batch.write_slots] = k

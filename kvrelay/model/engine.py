@@ -16,6 +16,7 @@ import torch
 
 from kvrelay.layout import ModelKVSpec, ParallelConfig, page_keys
 from kvrelay.model.attention import AttentionBatch
+from kvrelay.model.context_parallel import split_batch
 from kvrelay.model.decoder import DecoderShard, ForwardBatch
 from kvrelay.model.errors import PoolExhausted, RequestError
 from kvrelay.model.pool import partial_page_key
@@ -292,13 +293,14 @@ class Engine:
     def _prefill(self, sequences: list[_Sequence]) -> None:
         spans = [(s, s.cached, len(s.tokens)) for s in sequences]
         all_rows = any(s.request.return_logits for s in sequences)
-        logits = self._forward(spans, all_rows=all_rows)
+        logits = self._forward(spans, all_rows=all_rows, split=self.parallel.cp > 1)
         row_begins = list(itertools.accumulate([0] + [end - begin for _, begin, end in spans]))
         if logits is not None and all_rows:
             rows, start = [], 0
             for seq, begin, end in spans:
                 if seq.request.return_logits:
-                    seq.prompt_logits = logits[start : start + end - begin]
+                    # Results leave the rank (pickled to the parent): host copies.
+                    seq.prompt_logits = logits[start : start + end - begin].cpu()
                 start += end - begin
                 rows.append(start - 1)
             logits = logits[rows]
@@ -315,9 +317,10 @@ class Engine:
         for seq in active:
             self._register_full_pages(seq)
 
-    def _forward(self, spans, all_rows: bool) -> torch.Tensor | None:
+    def _forward(self, spans, all_rows: bool, split: bool = False) -> torch.Tensor | None:
         """One forward over tokens [begin, end) of each sequence (end - 1 is the
-        last token whose KV gets written)."""
+        last token whose KV gets written). `split`: the new tokens are shared
+        out over the CP ranks (prefill); decode steps run whole on every rank."""
         token_ids, positions, write_slots, starts, lens, contexts, tables, last = (
             [] for _ in range(8)
         )
@@ -333,15 +336,23 @@ class Engine:
             tables.append(table)
             row += end - begin
             last.append(row - 1)
+        # Built on the CPU, then moved to the pool's device in one place.
+        dev = self.pool.device
         batch = ForwardBatch(
-            token_ids=torch.tensor(token_ids, dtype=torch.int64),
-            positions=torch.cat(positions),
-            write_slots=torch.cat(write_slots),
+            token_ids=torch.tensor(token_ids, dtype=torch.int64).to(dev),
+            positions=torch.cat(positions).to(dev),
+            write_slots=torch.cat(write_slots).to(dev),
             attention=AttentionBatch(
-                tuple(starts), tuple(lens), tuple(contexts), tuple(tables), page_size=ps
+                tuple(starts),
+                tuple(lens),
+                tuple(contexts),
+                tuple(t.to(dev) for t in tables),
+                page_size=ps,
             ),
-            last_rows=None if all_rows else torch.tensor(last, dtype=torch.int64),
+            last_rows=None if all_rows else torch.tensor(last, dtype=torch.int64).to(dev),
         )
+        if split:
+            batch = split_batch(batch, self.comm, self.parallel.cp, self.parallel.cp_rank)
         return self.shard.forward(batch)
 
     def _sample(self, sequences: list[_Sequence], logits: torch.Tensor | None) -> None:
@@ -354,7 +365,7 @@ class Engine:
         for i, seq in enumerate(sequences):
             token = int(chosen[i])
             if logits is not None and seq.request.return_logits:
-                seq.step_logits.append(logits[i].clone())
+                seq.step_logits.append(logits[i].cpu().clone())
             seq.generated.append(token)
             seq.tokens.append(token)
             params = seq.request.params

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from kvrelay.layout import ModelKVSpec, ParallelConfig, rank_rectangle
 from kvrelay.model.comm import Comm
 from kvrelay.model.config import TORCH_DTYPES, ModelConfig
 from kvrelay.model.decoder import DecoderShard
+from kvrelay.model.device import parse_device
 from kvrelay.model.engine import Engine
 from kvrelay.model.errors import ModelLoadError
 from kvrelay.model.mtp import MtpLayer, draft_kv_spec, load_mtp_weights
@@ -66,23 +69,26 @@ def load_engine(
     num_pages: int = 256,
     parallel: ParallelConfig | None = None,
     comm: Comm | None = None,
+    device: torch.device | str = "cpu",
     speculative: int = 0,
     mtp_positions: str = "target",
 ) -> Engine:
-    """An engine for one rank (the whole model when `parallel` is None);
-    `speculative` K > 0 drafts K tokens per step with the model's MTP layer."""
+    """An engine for one rank (the whole model when `parallel` is None), its
+    weights, KV pool and activations on `device`; `speculative` K > 0 drafts
+    K tokens per step with the model's MTP layer."""
     if dtype not in TORCH_DTYPES:
         raise ModelLoadError(f"dtype {dtype!r} is not one of {sorted(TORCH_DTYPES)}")
     parallel = parallel or ParallelConfig()
     if not isinstance(speculative, int) or speculative < 0:
         raise ModelLoadError(f"speculative must be a non-negative int, got {speculative!r}")
-    if parallel.cp != 1:
-        raise ModelLoadError("context parallelism is not implemented by the reference runner")
+    if speculative and parallel.cp != 1:
+        raise ModelLoadError("speculative decoding runs at cp=1 (decode keeps CP=1)")
     config = ModelConfig.from_dir(model_dir)
     spec = kv_spec(model_dir, config, dtype, page_size)
     plan = shard_plan(config, spec, parallel)
     torch_dtype = TORCH_DTYPES[dtype]
-    weights = load_weights(model_dir, config, plan, torch_dtype)
+    device = parse_device(device)
+    weights = load_weights(model_dir, config, plan, torch_dtype, device)
     pool = PagedKVPool(
         num_pages=num_pages,
         page_size=page_size,
@@ -90,18 +96,26 @@ def load_engine(
         num_heads=plan.num_kv_heads,
         head_dim=config.head_dim,
         dtype=torch_dtype,
+        device=device,
     )
     draft = None
     if speculative:
         draft = load_draft(
-            model_dir, config, plan, torch_dtype, num_pages, page_size, comm, mtp_positions
+            model_dir,
+            config,
+            plan,
+            torch_dtype,
+            (num_pages, page_size),
+            comm,
+            mtp_positions,
+            device,
         )
         draft = SpecDecoder(draft, draft_kv_spec(spec, config, mtp_positions), speculative)
     return Engine(DecoderShard(config, plan, weights, pool, comm), spec, parallel, draft)
 
 
 def load_draft(
-    model_dir, config, plan, dtype, pages, page_size, comm, positions
+    model_dir, config, plan, dtype, geometry, comm, positions, device
 ) -> MtpLayer | None:
     """The MTP layer of the last PP stage's ranks (None on other stages), with
     a draft pool of as many pages as the target's."""
@@ -112,12 +126,13 @@ def load_draft(
     if not plan.last_stage:
         return None
     pool = PagedKVPool(
-        num_pages=pages,
-        page_size=page_size,
+        num_pages=geometry[0],
+        page_size=geometry[1],
         num_layers=1,
         num_heads=plan.num_kv_heads,
         head_dim=config.head_dim,
         dtype=dtype,
+        device=device,
     )
-    weights = load_mtp_weights(model_dir, config, plan, dtype)
+    weights = load_mtp_weights(model_dir, config, plan, dtype, device)
     return MtpLayer(config, plan, weights, pool, comm, positions)

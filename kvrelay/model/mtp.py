@@ -54,14 +54,18 @@ def mtp_prefix(config: ModelConfig) -> str:
 
 
 def load_mtp_weights(
-    model_dir: str | Path, config: ModelConfig, plan: ShardPlan, dtype: torch.dtype
+    model_dir: str | Path,
+    config: ModelConfig,
+    plan: ShardPlan,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
 ) -> MtpWeights:
     """The MTP layer's tensors for `plan`'s rank (its TP share of the decoder layer)."""
     if config.num_mtp_layers < 1:
         raise ModelLoadError(
             f"{model_dir}: the model has no MTP layer (num_nextn_predict_layers in config.json)"
         )
-    reader = _Reader(model_dir, dtype)
+    reader = _Reader(model_dir, dtype, device)
     hidden, p = config.hidden_size, mtp_prefix(config)
     embed = reader.read("model.embed_tokens.weight", (config.vocab_size, hidden))
     if config.tie_word_embeddings:

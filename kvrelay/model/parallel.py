@@ -1,12 +1,15 @@
-"""Tensor and pipeline parallelism: one spawned process per rank.
+"""Tensor, pipeline and context parallelism: one spawned process per rank.
 
-`ParallelEngine` starts tp x pp processes (`spawn`, never `fork`) that join a
-torch.distributed group (gloo on CPU, bound to 127.0.0.1 on a free port; nccl
-where CUDA is used). Global rank = pp_rank * tp + tp_rank, as in
+`ParallelEngine` starts tp x pp x cp processes (`spawn`, never `fork`) that
+join a torch.distributed group (gloo on CPU, bound to 127.0.0.1 on a free
+port; nccl when every rank has a GPU of its own, `kvrelay.model.device`).
+Global rank = (cp_rank * pp + pp_rank) * tp + tp_rank, as in
 `ParallelConfig.rank`. Each rank loads only its weights and keeps a KV pool
-of only its rectangle of heads and layers. The parent sends every command to
-every rank and waits for all answers with a timeout; a rank that fails while
-the others did not leaves the group out of step, so the group is shut down.
+of only its rectangle of heads and layers (every CP rank of a rectangle
+holds all its tokens: `kvrelay.model.context_parallel`). The
+parent sends every command to every rank and waits for all answers with a
+timeout; a rank that fails while the others did not leaves the group out of
+step, so the group is shut down.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvrelay.layout import ModelKVSpec, ParallelConfig
+from kvrelay.model.device import collective_backend, parse_device, rank_device
 from kvrelay.model.engine import Request, Result
 
 # How long the other ranks get to answer once one rank has failed.
@@ -30,44 +34,72 @@ ERROR_GRACE_S = 10.0
 
 
 class DistComm:
-    """The `Comm` seam over a torch.distributed group of tp x pp ranks."""
+    """The `Comm` seam over a torch.distributed group of tp x pp x cp ranks.
 
-    def __init__(self, parallel: ParallelConfig) -> None:
-        tp, pp = parallel.tp, parallel.pp
+    Collectives run on `comm_device`: the rank's GPU under nccl, the CPU under
+    gloo. Tensors that live elsewhere (GPU activations of ranks sharing one
+    GPU, which use gloo) go through a copy there and back."""
+
+    def __init__(self, parallel: ParallelConfig, comm_device: torch.device | str = "cpu") -> None:
+        self.comm_device = torch.device(comm_device)
+        tp, pp, cp = parallel.tp, parallel.pp, parallel.cp
         self.tp_size = tp
         self.first_stage = parallel.pp_rank == 0
         self.last_stage = parallel.pp_rank == pp - 1
-        self.samples = self.last_stage and parallel.tp_rank == 0
-        self.sampler_rank = (pp - 1) * tp
+        self.samples = self.last_stage and parallel.tp_rank == 0 and parallel.cp_rank == 0
+        self.sampler_rank = parallel.with_rank(0, pp - 1, 0).rank
         rank = parallel.rank
+        # PP neighbours: same TP and CP coordinates (TP is the fastest index).
         self.next_rank = rank + tp
         self.prev_rank = rank - tp
-        self.tp_group = None
+        self.tp_group = self.cp_group = None
         # Every rank creates every group, in the same order (a collective call).
+        for cp_rank in range(cp):
+            for stage in range(pp):
+                ranks = [parallel.with_rank(t, stage, cp_rank).rank for t in range(tp)]
+                group = dist.new_group(ranks) if tp > 1 else None
+                if (stage, cp_rank) == (parallel.pp_rank, parallel.cp_rank):
+                    self.tp_group = group
         for stage in range(pp):
-            group = dist.new_group([stage * tp + r for r in range(tp)]) if tp > 1 else None
-            if stage == parallel.pp_rank:
-                self.tp_group = group
+            for tp_rank in range(tp):
+                ranks = [parallel.with_rank(tp_rank, stage, c).rank for c in range(cp)]
+                group = dist.new_group(ranks) if cp > 1 else None
+                if (stage, tp_rank) == (parallel.pp_rank, parallel.tp_rank):
+                    self.cp_group = group
+        self.cp_size = cp
 
     def all_reduce_tp(self, x: torch.Tensor) -> None:
         if self.tp_size > 1:
-            dist.all_reduce(x, group=self.tp_group)
+            t = x.to(self.comm_device)
+            dist.all_reduce(t, group=self.tp_group)
+            if t is not x:
+                x.copy_(t)
 
     def send_next(self, hidden: torch.Tensor) -> None:
-        dist.send(hidden.contiguous(), self.next_rank)
+        dist.send(hidden.contiguous().to(self.comm_device), self.next_rank)
 
     def recv_prev(self, like: torch.Tensor) -> torch.Tensor:
-        dist.recv(like, self.prev_rank)
-        return like
+        t = like.to(self.comm_device)
+        dist.recv(t, self.prev_rank)
+        return t.to(like.device)
 
     def broadcast_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        dist.broadcast(tokens, src=self.sampler_rank)
-        return tokens
+        t = tokens.to(self.comm_device)
+        dist.broadcast(t, src=self.sampler_rank)
+        return t.to(tokens.device)
 
     def min_all(self, value: int) -> int:
-        t = torch.tensor([value], dtype=torch.int64)
+        t = torch.tensor([value], dtype=torch.int64, device=self.comm_device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t)
+
+    def all_gather_cp(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.cp_size == 1:
+            return [x]
+        t = x.contiguous().to(self.comm_device)
+        parts = [torch.empty_like(t) for _ in range(self.cp_size)]
+        dist.all_gather(parts, t, group=self.cp_group)
+        return [part.to(x.device) for part in parts]
 
 
 def free_port() -> int:
@@ -91,7 +123,7 @@ def _die_with_parent() -> None:
 
 
 def _worker(
-    rank, tp, pp, port, model_dir, options, timeout_s, rank_setup, commands, results
+    rank, sizes, port, model_dir, options, timeout_s, rank_setup, commands, results
 ):  # fmt: skip
     _die_with_parent()
     # Gloo binds its pair sockets on the interface named here: loopback only.
@@ -100,19 +132,23 @@ def _worker(
     # from oversubscribing it.
     torch.set_num_threads(1)
     try:
+        device, backend = options["device"], options.pop("collective", "gloo")
+        if torch.device(device).type == "cuda":
+            torch.cuda.set_device(device)
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
-            world_size=tp * pp,
+            world_size=sizes.world_size,
             timeout=timedelta(seconds=timeout_s),
         )
         from kvrelay.model.draft_transfer import export_draft_prefix, import_draft_prefix
         from kvrelay.model.loader import load_engine
         from kvrelay.model.transfer import export_prefix, import_prefix
 
-        parallel = ParallelConfig(tp=tp, pp=pp, tp_rank=rank % tp, pp_rank=rank // tp)
-        engine = load_engine(model_dir, parallel=parallel, comm=DistComm(parallel), **options)
+        parallel = list(sizes.all_ranks())[rank]
+        comm = DistComm(parallel, device if backend == "nccl" else "cpu")
+        engine = load_engine(model_dir, parallel=parallel, comm=comm, **options)
         # Extra commands built inside the rank (a worker's transfer agent and
         # cache client live here, next to the pool they fill).
         extra = rank_setup(engine) if rank_setup is not None else {}
@@ -178,11 +214,13 @@ class ParallelEngine:
         *,
         tp: int = 1,
         pp: int = 1,
+        cp: int = 1,
         dtype: str = "float32",
         page_size: int = 64,
         num_pages: int = 256,
         timeout_s: float = 300.0,
         rank_setup=None,
+        device: str = "cpu",
         speculative: int = 0,
     ) -> None:
         """`rank_setup(engine) -> {name: handler}` (picklable, e.g. a
@@ -190,9 +228,12 @@ class ParallelEngine:
         engine loads; `call(name, *args)` then runs the handler on every rank.
         A handler named "close" runs when the rank stops. Ranks die with the
         thread that starts them (parent-death signal): create the engine from
-        a thread that outlives it, e.g. the main thread."""
-        ParallelConfig(tp=tp, pp=pp)  # validates the sizes
-        self.tp, self.pp, self.world = tp, pp, tp * pp
+        a thread that outlives it, e.g. the main thread. `device` is the
+        first rank's (`cpu`, `cuda`, `cuda:N`); rank r takes `rank_device`."""
+        sizes = ParallelConfig(tp=tp, pp=pp, cp=cp)  # validates the sizes
+        self.tp, self.pp, self.cp, self.world = tp, pp, cp, sizes.world_size
+        base = parse_device(device)
+        devices = [rank_device(base, r, self.world) for r in range(self.world)]
         self.timeout_s = timeout_s
         context = mp.get_context("spawn")
         self._commands = [context.Queue() for _ in range(self.world)]
@@ -202,8 +243,10 @@ class ParallelEngine:
             options["speculative"] = speculative
         port = free_port()
         self._procs = []
+        options["collective"] = collective_backend(devices)
         for rank in range(self.world):
-            args = (rank, tp, pp, port, str(model_dir), dict(options), timeout_s, rank_setup)
+            rank_options = {**options, "device": str(devices[rank])}
+            args = (rank, sizes, port, str(model_dir), rank_options, timeout_s, rank_setup)
             queues = (self._commands[rank], self._results)
             self._procs.append(context.Process(target=_worker, args=args + queues, daemon=True))
         for proc in self._procs:
@@ -213,7 +256,7 @@ class ParallelEngine:
         except BaseException:
             self.close()
             raise
-        self.sampler_rank = (pp - 1) * tp
+        self.sampler_rank = sizes.with_rank(0, pp - 1, 0).rank
 
     # -- commands ---------------------------------------------------------
     def generate(self, requests: list[Request]) -> list[Result]:
@@ -222,7 +265,7 @@ class ParallelEngine:
     def export_prefix(self, tokens: list[int]) -> torch.Tensor:
         """Pages of the cached tokens `tokens` (a trailing partial page
         included), as unified page objects: every writer rank gathers its
-        rectangle into one shared arena."""
+        rectangle of the pages its CP rank owns into one shared arena."""
         num_pages = -(-len(tokens) // self.spec.page_size)
         arena = torch.zeros(num_pages, self.spec.page_bytes, dtype=torch.uint8).share_memory_()
         self._call("export", list(tokens), arena)
@@ -233,10 +276,12 @@ class ParallelEngine:
             arena = arena.clone().share_memory_()
         return self._call("import", list(tokens), arena)[0]
 
-    def export_draft_prefix(self, tokens: list[int], draft_page_bytes: int) -> torch.Tensor:
-        """The draft pages of `tokens` (`kvrelay.model.draft_transfer`)."""
+    def export_draft_prefix(self, tokens: list[int]) -> torch.Tensor:
+        """The draft pages of `tokens` (`kvrelay.model.draft_transfer`): one
+        layer of the target's heads and dims per page."""
         num_pages = max(0, (len(tokens) - 1) // self.spec.page_size)
-        arena = torch.zeros(num_pages, draft_page_bytes, dtype=torch.uint8).share_memory_()
+        page_bytes = self.spec.num_kv_heads * self.spec.block_bytes
+        arena = torch.zeros(num_pages, page_bytes, dtype=torch.uint8).share_memory_()
         self._call("export_draft", list(tokens), arena)
         return arena
 
@@ -293,7 +338,7 @@ class ParallelEngine:
                 if errors:
                     raise errors[0]
                 why = f"ranks {dead} exited" if dead else f"no answer in {self.timeout_s:.0f} s"
-                raise RuntimeError(f"parallel engine tp={self.tp} pp={self.pp}: {why}")
+                raise RuntimeError(f"parallel engine tp={self.tp} pp={self.pp} cp={self.cp}: {why}")
         errors = [value for status, value in answers.values() if status == "error"]
         if errors:
             if len(errors) < self.world:

@@ -65,6 +65,7 @@ class PagedKVPool:
         self.storage = torch.zeros(
             num_layers, 2, slots, num_heads, head_dim, dtype=dtype, device=device
         )
+        self.device = self.storage.device
         self.k_layers = [self.storage[layer, 0] for layer in range(num_layers)]
         self.v_layers = [self.storage[layer, 1] for layer in range(num_layers)]
         self.ref_counts = [0] * num_pages

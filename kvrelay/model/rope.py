@@ -97,7 +97,8 @@ class RotaryEmbedding:
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """[tokens, head_dim] cos and sin for int64 `positions`."""
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
         if self.attention_factor != 1.0:

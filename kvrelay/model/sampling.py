@@ -55,7 +55,9 @@ class Sampler:
                 torch.multinomial(flat, 1, generator=self.generator)
 
     def __call__(self, logits: torch.Tensor) -> int:
-        """logits: [vocab] of any float dtype."""
+        """logits: [vocab] of any float dtype, on any device. Sampling runs on
+        the CPU, whose seeded generator gives the same draws on every device."""
+        logits = logits.cpu()
         if self.params.greedy:
             return int(torch.argmax(logits))
         return int(torch.multinomial(self.probs(logits), 1, generator=self.generator))
@@ -64,7 +66,7 @@ class Sampler:
         """The distribution a non-greedy draw samples from (float64 [vocab]):
         temperature, then top-k, then top-p."""
         p = self.params
-        scores = logits.to(torch.float64) / p.temperature
+        scores = logits.cpu().to(torch.float64) / p.temperature
         if p.top_k and p.top_k < scores.numel():
             kth = torch.topk(scores, p.top_k).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))

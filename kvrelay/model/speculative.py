@@ -258,14 +258,19 @@ class SpecDecoder:
             hiddens.append(hidden)
             at += end - begin
             last.append(at - 1)
+        dev = self.pool.device  # built on the CPU, moved in one place
         batch = ForwardBatch(
-            token_ids=torch.tensor(token_ids, dtype=torch.int64),
-            positions=torch.cat(positions),
-            write_slots=torch.cat(slots),
+            token_ids=torch.tensor(token_ids, dtype=torch.int64).to(dev),
+            positions=torch.cat(positions).to(dev),
+            write_slots=torch.cat(slots).to(dev),
             attention=AttentionBatch(
-                tuple(starts), tuple(lens), tuple(contexts), tuple(tables), page_size=ps
+                tuple(starts),
+                tuple(lens),
+                tuple(contexts),
+                tuple(t.to(dev) for t in tables),
+                page_size=ps,
             ),
-            last_rows=None if all_rows else torch.tensor(last, dtype=torch.int64),
+            last_rows=None if all_rows else torch.tensor(last, dtype=torch.int64).to(dev),
         )
         return self.mtp.forward(torch.cat(hiddens), batch)
 

@@ -2,7 +2,8 @@
 
 A rank exports its rectangle (its KV heads x its layers) of the pages of a
 cached token sequence into page objects (rows of a uint8 arena of
-`spec.page_bytes` each) with one `gather_pages` call; a rank of any other
+`spec.page_bytes` each) with one `gather_pages` call (`page_copy`: on the
+pool's device); a rank of any other
 parallel config imports the rectangle it owns with one `scatter_pages` call
 and indexes the pages, so its next request with those tokens computes only
 what follows. Full pages are indexed under their chained keys; a trailing
@@ -10,17 +11,19 @@ partial page (the tail of a prompt that travels from prefill to decode) is
 exported with zeros past its last token and indexed under its local partial
 key (`kvrelay.model.pool.partial_page_key`). When TP exceeds the KV heads,
 only the first replica of a head writes it (`Rectangle.writer`); every
-replica reads it.
+replica reads it. Under CP, page i is exported by CP rank i % cp only
+(`ParallelConfig.owns_page`), and every CP rank imports every page (each
+holds the whole sequence).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvrelay.cuda_ext import gather_pages, rect_geometry, scatter_pages
 from kvrelay.layout import rank_rectangle
 from kvrelay.model.engine import Engine
 from kvrelay.model.errors import PrefixNotCached
+from kvrelay.model.page_copy import gather_rect, scatter_rect
 from kvrelay.model.pool import partial_page_key
 
 
@@ -67,12 +70,13 @@ def export_prefix(engine: Engine, tokens, arena: torch.Tensor, page_ids=None) ->
                 f"{len(pages)} of {len(keys)} pages of the prefix are cached on this rank"
             )
         rect = rank_rectangle(spec, engine.parallel)
-        if rect.writer and pages:
+        # Under CP every rank holds every page; page i is written by CP rank i % cp only.
+        owned = [i for i in range(len(pages)) if engine.parallel.owns_page(i)]
+        if rect.writer and owned:
             ids = _arena_rows(range(len(pages)) if page_ids is None else page_ids, len(pages))
             slots = _slot_mapping(engine, pages, 0, len(tokens))
-            gather_pages(
-                pool.k_layers, pool.v_layers, arena, ids, slots, **rect_geometry(spec, rect)
-            )
+            ids, slots = ids[owned].contiguous(), slots[owned].contiguous()
+            gather_rect(pool, arena, ids, slots, spec, rect)
     finally:
         pool.release(pages)
     return len(keys)
@@ -97,14 +101,7 @@ def import_prefix(engine: Engine, tokens, arena: torch.Tensor, page_ids=None) ->
         if fresh:
             rect = rank_rectangle(spec, engine.parallel)
             slots = _slot_mapping(engine, fresh, len(have), len(tokens))
-            scatter_pages(
-                pool.k_layers,
-                pool.v_layers,
-                arena,
-                ids[len(have) :].contiguous(),
-                slots,
-                **rect_geometry(spec, rect),
-            )
+            scatter_rect(pool, arena, ids[len(have) :].contiguous(), slots, spec, rect)
             for page, key in zip(fresh, keys[len(have) :], strict=True):
                 pool.register(page, key)
     finally:

@@ -135,9 +135,12 @@ def fingerprint(model_dir: str | Path) -> str:
 class _Reader:
     """Reads (slices of) named tensors, checking their full shapes first."""
 
-    def __init__(self, model_dir: str | Path, dtype: torch.dtype) -> None:
+    def __init__(
+        self, model_dir: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> None:
         self.files = weight_files(model_dir)
         self.dtype = dtype
+        self.device = torch.device(device)
         self._handles: dict[Path, object] = {}
 
     def has(self, name: str) -> bool:
@@ -163,7 +166,7 @@ class _Reader:
         else:
             cols = cols or (0, shape[1])
             tensor = piece[rows[0] : rows[1], cols[0] : cols[1]]
-        return tensor.to(self.dtype).contiguous()
+        return tensor.to(device=self.device, dtype=self.dtype).contiguous()
 
     def _where(self) -> str:
         files = sorted({f.name for f in self.files.values()})
@@ -171,10 +174,14 @@ class _Reader:
 
 
 def load_weights(
-    model_dir: str | Path, config: ModelConfig, plan: ShardPlan, dtype: torch.dtype
+    model_dir: str | Path,
+    config: ModelConfig,
+    plan: ShardPlan,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
 ) -> ModelWeights:
-    """The tensors `plan`'s rank needs, in `dtype`."""
-    reader = _Reader(model_dir, dtype)
+    """The tensors `plan`'s rank needs, in `dtype`, on `device`."""
+    reader = _Reader(model_dir, dtype, device)
     hidden = config.hidden_size
     layers = [
         read_layer(reader, config, plan, index) for index in range(plan.layer_start, plan.layer_end)

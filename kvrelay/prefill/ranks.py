@@ -143,9 +143,14 @@ class PrefillRanks:
         full pages through to the tier, publish this rank's handle."""
         tokens, keys, rows = item["tokens"], state["keys"], state["rows"]
         local, tier = state["local"], state["tier"]
+        # Under CP each page is staged and written by its owner (page i: CP
+        # rank i % cp) only; every CP rank computed and holds all of them.
         export_prefix(self.engine, tokens, self.rt.staging, rows)
+        owned = [i for i in range(len(rows)) if self.engine.parallel.owns_page(i)]
         full = len(keys)
-        new = list(range(local)) + list(range(local + tier, full))
+        new = [i for i in range(local) if i in owned] + [
+            i for i in range(local + tier, full) if i in owned
+        ]
         written = self.rt.tier_write([keys[i] for i in new], [rows[i] for i in new])
         # Pages decode may take from the tier; if a write failed, only what
         # the tier is known to hold (what decode cannot find there it takes
@@ -161,9 +166,10 @@ class PrefillRanks:
         elif params["max_new_tokens"] <= 1:
             finish = "length"
         handle = None
-        if self.rt.rect.writer and finish is None:
-            handle = self.rt.run(self._grant(rows, float(item["lease_s"])))
-        else:  # a replica publishes nothing; a finished request needs no decode
+        if self.rt.rect.writer and owned and finish is None:
+            handle = self.rt.run(self._grant(rows, owned, float(item["lease_s"])))
+        else:  # a replica (or a CP rank owning no page) publishes nothing;
+            # a finished request needs no decode
             self.rt.rows.give_back(rows)
         tier_tokens = min(tier * self.ps, result.cached_tokens)
         return {
@@ -175,13 +181,15 @@ class PrefillRanks:
             "pages": len(rows),
             "handle": handle,
             "runs": [list(r) for r in self.rt.runs],
+            # The prompt's pages this handle holds (all of them without CP).
+            "page_indices": owned if self.engine.parallel.cp > 1 else None,
         }
 
-    async def _grant(self, rows: list[int], lease_s: float) -> bytes:
-        # publish() touches the lease table: on the loop thread.
-        handle = self.rt.agent.publish(
-            self.rt.arena, self.rt.page_runs(rows), self.rt.namespace, lease_s
-        )
+    async def _grant(self, rows: list[int], owned: list[int], lease_s: float) -> bytes:
+        # publish() touches the lease table: on the loop thread. The handle
+        # covers the owned pages' rows; all the rows go back on its release.
+        runs = self.rt.page_runs([rows[i] for i in owned])
+        handle = self.rt.agent.publish(self.rt.arena, runs, self.rt.namespace, lease_s)
         self.outstanding[handle.lease_id] = rows
         return handle.to_bytes()
 

@@ -28,6 +28,13 @@ class _Pending:
     abandoned: bool = False  # control closed the connection before the answer
 
 
+def _handle_entry(answer: dict) -> dict:
+    entry = {"handle": answer["handle"], "runs": answer["runs"]}
+    if answer.get("page_indices") is not None:  # a CP rank's share of the pages
+        entry["pages"] = answer["page_indices"]
+    return entry
+
+
 class PrefillWorker(WorkerFront):
     role = "prefill"
 
@@ -49,7 +56,11 @@ class PrefillWorker(WorkerFront):
         tokens = check_tokens(message.get("tokens"), self.vocab)
         params = check_params(message.get("params", {}), self.vocab)
         lease_s = message.get("lease_s", 30.0)
-        if not isinstance(lease_s, int | float) or not 0 < lease_s <= 3600:
+        if (
+            isinstance(lease_s, bool)
+            or not isinstance(lease_s, int | float)
+            or not 0 < lease_s <= 3600
+        ):
             raise RequestError("lease_s must be a number of seconds in (0, 3600]")
         if self.draining or len(self._queue) >= self.config.max_queue:
             self.counters.busy_rejections += 1
@@ -152,9 +163,7 @@ class PrefillWorker(WorkerFront):
         c.tier_hit_tokens += first["cached_tier"]
         c.generated_tokens += 1
         finish = first["finish_reason"]
-        handles = [
-            {"handle": r["handle"], "runs": r["runs"]} for r in per_rank if r["handle"] is not None
-        ]
+        handles = [_handle_entry(r) for r in per_rank if r["handle"] is not None]
         timings = dict(first["timings"])
         timings["queue_s"] = time.perf_counter() - pending.queued_at - sum(timings.values())
         return {
@@ -164,7 +173,7 @@ class PrefillWorker(WorkerFront):
             "cached_tokens": {"local": first["cached_local"], "tier": first["cached_tier"]},
             "tier_pages": first["tier_pages"],
             "pages": first["pages"],
-            "spec": {"tp": self.config.tp, "pp": self.config.pp},
+            "spec": {"tp": self.config.tp, "pp": self.config.pp, "cp": self.config.cp},
             "handles": handles,  # none when finished: decode is not needed
             "timings": timings,
         }

@@ -15,6 +15,7 @@ import itertools
 import socket
 import uuid
 from collections.abc import Sequence
+from reprlib import repr as brief
 
 from kvrelay.transfer.arena import Arena
 from kvrelay.transfer.base import AgentConfig, Peer, Transport
@@ -29,7 +30,15 @@ from kvrelay.transfer.errors import (
 from kvrelay.transfer.fastpath import copy_shared, host_id
 from kvrelay.transfer.handle import ArenaInfo, BlockHandle, check_runs, plan_checked
 from kvrelay.transfer.lease import LeaseTable
-from kvrelay.transfer.wire import WIRE_VERSION, Connection, error_reply, listen_socket, token_ok
+from kvrelay.transfer.wire import (
+    MAX_HELLO_FRAME,
+    WIRE_VERSION,
+    Connection,
+    error_reply,
+    listen_socket,
+    refuse,
+    token_ok,
+)
 
 _LOOPBACK: dict[str, Agent] = {}  # in-process agents of the loopback backend
 
@@ -304,7 +313,7 @@ class Agent:
 
     async def _serve(self, conn: Connection) -> None:
         try:
-            hello = await asyncio.wait_for(conn.recv(), self.config.timeout)
+            hello = await asyncio.wait_for(conn.recv(MAX_HELLO_FRAME), self.config.timeout)
             if hello.get("op") != "hello" or not token_ok(hello.get("token"), self.config.token):
                 await conn.send(error_reply(AuthError("bad cluster token or no hello")))
                 return
@@ -321,15 +330,21 @@ class Agent:
                 }
             )
             while True:
-                message = await conn.recv()
+                message = await conn.recv(stall_timeout=self.config.timeout)
                 op = message.get("op")
                 if op == "arenas":
                     await conn.send({"ok": True, "arenas": self.arena_table()})
                 elif op == "release":
-                    self.leases.release(message.get("lease"))
-                    await conn.send({"ok": True})
+                    lease = message.get("lease")
+                    if isinstance(lease, int):
+                        self.leases.release(lease)
+                        await conn.send({"ok": True})
+                    else:
+                        await conn.send(error_reply(ProtocolError("lease must be an integer")))
                 elif not await self.transport.serve(self, conn, message):
-                    await conn.send(error_reply(ProtocolError(f"unknown op {op!r}")))
+                    await conn.send(error_reply(ProtocolError(f"unknown op {brief(op)}")))
+        except ProtocolError as exc:
+            await refuse(conn, exc)
         except (TransferError, TimeoutError, OSError):
             pass  # the peer went away or spoke garbage: drop the connection
         finally:

@@ -15,10 +15,13 @@ import struct
 
 import msgpack
 
-from kvrelay.transfer.errors import PeerError, ProtocolError
+from kvrelay.transfer.errors import PeerError, ProtocolError, TransferError
 
 WIRE_VERSION = 1
 MAX_FRAME = 16 << 20  # a read of 2**20 runs needs about 10 MiB of msgpack
+# Before the hello nobody is authenticated: a stranger's frame is small, so
+# it cannot make the server allocate (and unpack) megabytes.
+MAX_HELLO_FRAME = 64 << 10
 _LEN = struct.Struct(">I")
 
 
@@ -49,14 +52,19 @@ class Connection:
             raise ProtocolError(f"frame of {len(body)} bytes exceeds {MAX_FRAME}")
         await self.send_bytes(_LEN.pack(len(body)) + body)
 
-    async def recv(self) -> dict:
+    async def recv(self, max_size: int = MAX_FRAME, stall_timeout: float | None = None) -> dict:
+        """The next frame. The wait for its first byte is the caller's; once it
+        started, the rest must arrive within `stall_timeout` (a peer sending a
+        byte a second must not hold the connection)."""
         header = bytearray(_LEN.size)
-        await self.recv_into(memoryview(header))
-        (length,) = _LEN.unpack(header)
-        if length > MAX_FRAME:
-            raise ProtocolError(f"frame of {length} bytes exceeds {MAX_FRAME}")
-        body = bytearray(length)
-        await self.recv_into(memoryview(body))
+        await self.recv_into(memoryview(header)[:1])
+        async with asyncio.timeout(stall_timeout):
+            await self.recv_into(memoryview(header)[1:])
+            (length,) = _LEN.unpack(header)
+            if length > max_size:
+                raise ProtocolError(f"frame of {length} bytes exceeds {max_size}")
+            body = bytearray(length)
+            await self.recv_into(memoryview(body))
         try:
             message = msgpack.unpackb(bytes(body), raw=False, strict_map_key=True)
         except Exception as exc:  # msgpack raises several unrelated types
@@ -116,4 +124,13 @@ def token_ok(given, expected: str) -> bool:
 
 
 def error_reply(exc: Exception) -> dict:
-    return {"ok": False, "error": type(exc).__name__, "message": str(exc)}
+    return {"ok": False, "error": type(exc).__name__, "message": str(exc)[:2000]}
+
+
+async def refuse(conn: Connection, exc: Exception) -> None:
+    """Best effort: tell a peer that spoke garbage why it is dropped."""
+    try:
+        async with asyncio.timeout(1.0):
+            await conn.send(error_reply(exc))
+    except (TransferError, TimeoutError, OSError):
+        pass

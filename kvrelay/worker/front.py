@@ -16,12 +16,20 @@ import json
 import logging
 import socket
 from dataclasses import dataclass
+from reprlib import repr as brief
 
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.errors import RequestError
 from kvrelay.model.parallel import ParallelEngine
-from kvrelay.transfer import TransferError
-from kvrelay.transfer.wire import WIRE_VERSION, Connection, listen_socket, token_ok
+from kvrelay.transfer import ProtocolError, TransferError
+from kvrelay.transfer.wire import (
+    MAX_HELLO_FRAME,
+    WIRE_VERSION,
+    Connection,
+    listen_socket,
+    refuse,
+    token_ok,
+)
 from kvrelay.worker.protocol import WorkerCounters, error_reply
 from kvrelay.worker.rank import RankOptions
 from kvrelay.worker.registration import Registrar
@@ -35,6 +43,7 @@ class WorkerConfig:
     token: str
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context-parallel prefill ranks (prefill only)
     control: str = ""  # control's base URL; "" runs unregistered
     cache: tuple[str, ...] = ()
     backend: str = "tcp"
@@ -42,6 +51,8 @@ class WorkerConfig:
     num_pages: int = 256
     page_size: int = 64
     dtype: str = "float32"
+    device: str = "cpu"  # the first rank's; see kvrelay.model.device
+    staging: str = "pinned"  # GPU pools: "pinned" (host) or "device" (GPU memory)
     local_cache: bool = True
     max_batch: int = 8
     max_queue: int = 64
@@ -57,6 +68,7 @@ class WorkerConfig:
             backend=self.backend,
             cache=tuple(self.cache),
             staging_pages=self.staging_pages or self.num_pages,
+            staging=self.staging,
             transfer_timeout_s=self.transfer_timeout_s,
             local_cache=self.local_cache,
             write_back=self.write_back,
@@ -89,9 +101,11 @@ class WorkerFront:
             c.model_dir,
             tp=c.tp,
             pp=c.pp,
+            cp=c.cp,
             dtype=c.dtype,
             page_size=c.page_size,
             num_pages=c.num_pages,
+            device=c.device,
             rank_setup=functools.partial(self._rank_setup, c.rank_options()),
         )
         self.spec = self.engine.spec
@@ -118,6 +132,7 @@ class WorkerFront:
             "vocab_size": self.vocab,
             "tp": c.tp,
             "pp": c.pp,
+            "cp": c.cp,
             "num_pages": c.num_pages,
             "cache": bool(c.cache),
         }
@@ -174,6 +189,7 @@ class WorkerFront:
             "staging_free": min(c["staging_free"] for c in counters),
             "bytes_from_tier": sum(c["bytes_from_tier"] for c in counters),
             "bytes_to_tier": sum(c["bytes_to_tier"] for c in counters),
+            "writeback_skipped_pages": max(c.get("writeback_skipped_pages", 0) for c in counters),
         }
         return self._last_status
 
@@ -185,6 +201,7 @@ class WorkerFront:
     def _stats(self, status: dict) -> dict:
         self.counters.bytes_from_tier = status["bytes_from_tier"]
         self.counters.bytes_to_tier = status["bytes_to_tier"]
+        self.counters.writeback_skipped_pages = status["writeback_skipped_pages"]
         return self.counters.as_dict() | {
             k: status[k] for k in ("queued", "active", "free_pages", "staging_free")
         }
@@ -199,7 +216,7 @@ class WorkerFront:
     async def _serve(self, conn: Connection) -> None:
         try:
             async with asyncio.timeout(self.config.hello_timeout_s):
-                hello = await conn.recv()
+                hello = await conn.recv(MAX_HELLO_FRAME)
                 ok = hello.get("op") == "hello" and token_ok(hello.get("token"), self.config.token)
                 if not ok or hello.get("v") != WIRE_VERSION:
                     await conn.send({"ok": False, "error": "AuthError", "message": "bad hello"})
@@ -207,6 +224,8 @@ class WorkerFront:
                 await conn.send({"ok": True, "role": self.role})
                 message = await conn.recv()
             await self._dispatch(conn, message)
+        except ProtocolError as exc:
+            await refuse(conn, exc)
         except (TransferError, TimeoutError, OSError):
             pass  # control went away or spoke garbage
         finally:
@@ -231,7 +250,7 @@ class WorkerFront:
             finally:
                 self._inflight -= 1
         else:
-            await conn.send(error_reply(RequestError(f"unknown op {op!r} for a {self.role}")))
+            await conn.send(error_reply(RequestError(f"unknown op {brief(op)} for a {self.role}")))
 
     # -- the role ------------------------------------------------------------------------
     async def handle(self, conn: Connection, message: dict) -> None:

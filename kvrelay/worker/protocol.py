@@ -28,14 +28,14 @@ def sampling(params: dict, **override) -> SamplingParams:
     return SamplingParams(**fields)
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_tokens(tokens, vocab: int, name: str = "tokens") -> list[int]:
     if not isinstance(tokens, list) or not tokens:
         raise RequestError(f"{name} must be a non-empty list of token ids")
-    if not all(_is_int(t) and 0 <= t < vocab for t in tokens):
+    if not all(is_int(t) and 0 <= t < vocab for t in tokens):
         raise RequestError(f"{name} must be integers in [0, {vocab})")
     return tokens
 
@@ -46,7 +46,7 @@ def check_params(params, vocab: int) -> dict:
         raise RequestError("params must be a map")
     unknown = set(params) - set(PARAM_FIELDS)
     if unknown:
-        raise RequestError(f"unknown params {sorted(unknown)}")
+        raise RequestError(f"unknown params {sorted(map(repr, unknown))}")
     out = {
         "max_new_tokens": params.get("max_new_tokens", 16),
         "temperature": params.get("temperature", 0.0),
@@ -55,14 +55,14 @@ def check_params(params, vocab: int) -> dict:
         "seed": params.get("seed"),
         "stop_token_ids": params.get("stop_token_ids") or [],
     }
-    if not _is_int(out["max_new_tokens"]) or not _is_int(out["top_k"]):
+    if not is_int(out["max_new_tokens"]) or not is_int(out["top_k"]):
         raise RequestError("max_new_tokens and top_k must be integers")
     if not all(isinstance(out[k], int | float) for k in ("temperature", "top_p")):
         raise RequestError("temperature and top_p must be numbers")
-    if out["seed"] is not None and not _is_int(out["seed"]):
+    if out["seed"] is not None and not is_int(out["seed"]):
         raise RequestError("seed must be an integer or null")
     if not isinstance(out["stop_token_ids"], list) or not all(
-        _is_int(t) and 0 <= t < vocab for t in out["stop_token_ids"]
+        is_int(t) and 0 <= t < vocab for t in out["stop_token_ids"]
     ):
         raise RequestError(f"stop_token_ids must be integers in [0, {vocab})")
     sampling(out)  # SamplingParams' own range checks
@@ -91,6 +91,7 @@ class WorkerCounters:
     bytes_from_prefill: int = 0
     busy_rejections: int = 0
     errors: int = 0
+    writeback_skipped_pages: int = 0  # decode: full pages not written back, no staging rows
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -27,6 +27,7 @@ class RankOptions:
     backend: str = "tcp"
     cache: tuple[str, ...] = ()
     staging_pages: int = 256
+    staging: str = "pinned"  # a GPU pool's staging: "pinned" (host) or "device" (GPU memory)
     transfer_timeout_s: float = 10.0
     local_cache: bool = True
     write_back: bool = False
@@ -74,13 +75,24 @@ class RankRuntime:
         self.agent = self.run(
             create_agent(options.backend, token=options.token, timeout=options.transfer_timeout_s)
         )
-        self.arena = self.agent.allocate_arena(options.staging_pages * self.page_bytes)
+        self.arena = self._staging_arena(options.staging_pages * self.page_bytes)
         self.staging = self.arena.tensor.view(options.staging_pages, self.page_bytes)
         self.rows = StagingRows(options.staging_pages)
         self.cache = None
         if options.cache:
             config = CacheClientConfig(options.cache, options.token)
             self.cache = CacheClient(self.agent, self.spec, self.rect, config)
+
+    def _staging_arena(self, size: int):
+        """Host shared memory (the fast path's memfd) beside a CPU pool or with
+        `staging="pinned"`; GPU memory on the pool's GPU, registered with UCX,
+        with `staging="device"`."""
+        device = self.engine.pool.device
+        if device.type == "cuda" and self.options.staging == "device":
+            import torch
+
+            return self.agent.register_tensor(torch.zeros(size, dtype=torch.uint8, device=device))
+        return self.agent.allocate_arena(size)
 
     def run(self, coro, timeout: float | None = None):
         """Runs a coroutine on the agent's loop; waits at most `timeout`

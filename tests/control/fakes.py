@@ -56,11 +56,12 @@ class FakeWorker:
     """
 
     def __init__(self, role: str, control_url: str, *, model="fake", vocab=512, page_size=4,
-                 num_pages=64, namespace=NAMESPACE, token=TOKEN) -> None:  # fmt: skip
+                 num_pages=64, namespace=NAMESPACE, token=TOKEN, batch=2) -> None:  # fmt: skip
         self.role = role
         self.control_url = control_url
         self.model, self.vocab, self.page_size = model, vocab, page_size
         self.num_pages, self.namespace, self.token = num_pages, namespace, token
+        self.batch = batch  # tokens per decode frame
         self.mode = "ok"
         self.delay = 0.0
         self.queued = 0
@@ -235,13 +236,14 @@ class FakeWorker:
         prev, left = message["first_token"], params["max_new_tokens"] - 1
         finish = "length"
         sent_batches = 0
+        stops = set(params["stop_token_ids"])
         while left > 0:
             batch = []
-            while left > 0 and len(batch) < 2:
+            while left > 0 and len(batch) < self.batch:
                 prev = next_token(prev, self.vocab)
                 batch.append(prev)
                 left -= 1
-                if prev in params["stop_token_ids"]:
+                if prev in stops:
                     left, finish = 0, "stop"
             if self.mode == "slow" and await self._wait_or_eof(reader, self.delay):
                 self.cancelled.append(message["rid"])

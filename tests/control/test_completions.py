@@ -95,19 +95,30 @@ def test_streaming_multibyte_text_is_whole():
 @pytest.mark.parametrize(
     ("body", "status", "message"),
     [
-        ({"prompt": ""}, 422, "prompt: Value error, prompt must not be empty"),
-        ({"prompt": []}, 422, "prompt must not be empty"),
+        ({"prompt": ""}, 400, "prompt: Value error, prompt must not be empty"),
+        ({"prompt": []}, 400, "prompt must not be empty"),
         ({"prompt": [1, 512]}, 400, "outside the vocabulary [0, 512)"),
-        ({"prompt": [1, -1]}, 422, "must not be negative"),
-        ({"prompt": "x", "max_tokens": 0}, 422, "max_tokens: Input should be greater than"),
-        ({"prompt": "x", "max_tokens": 10**6}, 422, "max_tokens: Input should be less than"),
-        ({"prompt": "x", "temperature": -0.5}, 422, "temperature: Input should be greater than"),
-        ({"prompt": "x", "top_p": 0}, 422, "top_p: Input should be greater than 0"),
-        ({"prompt": "x", "top_p": 1.5}, 422, "top_p: Input should be less than or equal to 1"),
+        ({"prompt": [1, -1]}, 400, "must not be negative"),
+        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens: Input should be greater than"),
+        ({"prompt": "x", "max_tokens": 10**6}, 400, "max_tokens: Input should be less than"),
+        ({"prompt": "x", "temperature": -0.5}, 400, "temperature: Input should be greater than"),
+        ({"prompt": "x", "top_p": 0}, 400, "top_p: Input should be greater than 0"),
+        ({"prompt": "x", "top_p": 1.5}, 400, "top_p: Input should be less than or equal to 1"),
         ({"prompt": "x", "model": "nope"}, 404, "unknown model 'nope'; serving: fake"),
         ({"prompt": "x", "stop_token_ids": [9999]}, 400, "stop_token_ids has token ids outside"),
-        ({"max_tokens": 3}, 422, "prompt: Field required"),
-        ({"prompt": 5}, 422, "prompt"),
+        ({"max_tokens": 3}, 400, "prompt: Field required"),
+        ({"prompt": 5}, 400, "prompt: Input should be a valid"),
+        ({"prompt": "x", "n": 3}, 400, "n: Value error, only one choice per request"),
+        ({"prompt": "x", "best_of": 2}, 400, "best_of: Value error, only one choice"),
+        ({"prompt": "x", "logprobs": 1}, 400, "logprobs: Value error, not supported"),
+        ({"prompt": "x", "echo": True}, 400, "echo: Value error, echo is not supported"),
+        ({"prompt": "x", "suffix": "z"}, 400, "suffix: Value error, not supported"),
+        ({"prompt": "x", "presence_penalty": 1}, 400, "penalties are not supported"),
+        ({"prompt": "x", "frequency_penalty": -1}, 400, "penalties are not supported"),
+        ({"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias is not supported"),
+        ({"prompt": "x", "stop": [""]}, 400, "stop.0: String should have at least 1"),
+        ({"prompt": "x", "stop": list("abcde")}, 400, "stop: List should have at most 4"),
+        ({"prompt": "x", "best_of_n": 2}, 400, "best_of_n: Extra inputs are not permitted"),
     ],
 )  # fmt: skip
 def test_bad_requests_say_what_is_wrong(served, body, status, message):
@@ -118,12 +129,12 @@ def test_bad_requests_say_what_is_wrong(served, body, status, message):
     assert prefill.requests == []
 
 
-def test_malformed_json_is_a_4xx(served):
+def test_malformed_json_is_a_400(served):
     control, _, _ = served
     reply = control.http.post(
         "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
     )
-    assert reply.status_code == 422
+    assert reply.status_code == 400
     assert "JSON" in reply.json()["error"]["message"]
 
 
@@ -192,8 +203,75 @@ def test_registration_and_admin_need_the_token(cluster, method, path, body):
      ({"page_size": 0}, "page_size: Input should be greater than or equal to 1"),
      ({"num_pages": "many"}, "num_pages: Input should be a valid integer")],
 )  # fmt: skip
-def test_bad_registration_is_422_with_reason(cluster, change, message):
+def test_bad_registration_is_400_with_reason(cluster, change, message):
     control = cluster.control()
     reply = control.http.post("/v1/nodes", json=REGISTRATION | change, headers=AUTH)
-    assert reply.status_code == 422
+    assert reply.status_code == 400
     assert message in reply.json()["error"]["message"]
+
+
+def test_off_values_of_unsupported_parameters_are_accepted(served):
+    control, _, _ = served
+    body = {"prompt": [1], "max_tokens": 2, "n": 1, "best_of": 1, "logprobs": None,
+            "echo": False, "suffix": None, "presence_penalty": 0, "frequency_penalty": 0.0,
+            "logit_bias": {}, "user": "u-1"}  # fmt: skip
+    reply = control.http.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["token_ids"] == [2, 3]
+
+
+def test_stop_string_cuts_the_text_and_ends_the_request(served):
+    control, _, decode = served
+    # Answer to "ab": c d e f g h ...; "ef" is the stop, spanning two decode batches.
+    body = {"prompt": "ab", "max_tokens": 20, "stop": ["zz", "ef"]}
+    reply = control.http.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    assert choice["text"] == "cd"
+    assert choice["finish_reason"] == "stop"
+    assert bytes(choice["token_ids"]).startswith(b"cdef")
+    assert reply.json()["kvrelay"]["decode_node"] == decode.node_id
+    assert len(decode.requests) == 1
+
+
+def test_stop_string_in_the_first_token(served):
+    control, _, _ = served
+    reply = control.http.post("/v1/completions", json={"prompt": "ab", "stop": "c"})
+    choice = reply.json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"], choice["token_ids"]) == ("", "stop", [99])
+
+
+def test_stop_string_not_reached_is_plain_text(served):
+    control, _, _ = served
+    reply = control.http.post("/v1/completions",
+                              json={"prompt": "ab", "max_tokens": 3, "stop": "ef"})  # fmt: skip
+    choice = reply.json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == ("cde", "length")  # "e" held, then let go
+
+
+def test_streaming_stop_string_is_never_sent(served):
+    control, _, _ = served
+    with control.http.stream("POST", "/v1/completions",
+                             json={"prompt": "ab", "max_tokens": 20, "stream": True,
+                                   "stop": "fg"}) as reply:  # fmt: skip
+        events = parse_sse(reply.read().decode())
+    assert events[-1] == ("message", "[DONE]")
+    chunks = [data["choices"][0] for _, data in events[:-1]]
+    assert "".join(c["text"] for c in chunks) == "cde"
+    assert chunks[-1]["finish_reason"] == "stop"
+    assert all(c["finish_reason"] is None for c in chunks[:-1])
+    assert events[-2][1]["usage"]["completion_tokens"] >= 4
+
+
+def test_stop_matcher_holds_back_a_possible_stop():
+    from kvrelay.control.stops import StopMatcher
+
+    matcher = StopMatcher(["abc", "xy"])
+    assert matcher.feed("12a") == "12"  # "a" may begin "abc"
+    assert matcher.feed("b") == ""
+    assert matcher.feed("d") == "abd"
+    assert matcher.feed("qx") == "q"
+    assert matcher.feed("yz") == "" and matcher.stopped
+    assert matcher.feed("more") == "" and matcher.flush() == ""
+    other = StopMatcher(["abc"])
+    assert other.feed("xab") == "x" and other.flush() == "ab"

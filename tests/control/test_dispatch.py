@@ -1,5 +1,6 @@
 """Cache-aware choice, load tiebreak, Busy, retries, timeouts and cancellation."""
 
+import concurrent.futures
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -93,6 +94,35 @@ def test_busy_worker_passes_the_request_on(cluster):
     counters = stats(control)
     assert (counters["busy"], counters["retries"]) == (1, 0)
     assert control.registry.nodes[busy.node_id].state == "live"
+
+
+def test_all_busy_waits_for_a_free_worker(cluster):
+    control = cluster.control()
+    busy = cluster.worker("prefill")
+    cluster.worker("decode")
+    busy.mode = "busy"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(complete, control, "abc")
+        # It waits (no 503 at once) ...
+        wait_until(lambda: stats(control)["busy_waits"] >= 1, what="a wait for capacity")
+        assert not pending.done()
+        busy.mode = "ok"  # ... and the worker's next heartbeat wakes it.
+        reply = pending.result(30)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["kvrelay"]["prefill_node"] == busy.node_id
+    assert control.registry.nodes[busy.node_id].state == "live"
+
+
+def test_all_busy_until_the_deadline_is_503_with_reason(cluster):
+    control = cluster.control(request_timeout_s=2.0)
+    busy = cluster.worker("prefill")
+    cluster.worker("decode")
+    busy.mode = "busy"
+    reply = complete(control, "abc")
+    assert reply.status_code == 503
+    assert "stayed busy until the request's deadline (2 s)" in reply.json()["error"]["message"]
+    assert len(busy.requests) >= 2  # asked again after a heartbeat, not failed at once
+    assert control.registry.nodes[busy.node_id].state == "live"  # waiting blames no one
 
 
 def test_killed_prefill_is_retried_on_another(cluster):

@@ -56,7 +56,38 @@ class Dispatch:
         )
 
 
+class OnCuda:
+    """The compiled op on a GPU, positional like the others, for CPU tensors:
+    every argument is copied to the GPU (strides kept), the kernel runs on the
+    current stream, and what it wrote is copied back in place."""
+
+    @staticmethod
+    def gather_pages(k, v, pages, ids, slots, *geometry):
+        dev = torch.device("cuda")
+        on_gpu = pages.to(dev)
+        compiled().gather_pages(
+            _to(k, dev), _to(v, dev), on_gpu, ids.to(dev), slots.to(dev), *geometry
+        )
+        torch.cuda.synchronize()
+        pages.copy_(on_gpu.cpu())
+
+    @staticmethod
+    def scatter_pages(k, v, pages, ids, slots, *geometry):
+        dev = torch.device("cuda")
+        k_gpu, v_gpu = _to(k, dev), _to(v, dev)
+        compiled().scatter_pages(k_gpu, v_gpu, pages.to(dev), ids.to(dev), slots.to(dev), *geometry)
+        torch.cuda.synchronize()
+        for host, gpu in zip(list(k) + list(v), k_gpu + v_gpu, strict=True):
+            host.copy_(gpu.cpu())
+
+
+def _to(layers, device) -> list:
+    # .to keeps a dense tensor's strides (head-major pools stay head-major).
+    return [t.to(device) for t in layers]
+
+
 IMPLS = {
+    "cuda": lambda: OnCuda,
     "cpp": compiled,
     "numba": lambda: numba_ref,
     "dispatch": lambda: Dispatch,

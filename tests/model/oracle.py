@@ -31,7 +31,8 @@ def hf_greedy(model, prompt: list[int], new_tokens: int) -> OracleRun:
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    out = model(torch.tensor([prompt]), cache=cache, use_cache=True)
+    device = model.device  # CPU, or the GPU the model was moved to
+    out = model(torch.tensor([prompt], device=device), cache=cache, use_cache=True)
     prompt_logits = out.logits[0]
     logits = prompt_logits[-1]
     tokens, steps = [], []
@@ -40,7 +41,8 @@ def hf_greedy(model, prompt: list[int], new_tokens: int) -> OracleRun:
         tokens.append(token)
         steps.append(logits)
         if i + 1 < new_tokens:
-            logits = model(torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1]
+            step = torch.tensor([[token]], device=device)
+            logits = model(step, cache=cache, use_cache=True).logits[0, -1]
     keys = [layer.keys[0] for layer in cache.layers]
     values = [layer.values[0] for layer in cache.layers]
     return OracleRun(prompt_logits, tokens, steps, keys, values)

@@ -40,20 +40,22 @@ def cold(model_dirs):
     return model_dir, prompt, result
 
 
-def unified_pages(eng, tokens):
-    """The prefix's target and draft pages, as the tier and P->D carry them."""
-    target = torch.zeros(-(-len(tokens) // PAGE), eng.spec.page_bytes, dtype=torch.uint8)
-    export_prefix(eng, tokens, target)
+def unified_pages(eng, prompt):
+    """The prompt's full target pages and their draft pages (draft page 3
+    needs token 64), as the tier and P->D carry them."""
+    target = torch.zeros(PREFIX // PAGE, eng.spec.page_bytes, dtype=torch.uint8)
+    export_prefix(eng, prompt[:PREFIX], target)
+    tokens = prompt[: PREFIX + 1]
     draft = torch.zeros(len(draft_keys(eng, tokens)), eng.draft.spec.page_bytes, dtype=torch.uint8)
     export_draft_prefix(eng, tokens, draft)
     return target, draft
 
 
-def warm_run(model_dir, prompt, target, draft, prefix=PROMPT):
+def warm_run(model_dir, prompt, target, draft):
     eng = engine(model_dir)
-    import_prefix(eng, prompt[:prefix], target)
+    import_prefix(eng, prompt[:PREFIX], target)
     if draft is not None:
-        import_draft_prefix(eng, prompt[:prefix], draft)
+        import_draft_prefix(eng, prompt[: PREFIX + 1], draft)
     return run(eng, prompt)
 
 
@@ -71,7 +73,7 @@ def test_local_cache_and_unified_pages_restore_the_draft(cold):
     assert local.cached_tokens == PREFIX  # all full pages short of the last token
     same_speculation(local, expected)
     target, draft = unified_pages(eng, prompt)
-    assert draft.shape[0] == (PROMPT - 1) // PAGE
+    assert draft.shape[0] == PREFIX // PAGE
     moved = warm_run(model_dir, prompt, target, draft)
     assert moved.cached_tokens == PREFIX
     same_speculation(moved, expected)
@@ -83,9 +85,8 @@ def test_pages_written_under_tp2_pp2_restore_the_draft(cold):
         model_dir, tp=2, pp=2, dtype="float64", page_size=PAGE, num_pages=64, speculative=K
     ) as group:
         group.generate([Request(prompt, SamplingParams(1))])
-        target = group.export_prefix(prompt)
-        draft_bytes = engine(model_dir).draft.spec.page_bytes
-        draft = group.export_draft_prefix(prompt, draft_bytes)
+        target = group.export_prefix(prompt[:PREFIX])
+        draft = group.export_draft_prefix(prompt[: PREFIX + 1])
     moved = warm_run(model_dir, prompt, target, draft)
     assert moved.cached_tokens == PREFIX
     same_speculation(moved, expected)
@@ -121,7 +122,7 @@ def test_target_pages_without_draft_pages_are_recomputed(cold):
     assert none.cached_tokens == 0
     same_speculation(none, expected)
     some = engine(model_dir)
-    import_prefix(some, prompt, target)
+    import_prefix(some, prompt[:PREFIX], target)
     import_draft_prefix(some, prompt[: 2 * PAGE + 1], draft[:2])
     partial = run(some, prompt)
     assert partial.cached_tokens == 2 * PAGE

@@ -114,7 +114,7 @@ def test_prefill_then_decode_equals_one_process(cluster, reference, sampling, se
     # decode released prefill's handle: its staging rows are free again
     assert run(stats(cluster["prefill"]))["staging_free"] == 128
     assert answer["pages"] == 4 and answer["tier_pages"] == 3
-    assert answer["spec"] == {"tp": 1, "pp": 1} and len(answer["handles"]) == 1
+    assert answer["spec"] == {"tp": 1, "pp": 1, "cp": 1} and len(answer["handles"]) == 1
     pulled = got["done"]["pulled"]
     # Three full pages sealed by prefill's write-through, the partial one from prefill.
     assert pulled == {"local_pages": 0, "tier_pages": 3, "prefill_pages": 1}
@@ -359,10 +359,18 @@ def test_a_stalled_pull_does_not_stall_the_running_batch(cluster, control):
     assert run(stats(decode))["free_pages"] == start
 
 
-@pytest.mark.skip(
-    reason="the reference runner keeps its KV pool on the CPU (load_engine has no device): "
-    "a pool on cuda:0 / cuda:1 cannot be placed yet"
-)
-@pytest.mark.gpu
-def test_prefill_on_one_gpu_decode_on_another():
-    raise AssertionError("needs device placement in the model runner")
+def test_write_back_without_free_staging_rows_is_counted(launch, control, model_dir, page_bytes):
+    """Staging of 3 rows, a 4-page conversation: the first 3 pages are written
+    back and the 4th is counted in the decode's stats, not skipped silently."""
+    cache = launch(*cache_args(page_bytes)).info["listen"]
+    prefill = launch(*worker_args("prefill", model_dir, control))  # writes nothing through
+    decode = launch(*worker_args("decode", model_dir, control, cache=[cache],
+                                 extra=["--write-back", "--staging-pages", 3]))  # fmt: skip
+    prompt = prompt_tokens(2 * PAGE + 3, seed=123)  # 3 pages: the load takes all 3 rows
+    got = run(fc.serve(addr(prefill), addr(decode), "wb", prompt, fc.params(40)))
+    assert got["ok"], got
+    full = (len(prompt) + len(got["tokens"]) - 1) // PAGE
+    assert full == 4
+    assert got["done"]["written_back_pages"] == 3
+    assert run(stats(decode))["writeback_skipped_pages"] == 1
+    assert run(stats(decode))["staging_free"] == 3

@@ -12,6 +12,8 @@ MODES = {
     "ucx-shm": ("ucx", "sm,self", False),
     "ucx-tcp": ("ucx", "tcp,self", False),
     "fastpath": ("ucx", None, True),
+    # GPU memory: cuda_copy (host <-> GPU), cuda_ipc (GPU <-> GPU across processes).
+    "ucx-gpu": ("ucx", "sm,self,cuda_copy,cuda_ipc", False),
 }
 
 

@@ -33,7 +33,11 @@ async def _serve(pipe, backend, size, runs_list, options) -> None:
 
     lease = options.get("lease_seconds", 60.0)
     agent = await create_agent(backend, token=TOKEN, fast_path=options.get("fast_path", True))
-    arena = agent.allocate_arena(size)
+    if options.get("device"):  # a GPU arena (ucx), registered from a CUDA tensor
+        gpu = torch.zeros(size, dtype=torch.uint8, device=options["device"])
+        arena = agent.register_tensor(gpu)
+    else:
+        arena = agent.allocate_arena(size)
     arena.tensor.copy_(pattern(size, options.get("seed", 0)))
     handles = [agent.publish(arena, runs, NAMESPACE, lease).to_bytes() for runs in runs_list]
     pipe.send_bytes(
@@ -45,5 +49,5 @@ async def _serve(pipe, backend, size, runs_list, options) -> None:
         if command == b"stop":
             break
         if command == b"digest":
-            pipe.send_bytes(hashlib.sha256(arena.tensor.numpy().tobytes()).digest())
+            pipe.send_bytes(hashlib.sha256(arena.tensor.cpu().numpy().tobytes()).digest())
     await agent.close()

@@ -22,6 +22,7 @@ import concurrent.futures
 import contextlib
 import functools
 import socket
+from reprlib import repr as brief
 
 import numpy as np
 
@@ -74,7 +75,9 @@ class TcpTransport(Transport):
             return True
         await conn.send({"ok": True, "nbytes": int(runs[:, 1].sum())})
         views = [arena.buffer(offset, length) for offset, length in runs.tolist()]
-        await move_bytes(conn, views, receive=op == "write")
+        # A writer that announces bytes and stalls must not hold the connection.
+        async with asyncio.timeout(agent.config.timeout):
+            await move_bytes(conn, views, receive=op == "write")
         if op == "write":
             await conn.send({"ok": True})
         return True
@@ -140,13 +143,14 @@ def _advance(views: list[memoryview], n: int) -> list[memoryview]:
 
 
 def _checked(agent, message):
-    arena = agent.arenas.get(message.get("arena"))
+    arena_id = message.get("arena")
+    arena = agent.arenas.get(arena_id) if type(arena_id) is int else None
     if arena is None:
-        raise UnknownArena(f"no arena {message.get('arena')!r}")
+        raise UnknownArena(f"no arena {brief(arena_id)}")
     lease_id = message.get("lease")
-    lease = agent.leases.get(lease_id) if isinstance(lease_id, int) else None
+    lease = agent.leases.get(lease_id) if type(lease_id) is int else None
     if lease is None or not agent.leases.is_active(lease_id) or lease.arena_id != arena.arena_id:
-        raise LeaseExpired(f"lease {lease_id!r} is not active on arena {arena.arena_id}")
+        raise LeaseExpired(f"lease {brief(lease_id)} is not active on arena {arena.arena_id}")
     runs = message.get("runs")
     if isinstance(runs, bytes):  # packed uint64 pairs, what this backend sends
         if len(runs) % 16 or len(runs) > 16 * MAX_RUNS:
@@ -156,6 +160,8 @@ def _checked(agent, message):
         isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r) for r in runs
     ):
         raise MalformedHandle("runs must be packed uint64 pairs or [offset, length] int pairs")
+    if not len(runs):
+        raise MalformedHandle("a request names at least one run")
     return arena, check_runs(runs, arena.size, "requested")
 
 

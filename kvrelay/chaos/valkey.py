@@ -1,0 +1,79 @@
+"""A real Valkey or Redis server on a free loopback port (the L3 of the
+chaos cluster), started and stopped like any other process of the run."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from kvrelay.demo.cluster import free_port
+
+
+def server_binary() -> str | None:
+    return shutil.which("valkey-server") or shutil.which("redis-server")
+
+
+def ping(port: int, timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+            s.settimeout(timeout)
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class Valkey:
+    def __init__(self, directory: Path, port: int = 0) -> None:
+        binary = server_binary()
+        if binary is None:
+            raise RuntimeError("no valkey-server or redis-server on PATH")
+        self.binary, self.directory = binary, directory
+        self.port = port or free_port()
+        self.process: subprocess.Popen | None = None
+        directory.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def url(self) -> str:
+        return f"valkey://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> Valkey:
+        self.process = subprocess.Popen(
+            [self.binary, "--bind", "127.0.0.1", "--port", str(self.port),
+             "--dir", str(self.directory), "--save", "", "--appendonly", "no",
+             "--daemonize", "no", "--logfile", str(self.directory / "server.log")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while not ping(self.port, 0.2):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{self.binary} did not answer PING within {timeout} s")
+            time.sleep(0.05)
+        return self
+
+    def command(self, *args: bytes | str) -> bytes:
+        """One RESP command; the raw reply (enough for KEYS, SET, FLUSHALL)."""
+        parts = [a.encode() if isinstance(a, str) else a for a in args]
+        data = b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
+        with socket.create_connection(("127.0.0.1", self.port), timeout=5) as s:
+            s.sendall(data)
+            chunks = []
+            s.settimeout(0.3)
+            while True:
+                try:
+                    chunk = s.recv(1 << 16)
+                except TimeoutError:
+                    break
+                if not chunk:
+                    break
+                chunks.append(chunk)
+            return b"".join(chunks)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
