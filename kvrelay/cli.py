@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvrelay.bench import cache, layout, transfer
     from kvrelay.bench import cp as cp_bench
     from kvrelay.bench import model as model_bench
+    from kvrelay.bench import spec as spec_bench
 
     for name, module, help_text in (
         ("layout", layout, "gather/scatter between a paged pool and unified pages vs memcpy"),
@@ -78,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("transfer", transfer, "page pulls between two processes"),
         ("cache", cache, "replay a Mooncake trace: shared tier vs local caches vs infinite"),
         ("cp", cp_bench, "prefill time of a long prompt at CP=1 vs CP=2, in one run"),
+        ("spec", spec_bench,
+         "decode tokens/s with and without MTP speculation, acceptance; CP prefill"),
     ):  # fmt: skip
         _subcommand(benches, name, help_text, module.add_arguments, module.run)
     return parser

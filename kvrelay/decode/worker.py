@@ -32,6 +32,7 @@ class _Job:
     finish_reason: str | None = None
     written: list[int] = field(default_factory=list)  # pages each writer rank wrote back
     writing: set[int] = field(default_factory=set)  # ranks whose write-back still runs
+    spec: dict | None = None  # speculation counts of the request (--speculative)
 
 
 def _check_handles(handles) -> list[dict]:
@@ -230,6 +231,11 @@ class DecodeWorker(WorkerFront):
                 continue
             del self._running[out["seq_id"]]
             job.finish_reason = out["finish_reason"]
+            job.spec = out.get("spec")
+            if job.spec:
+                self.counters.spec_proposed += job.spec["proposed"]
+                self.counters.spec_accepted += job.spec["accepted"]
+                self.counters.spec_steps += job.spec["steps"]
             job.written = [r[i]["written"] for r in outputs if r[i]["written"] is not None]
             job.writing = {rank for rank, r in enumerate(outputs) if r[i]["writing"]}
             if job.writing:
@@ -256,4 +262,5 @@ class DecodeWorker(WorkerFront):
                 "pulled": job.pulled,
                 "written_back_pages": min(job.written) if job.written else 0,
             }
+            | ({"spec": job.spec} if job.spec else {})
         )

@@ -79,6 +79,7 @@ class StepOutput:
     finish_reason: str | None  # set when the sequence left the batch
     cached_tokens: int
     all_tokens: list[int] | None = None  # prompt + generated, once finished
+    spec: dict | None = None  # speculation counts, once finished (see Result.spec)
 
 
 class Engine:
@@ -179,6 +180,7 @@ class Engine:
             )
             if seq.finish_reason is not None:
                 outputs[-1].all_tokens = list(seq.tokens)
+                outputs[-1].spec = seq.draft.stats.as_dict() if seq.draft else None
                 self._finish(seq)
         return outputs
 

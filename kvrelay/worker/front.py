@@ -61,6 +61,7 @@ class WorkerConfig:
     transfer_timeout_s: float = 10.0
     hello_timeout_s: float = 10.0
     drain_timeout_s: float = 30.0
+    speculative: int = 0  # decode: MTP draft tokens per step (0: off)
 
     def rank_options(self) -> RankOptions:
         return RankOptions(
@@ -106,6 +107,7 @@ class WorkerFront:
             page_size=c.page_size,
             num_pages=c.num_pages,
             device=c.device,
+            speculative=c.speculative,
             rank_setup=functools.partial(self._rank_setup, c.rank_options()),
         )
         self.spec = self.engine.spec

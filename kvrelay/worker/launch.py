@@ -54,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, decode: bool = False) -> N
     if decode:
         parser.add_argument("--write-back", action="store_true",
                             help="write finished sequences' full pages to the tier")  # fmt: skip
+        parser.add_argument("--speculative", type=int, default=0, metavar="K",
+                            help="draft K tokens per step with the model's MTP layer")  # fmt: skip
 
 
 def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,6 +73,8 @@ def _config(args: argparse.Namespace, role: str):
             "kvrelay launch decode: --cp is not supported on decode (decode runs CP=1; "
             "it reads pages written by a prefill of any --cp)"
         )
+    if getattr(args, "speculative", 0) < 0:
+        raise SystemExit("kvrelay launch: --speculative must be >= 0")
     for name in ("tp", "pp", "cp", "num_pages", "page_size", "max_batch", "max_queue"):
         if getattr(args, name) < 1:
             raise SystemExit(f"kvrelay launch: --{name.replace('_', '-')} must be >= 1")
@@ -107,6 +111,7 @@ def _config(args: argparse.Namespace, role: str):
         staging_pages=args.staging_pages,
         transfer_timeout_s=args.transfer_timeout_s,
         hello_timeout_s=args.hello_timeout_s,
+        speculative=getattr(args, "speculative", 0),
     )
 
 
