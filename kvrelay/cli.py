@@ -53,12 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     _subcommand(servers, "cache", "a cache server (L2 arena, optional L3)",
                 cache_launch.add_arguments, cache_launch.run)  # fmt: skip
-    from kvrelay.worker import launch as worker_launch
+    from kvrelay.decode import launch as decode_launch
+    from kvrelay.prefill import launch as prefill_launch
 
     _subcommand(servers, "prefill", "a prefill worker (registers with control)",
-                worker_launch.add_arguments, worker_launch.run_prefill)  # fmt: skip
+                prefill_launch.add_arguments, prefill_launch.run_prefill)  # fmt: skip
     _subcommand(servers, "decode", "a decode worker (registers with control)",
-                worker_launch.add_decode_arguments, worker_launch.run_decode)  # fmt: skip
+                decode_launch.add_decode_arguments, decode_launch.run_decode)  # fmt: skip
 
     from kvrelay.control import launch as control_launch
 
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvrelay.bench import cp as cp_bench
     from kvrelay.bench import model as model_bench
     from kvrelay.bench import spec as spec_bench
+    from kvrelay.chaos import bench as chaos_bench
 
     for name, module, help_text in (
         ("layout", layout, "gather/scatter between a paged pool and unified pages vs memcpy"),
@@ -78,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
          "prefill/decode tokens/s vs HF transformers; prefill saved by prefix reuse"),
         ("transfer", transfer, "page pulls between two processes"),
         ("cache", cache, "replay a Mooncake trace: shared tier vs local caches vs infinite"),
+        ("chaos", chaos_bench, "faults, hostile input and load against a real local cluster"),
         ("cp", cp_bench, "prefill time of a long prompt at CP=1 vs CP=2, in one run"),
         ("spec", spec_bench,
          "decode tokens/s with and without MTP speculation, acceptance; CP prefill"),

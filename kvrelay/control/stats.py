@@ -45,6 +45,13 @@ class ControlStats:
     ttft_count: int = 0
     itl_sum: float = 0.0
     itl_count: int = 0
+    # The app's Prometheus histograms (metrics.LatencyHistograms), fed as
+    # latencies are recorded; None when no /metrics is served.
+    histograms: object | None = None
+
+    def _observe(self, what: str, seconds: float, count: int = 1, **labels: str) -> None:
+        if self.histograms is not None:
+            self.histograms.observe(what, seconds, count, **labels)
 
     def record_prefill(self, prompt_tokens: int, local: int, tier: int) -> None:
         self.prompt_tokens += prompt_tokens
@@ -56,6 +63,7 @@ class ControlStats:
         self.ttft_s.append(seconds)
         self.ttft_sum += seconds
         self.ttft_count += 1
+        self._observe("ttft", seconds)
 
     def record_gap(self, seconds: float, tokens: int) -> None:
         """A batch of `tokens` arrived `seconds` after the previous one: each
@@ -67,6 +75,19 @@ class ControlStats:
             self.itl_s.append(per_token)
         self.itl_sum += seconds
         self.itl_count += tokens
+        self._observe("itl", per_token, tokens)
+
+    def record_prefill_phases(self, timings: dict[str, float]) -> None:
+        """The prefill worker's own breakdown (`queue_s`, `lookup_s`, ...)."""
+        for name, seconds in timings.items():
+            self._observe("prefill_phase", seconds, phase=name.removesuffix("_s"))
+
+    def record_transfer(self, seconds: float) -> None:
+        """Decode request sent with the handles -> its first token batch."""
+        self._observe("handoff", seconds)
+
+    def record_tier_probe(self, seconds: float) -> None:
+        self._observe("tier_probe", seconds)
 
     def hit_rates(self) -> dict[str, float | None]:
         total = self.prompt_tokens

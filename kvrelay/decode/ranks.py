@@ -193,15 +193,13 @@ class DecodeRanks:
                     local_offsets.append(rows[page - local] * pb + offset)
                     covered[page - start] += length
             if remote:
-                reads.append(
-                    self.rt.agent.read(
-                        handle.narrow(remote), self.rt.arena, local_offsets,
-                        namespace=self.rt.namespace,
-                    )
-                )  # fmt: skip
+                reads.append((handle.narrow(remote), local_offsets))
         if any(n < self.rt.rect.num_bytes(self.rt.spec) for n in covered):
             raise RequestError("the prefill handles do not cover this rank's rectangle")
-        await asyncio.gather(*reads)
+        # Coroutines only once every check passed: none is left unawaited.
+        await asyncio.gather(*(
+            self.rt.agent.read(h, self.rt.arena, offs, namespace=self.rt.namespace)
+            for h, offs in reads))  # fmt: skip
         return sum(covered)
 
     async def _release(self, handles) -> None:

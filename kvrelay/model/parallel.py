@@ -1,8 +1,8 @@
 """Tensor, pipeline and context parallelism: one spawned process per rank.
 
 `ParallelEngine` starts tp x pp x cp processes (`spawn`, never `fork`) that
-join a torch.distributed group (gloo on CPU, bound to 127.0.0.1 on a free
-port; nccl when every rank has a GPU of its own, `kvrelay.model.device`).
+join a torch.distributed group (gloo on CPU, its pair sockets on loopback,
+meeting through a file store; nccl when every rank has a GPU of its own, `kvrelay.model.device`).
 Global rank = (cp_rank * pp + pp_rank) * tp + tp_rank, as in
 `ParallelConfig.rank`. Each rank loads only its weights and keeps a KV pool
 of only its rectangle of heads and layers (every CP rank of a rectangle
@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
+import shutil
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -102,10 +103,11 @@ class DistComm:
         return [part.to(x.device) for part in parts]
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous() -> str:
+    """The group's meeting point: a file store in a fresh private directory.
+    A tcp:// store's server listens on every interface (whatever host the
+    URL names) and asks no token; a file store opens no socket."""
+    return f"file://{tempfile.mkdtemp(prefix='kvrelay-group-')}/store"
 
 
 def _die_with_parent() -> None:
@@ -123,7 +125,7 @@ def _die_with_parent() -> None:
 
 
 def _worker(
-    rank, sizes, port, model_dir, options, timeout_s, rank_setup, commands, results
+    rank, sizes, init_method, model_dir, options, timeout_s, rank_setup, commands, results
 ):  # fmt: skip
     _die_with_parent()
     # Gloo binds its pair sockets on the interface named here: loopback only.
@@ -137,7 +139,7 @@ def _worker(
             torch.cuda.set_device(device)
         dist.init_process_group(
             backend,
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method=init_method,
             rank=rank,
             world_size=sizes.world_size,
             timeout=timedelta(seconds=timeout_s),
@@ -241,12 +243,13 @@ class ParallelEngine:
         options = {"dtype": dtype, "page_size": page_size, "num_pages": num_pages}
         if speculative:
             options["speculative"] = speculative
-        port = free_port()
+        self._rendezvous = rendezvous()
         self._procs = []
         options["collective"] = collective_backend(devices)
         for rank in range(self.world):
             rank_options = {**options, "device": str(devices[rank])}
-            args = (rank, sizes, port, str(model_dir), rank_options, timeout_s, rank_setup)
+            args = (rank, sizes, self._rendezvous, str(model_dir), rank_options, timeout_s,
+                    rank_setup)  # fmt: skip
             queues = (self._commands[rank], self._results)
             self._procs.append(context.Process(target=_worker, args=args + queues, daemon=True))
         for proc in self._procs:
@@ -357,6 +360,7 @@ class ParallelEngine:
             if proc.exitcode is None:
                 proc.kill()
                 proc.join(timeout=5)
+        shutil.rmtree(os.path.dirname(self._rendezvous.removeprefix("file://")), ignore_errors=True)
 
     def __enter__(self) -> ParallelEngine:
         return self

@@ -7,12 +7,19 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from kvrelay.model.errors import PoolExhausted, RequestError
+from kvrelay.model.errors import PoolExhausted
 from kvrelay.prefill.ranks import prefill_rank_setup
-from kvrelay.transfer import PeerError
-from kvrelay.transfer.wire import Connection
+from kvrelay.rpc import Connection, Error, PeerError
+from kvrelay.rpc.worker_ops import (
+    CachedTokens,
+    HandleRef,
+    ParallelShape,
+    Prefill,
+    PrefillReply,
+    Role,
+)
 from kvrelay.worker.front import WorkerConfig, WorkerFront, log
-from kvrelay.worker.protocol import Busy, check_params, check_tokens, error_reply, pages_of
+from kvrelay.worker.protocol import Busy, pages_of, params_of, tokens_of
 
 # How long the scheduler waits before asking again when staging rows are all
 # held by published handles (released by decode, or expiring).
@@ -21,22 +28,16 @@ RETRY_S = 0.02
 
 @dataclass(slots=True)
 class _Pending:
-    rid: object
+    rid: str
     item: dict
     future: asyncio.Future
     queued_at: float = field(default_factory=time.perf_counter)
     abandoned: bool = False  # control closed the connection before the answer
 
 
-def _handle_entry(answer: dict) -> dict:
-    entry = {"handle": answer["handle"], "runs": answer["runs"]}
-    if answer.get("page_indices") is not None:  # a CP rank's share of the pages
-        entry["pages"] = answer["page_indices"]
-    return entry
-
-
 class PrefillWorker(WorkerFront):
-    role = "prefill"
+    role = Role.PREFILL
+    request_type = Prefill
 
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config, prefill_rank_setup)
@@ -51,29 +52,22 @@ class PrefillWorker(WorkerFront):
     def active(self) -> int:
         return self._running
 
-    async def handle(self, conn: Connection, message: dict) -> None:
-        rid = message.get("rid")
-        tokens = check_tokens(message.get("tokens"), self.vocab)
-        params = check_params(message.get("params", {}), self.vocab)
-        lease_s = message.get("lease_s", 30.0)
-        if (
-            isinstance(lease_s, bool)
-            or not isinstance(lease_s, int | float)
-            or not 0 < lease_s <= 3600
-        ):
-            raise RequestError("lease_s must be a number of seconds in (0, 3600]")
+    async def handle(self, conn: Connection, request: Prefill) -> None:
+        rid = request.rid
+        tokens = tokens_of(request.tokens, self.vocab)
+        params = params_of(request.params, self.vocab)
         if self.draining or len(self._queue) >= self.config.max_queue:
             self.counters.busy_rejections += 1
             why = "draining" if self.draining else f"queue holds {len(self._queue)} requests"
-            await conn.send(error_reply(Busy(why), rid))
+            await conn.send(Error.of(Busy(why), rid))
             return
         pages = pages_of(len(tokens), self.config.page_size)
         room = min(self.config.num_pages, self.config.staging_pages or self.config.num_pages)
         if pages > room:
             self.counters.errors += 1
-            await conn.send(error_reply(PoolExhausted(pages, room), rid))
+            await conn.send(Error.of(PoolExhausted(pages, room), rid))
             return
-        item = {"tokens": tokens, "params": params, "lease_s": float(lease_s)}
+        item = {"tokens": tokens, "params": params, "lease_s": request.lease_s}
         pending = _Pending(rid, item, asyncio.get_running_loop().create_future())
         self._queue.append(pending)
         self._wake.set()
@@ -91,14 +85,14 @@ class PrefillWorker(WorkerFront):
             exc = pending.future.exception()
             if exc is not None:
                 self.counters.errors += 1
-                await conn.send(error_reply(exc, rid))
+                await conn.send(Error.of(exc, rid))
                 return
             answer = pending.future.result()
             if closed.done() or conn.closed_by_peer():
                 await self._drop(answer)  # nobody will read or release them
                 return
             try:
-                await conn.send({"ok": True, "rid": rid, **answer})
+                await conn.send(answer)
             except PeerError:
                 await self._drop(answer)
         finally:
@@ -106,9 +100,9 @@ class PrefillWorker(WorkerFront):
             if closed.done() and not closed.cancelled():
                 closed.exception()  # retrieved: the close was expected
 
-    async def _drop(self, answer: dict) -> None:
+    async def _drop(self, answer: PrefillReply) -> None:
         """End the leases of an answer's handles now, freeing their staging rows."""
-        handles = [h["handle"] for h in answer.get("handles", [])]
+        handles = [h.handle for h in answer.handles]
         if handles:
             await self.ranks("drop_handles", handles)
 
@@ -151,7 +145,7 @@ class PrefillWorker(WorkerFront):
             # Abandoned while their batch ran but not taken: nobody waits for them.
             self._queue = [p for p in self._queue if not p.abandoned]
 
-    def _merge(self, per_rank: list[dict], pending: _Pending) -> dict:
+    def _merge(self, per_rank: list[dict], pending: _Pending) -> PrefillReply:
         first = per_rank[0]
         tokens = pending.item["tokens"]
         cached = first["cached_local"] + first["cached_tier"]
@@ -163,20 +157,25 @@ class PrefillWorker(WorkerFront):
         c.tier_hit_tokens += first["cached_tier"]
         c.generated_tokens += 1
         finish = first["finish_reason"]
-        handles = [_handle_entry(r) for r in per_rank if r["handle"] is not None]
+        handles = [
+            HandleRef(r["handle"], r["runs"], r.get("page_indices"))
+            for r in per_rank
+            if r["handle"] is not None
+        ]
         timings = dict(first["timings"])
         timings["queue_s"] = time.perf_counter() - pending.queued_at - sum(timings.values())
-        return {
-            "first_token": first["first_token"],
-            "finish_reason": finish,
-            "prompt_tokens": len(tokens),
-            "cached_tokens": {"local": first["cached_local"], "tier": first["cached_tier"]},
-            "tier_pages": first["tier_pages"],
-            "pages": first["pages"],
-            "spec": {"tp": self.config.tp, "pp": self.config.pp, "cp": self.config.cp},
-            "handles": handles,  # none when finished: decode is not needed
-            "timings": timings,
-        }
+        return PrefillReply(
+            rid=pending.rid,
+            first_token=first["first_token"],
+            finish_reason=finish,
+            prompt_tokens=len(tokens),
+            cached_tokens=CachedTokens(first["cached_local"], first["cached_tier"]),
+            tier_pages=first["tier_pages"],
+            pages=first["pages"],
+            spec=ParallelShape(self.config.tp, self.config.pp, self.config.cp),
+            handles=handles,  # none when finished: decode is not needed
+            timings=timings,
+        )
 
     def _fail_queue(self, exc: Exception) -> None:
         queue, self._queue = self._queue, []

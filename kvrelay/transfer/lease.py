@@ -12,6 +12,8 @@ import itertools
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True, slots=True)
 class Lease:
@@ -19,6 +21,26 @@ class Lease:
     arena_id: int
     runs: tuple[tuple[int, int], ...]
     expiry: float
+
+
+def covers(lease: Lease, runs: np.ndarray) -> bool:
+    """True when every (offset, length) row of `runs` lies inside the union of
+    the lease's runs (adjacent lease runs join, as a reader coalesces them)."""
+    if not lease.runs:
+        return False
+    spans = sorted(lease.runs)
+    starts, ends = [spans[0][0]], [spans[0][0] + spans[0][1]]
+    for offset, length in spans[1:]:
+        if offset <= ends[-1]:
+            ends[-1] = max(ends[-1], offset + length)
+        else:
+            starts.append(offset)
+            ends.append(offset + length)
+    offset = runs[:, 0].astype(np.uint64)
+    end = offset + runs[:, 1].astype(np.uint64)  # bounds-checked: no wrap
+    index = np.searchsorted(np.array(starts, dtype=np.uint64), offset, side="right") - 1
+    inside = (index >= 0) & (end <= np.array(ends, dtype=np.uint64)[np.maximum(index, 0)])
+    return bool(inside.all())
 
 
 class LeaseTable:

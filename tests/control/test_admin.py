@@ -14,10 +14,10 @@ import time
 import httpx
 import pytest
 
-from kvrelay.cache.ring import HashRing
 from kvrelay.cli import build_parser
 from kvrelay.control.launch import bind, config_from_args
 from kvrelay.layout import ParallelConfig
+from kvrelay.layout.ring import HashRing
 from tests.cache.server_process import TOKEN as CACHE_TOKEN
 from tests.cache.server_process import ServerProcess
 from tests.cache.specs import SPEC
@@ -112,11 +112,20 @@ def test_stats_and_metrics(cluster):
     assert samples['kvrelay_prompt_tokens_total{source="local"}'] == 16
     assert samples['kvrelay_prompt_tokens_total{source="computed"}'] == 8
     assert samples["kvrelay_ttft_seconds_count"] == 3
-    assert samples['kvrelay_ttft_seconds{quantile="0.99"}'] == stats["ttft_s"]["p99"]
+    assert samples['kvrelay_ttft_seconds_bucket{le="+Inf"}'] == 3
+    assert samples["kvrelay_ttft_seconds_sum"] == pytest.approx(
+        sum(control.app.state.stats.ttft_s)
+    )  # fmt: skip
+    assert samples["kvrelay_inter_token_seconds_count"] == 12
+    assert samples['kvrelay_prefill_phase_seconds_count{phase="lookup"}'] == 3
+    assert samples["kvrelay_kv_transfer_seconds_count"] == 3  # one per decode
     assert samples['kvrelay_worker_events_total{counter="bytes_to_tier"}'] == 4096
     assert samples[f'kvrelay_node_queue_depth{{node="{prefill.node_id}",role="prefill"}}'] == 2
     assert samples['kvrelay_nodes{role="decode",state="live"}'] == 1
-    assert "# TYPE kvrelay_ttft_seconds summary" in text.text
+    assert "# TYPE kvrelay_ttft_seconds histogram" in text.text
+    # Each app has its own registry: a second control starts from zero.
+    other = cluster.control()
+    assert "kvrelay_requests_total 0.0" in other.http.get("/metrics").text
 
 
 def test_tier_probe_and_flush_through_real_cache_servers(cluster):

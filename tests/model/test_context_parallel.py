@@ -133,6 +133,14 @@ def test_each_page_is_exported_by_one_cp_rank(oracle):
         assert torch.equal(union, cp1_pages)
 
 
+def test_a_cp_rank_without_its_group_says_so(oracle):
+    model_dir, prompt, _, _ = oracle
+    alone = load_engine(model_dir, dtype="float64", page_size=PAGE, parallel=ParallelConfig(cp=2))
+    with pytest.raises(RuntimeError, match="needs a group of that many CP ranks"):
+        alone.generate([Request(prompt, SamplingParams(2))])
+    assert alone.pool.free_pages == alone.pool.num_pages
+
+
 @pytest.mark.parametrize(
     ("tp", "pp", "cp"),
     [

@@ -182,7 +182,7 @@ def test_flush_drops_the_pool_cache(cluster):
 
     assert pulled()["local_pages"] == 0
     assert pulled() == {"local_pages": 3, "tier_pages": 0, "prefill_pages": 1}
-    assert run(fc.call(addr(decode), {"op": "flush"})) == {"ok": True}
+    assert run(fc.call(addr(decode), {"op": "flush"}))["op"] == "ok"
     assert pulled()["local_pages"] == 0
 
 
@@ -193,9 +193,16 @@ def test_bad_requests_get_typed_errors(cluster):
     assert reply["error"] == "RequestError" and reply["rid"] == "x"
     reply = run(fc.call(address, {"op": "prefill", "rid": "y", "tokens": [1, 2],
                                   "params": fc.params(max_new_tokens=0)}))  # fmt: skip
-    assert reply["error"] == "RequestError"
-    reply = run(fc.call(address, {"op": "decode"}))
-    assert reply["error"] == "RequestError"
+    assert reply["error"] == "MalformedMessage"  # the params type bounds it
+    assert "max_new_tokens" in reply["message"]
+    reply = run(fc.call(address, {"op": "prefill", "rid": "v", "tokens": [1, 2],
+                                  "params": fc.params(stop=[999])}))  # fmt: skip
+    assert reply["error"] == "RequestError"  # outside this model's vocabulary
+    reply = run(fc.call(address, {"op": "decode"}))  # no fields: refused by its type
+    assert reply["error"] == "MalformedMessage"
+    reply = run(fc.call(address, {"op": "decode", "rid": "w", "tokens": [1], "first_token": 2,
+                                  "pages": 1}))  # fmt: skip
+    assert reply["error"] == "RequestError" and reply["rid"] == "w"  # not a decode worker
     huge = prompt_tokens(129 * PAGE, seed=1)  # more pages than the pool has
     reply = run(fc.prefill(address, "z", huge, fc.params()))
     assert reply["error"] == "PoolExhausted"
@@ -214,7 +221,7 @@ def test_prefill_abandoned_by_control_returns_its_staging_rows(cluster):
     async def send_and_close(rid, length):
         conn = await fc.open_worker(addr(prefill))
         await conn.send({"op": "prefill", "rid": rid, "tokens": prompt_tokens(length, seed=7),
-                         "params": fc.params(4), "lease_s": 600})  # fmt: skip
+                         "params": fc.params(4), "lease_s": 300})  # fmt: skip
         conn.close()
 
     async def abandon():
@@ -224,7 +231,7 @@ def test_prefill_abandoned_by_control_returns_its_staging_rows(cluster):
             while (await stats(prefill))["staging_free"] != 128:
                 await asyncio.sleep(0.1)
 
-    run(abandon())  # the 600 s leases ended at once, not by expiry
+    run(abandon())  # the 300 s leases ended at once, not by expiry
 
 
 @pytest.mark.parametrize("length", [1, 2 * PAGE], ids=["one-token", "whole-pages"])
