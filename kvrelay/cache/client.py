@@ -174,6 +174,18 @@ class CacheClient:
             return 0, None
         return reply.hits, reply.lease
 
+    async def count_prefix(self, keys: Sequence[bytes]) -> int:
+        """Length of the sealed prefix of `keys` in the tier, moving no page bytes
+        (a lookup whose pins are released at once; a server down counts as misses)."""
+        groups = self.ring.group(keys)
+        answers = await asyncio.gather(
+            *(self._lookup_one(s, [keys[p] for p in ps]) for s, ps in groups.items())
+        )
+        found = dict(zip(groups, answers, strict=True))
+        prefix, _ = ring_prefix(self.ring, keys, {s: a[0] for s, a in found.items()})
+        await self._release_all([(s, a[1]) for s, a in found.items() if a[1] is not None])
+        return prefix
+
     async def _pull(self, server, lease, positions, dest, page_offsets) -> None:
         reply = await self._servers[server].call(
             PublishHandle(lease, len(positions), self.runs, self.namespace), HandleReply

@@ -25,6 +25,11 @@ def frame(message) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
+def tokens(ids) -> bytes:
+    """Token ids as wire version 2 carries them: packed little-endian uint32."""
+    return struct.pack(f"<{len(ids)}I", *ids)
+
+
 def raw_frame(body: bytes) -> bytes:
     return _LEN.pack(len(body)) + body
 

@@ -30,7 +30,8 @@ class WorkerBusy(WorkerError):
 
 
 class WorkerRejected(WorkerError):
-    """`RequestError` (bad input) or `PoolExhausted` (never fits this worker)."""
+    """`RequestError` (bad input), `PoolExhausted` or `StagingTooSmall` (never
+    fits this worker)."""
 
     def __init__(self, error: str, message: str) -> None:
         super().__init__(message)
@@ -40,7 +41,7 @@ class WorkerRejected(WorkerError):
 def _refusal(error: rpc.Error, node: Node) -> WorkerError:
     if error.error == "Busy":
         return WorkerBusy(f"{node.node_id} is busy")
-    if error.error in ("RequestError", "PoolExhausted"):
+    if error.error in ("RequestError", "PoolExhausted", "StagingTooSmall"):
         return WorkerRejected(error.error, error.message[:500] or error.error)
     return WorkerFault(f"{node.node_id} answered {error.error}: {error.message[:500]}")
 

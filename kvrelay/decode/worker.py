@@ -178,11 +178,15 @@ class DecodeWorker(WorkerFront):
                 continue
             job.seq_id = answer["seq_id"]
             job.pulled |= {k: answer[k] for k in ("tier_pages", "prefill_pages")}
+            recomputed = answer.get("recomputed_pages", 0)
+            if recomputed:  # neither the tier nor prefill had them: computed here
+                job.pulled["recomputed_pages"] = recomputed
             self._running[job.seq_id] = job
             c = self.counters
             c.requests += 1
             c.prompt_tokens += len(job.item["tokens"])
             c.computed_tokens += 1  # prefill's first token: its KV is computed here
+            c.computed_tokens += recomputed * self.config.page_size
             c.local_hit_tokens += answer["local_pages"] * self.config.page_size
             c.tier_hit_tokens += answer["tier_pages"] * self.config.page_size
             c.bytes_from_prefill += sum(r[i]["bytes_from_prefill"] for r in per_rank)

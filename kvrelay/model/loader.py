@@ -11,9 +11,10 @@ from kvrelay.model.comm import Comm
 from kvrelay.model.config import TORCH_DTYPES, ModelConfig
 from kvrelay.model.decoder import DecoderShard
 from kvrelay.model.device import parse_device
-from kvrelay.model.engine import Engine
+from kvrelay.model.engine import DEFAULT_MAX_PREFILL_TOKENS, Engine
 from kvrelay.model.errors import ModelLoadError
 from kvrelay.model.mtp import MtpLayer, draft_kv_spec, load_mtp_weights
+from kvrelay.model.paged_attention import DEFAULT_CHUNK_TOKENS, PagedOnlineSoftmaxBackend
 from kvrelay.model.pool import PagedKVPool
 from kvrelay.model.speculative import SpecDecoder
 from kvrelay.model.weights import ShardPlan, fingerprint, load_weights
@@ -70,6 +71,8 @@ def load_engine(
     parallel: ParallelConfig | None = None,
     comm: Comm | None = None,
     device: torch.device | str = "cpu",
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+    attention_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     speculative: int = 0,
     mtp_positions: str = "target",
 ) -> Engine:
@@ -111,7 +114,9 @@ def load_engine(
             device,
         )
         draft = SpecDecoder(draft, draft_kv_spec(spec, config, mtp_positions), speculative)
-    return Engine(DecoderShard(config, plan, weights, pool, comm), spec, parallel, draft)
+    backend = PagedOnlineSoftmaxBackend(attention_chunk_tokens)
+    shard = DecoderShard(config, plan, weights, pool, comm, backend)
+    return Engine(shard, spec, parallel, max_prefill_tokens, draft)
 
 
 def load_draft(

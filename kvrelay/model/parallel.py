@@ -28,7 +28,8 @@ import torch.multiprocessing as mp
 
 from kvrelay.layout import ModelKVSpec, ParallelConfig
 from kvrelay.model.device import collective_backend, parse_device, rank_device
-from kvrelay.model.engine import Request, Result
+from kvrelay.model.engine import DEFAULT_MAX_PREFILL_TOKENS, Request, Result
+from kvrelay.model.paged_attention import DEFAULT_CHUNK_TOKENS
 
 # How long the other ranks get to answer once one rank has failed.
 ERROR_GRACE_S = 10.0
@@ -146,7 +147,7 @@ def _worker(
         )
         from kvrelay.model.draft_transfer import export_draft_prefix, import_draft_prefix
         from kvrelay.model.loader import load_engine
-        from kvrelay.model.transfer import export_prefix, import_prefix
+        from kvrelay.model.page_export import export_prefix, import_prefix
 
         parallel = list(sizes.all_ranks())[rank]
         comm = DistComm(parallel, device if backend == "nccl" else "cpu")
@@ -223,6 +224,8 @@ class ParallelEngine:
         timeout_s: float = 300.0,
         rank_setup=None,
         device: str = "cpu",
+        max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+        attention_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         speculative: int = 0,
     ) -> None:
         """`rank_setup(engine) -> {name: handler}` (picklable, e.g. a
@@ -240,7 +243,13 @@ class ParallelEngine:
         context = mp.get_context("spawn")
         self._commands = [context.Queue() for _ in range(self.world)]
         self._results = context.Queue()
-        options = {"dtype": dtype, "page_size": page_size, "num_pages": num_pages}
+        options = {
+            "dtype": dtype,
+            "page_size": page_size,
+            "num_pages": num_pages,
+            "max_prefill_tokens": max_prefill_tokens,
+            "attention_chunk_tokens": attention_chunk_tokens,
+        }
         if speculative:
             options["speculative"] = speculative
         self._rendezvous = rendezvous()

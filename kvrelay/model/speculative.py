@@ -133,17 +133,17 @@ class SpecDecoder:
         state.registered = max(state.registered, min(full, len(state.keys)))
 
     # -- prefill ----------------------------------------------------------
-    def prefill(self, engine, sequences, row_begins: list[int]) -> None:
+    def prefill(self, engine, sequences, hidden: list[list[torch.Tensor]]) -> None:
         """Draft slots [cached, prompt) of each newly prefilled sequence, from
-        the target's hidden rows and the prompt shifted by one (its last slot
-        takes the first sampled token)."""
+        the target's hidden rows (`hidden[i]`: sequence i's, chunk by chunk)
+        and the prompt shifted by one (its last slot takes the first sampled
+        token)."""
         if self.mtp is None:
             return
-        hidden = engine.shard.last_hidden
         rows = []
-        for seq, row in zip(sequences, row_begins, strict=True):
+        for seq, parts in zip(sequences, hidden, strict=True):
             begin, end = seq.draft.length, len(seq.tokens) - 1
-            rows.append((seq, begin, end, hidden[row : row + end - begin]))
+            rows.append((seq, begin, end, torch.cat(parts)))
         want_all = any(s.request.return_logits for s in sequences)
         g, logits = self._draft_forward(rows, all_rows=want_all)
         if want_all:

@@ -7,7 +7,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from kvrelay.model.errors import PoolExhausted
+from kvrelay.model.errors import PoolExhausted, StagingTooSmall
 from kvrelay.prefill.ranks import prefill_rank_setup
 from kvrelay.rpc import Connection, Error, PeerError
 from kvrelay.rpc.worker_ops import (
@@ -61,11 +61,12 @@ class PrefillWorker(WorkerFront):
             why = "draining" if self.draining else f"queue holds {len(self._queue)} requests"
             await conn.send(Error.of(Busy(why), rid))
             return
+        # The pool holds the whole prompt; staging only its new pages (the
+        # ranks refuse a request whose new pages exceed the arena).
         pages = pages_of(len(tokens), self.config.page_size)
-        room = min(self.config.num_pages, self.config.staging_pages or self.config.num_pages)
-        if pages > room:
+        if pages > self.config.num_pages:
             self.counters.errors += 1
-            await conn.send(Error.of(PoolExhausted(pages, room), rid))
+            await conn.send(Error.of(PoolExhausted(pages, self.config.num_pages), rid))
             return
         item = {"tokens": tokens, "params": params, "lease_s": request.lease_s}
         pending = _Pending(rid, item, asyncio.get_running_loop().create_future())
@@ -137,6 +138,11 @@ class PrefillWorker(WorkerFront):
                 continue
             for i, pending in enumerate(batch[:done]):
                 self._queue.remove(pending)
+                refused = answers[0][i].get("error")
+                if refused:  # can never fit (its new pages exceed the staging arena)
+                    if not pending.future.done():
+                        pending.future.set_exception(StagingTooSmall(refused[1]))
+                    continue
                 answer = self._merge([rank[i] for rank in answers], pending)
                 if pending.abandoned:
                     await self._drop(answer)

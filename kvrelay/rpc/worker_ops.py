@@ -97,7 +97,7 @@ class PrefillReply(Message, tag="prefill_reply"):
     )  # one per writer rank; [] when finish_reason is set
     timings: dict[str, float] = msgspec.field(
         default_factory=dict
-    )  # queue_s, lookup_s, compute_s, publish_s
+    )  # queue_s, lookup_s, tier_pull_s, compute_s, stage_s, publish_s
 
 
 class Decode(Message, tag="decode"):
@@ -125,6 +125,7 @@ class Pulled(msgspec.Struct):
     local_pages: Count = 0
     tier_pages: Count = 0
     prefill_pages: Count = 0
+    recomputed_pages: Count = 0  # neither the tier nor prefill had them: decode computed them
 
 
 class DecodeDone(Message, tag="done"):

@@ -67,17 +67,18 @@ def test_prefill_killed_after_publishing_handles(cluster):
     prompt = random.Random(SEED).choices(range(1, 256), k=3 * PAGE + 5)
     params = {"max_new_tokens": 6, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0,
               "stop_token_ids": []}  # fmt: skip
-    request = {"op": "prefill", "rid": "p", "tokens": prompt, "params": params, "lease_s": 30.0}
+    request = {"op": "prefill", "rid": "p", "tokens": frames.tokens(prompt), "params": params,
+               "lease_s": 30.0}  # fmt: skip
     answer = run(frames.call(victim.ready["address"], request, token))
-    assert answer["ok"] and answer["handles"], answer
+    assert frames.accepted(answer) and answer["handles"], answer
     faults = Faults(cluster, random.Random(SEED))
     faults._victim = victim
     os.killpg(victim.popen.pid, signal.SIGKILL)
     victim.popen.wait(10)
-    message = {"op": "decode", "rid": "d", "tokens": prompt, "params": params,
+    message = {"op": "decode", "rid": "d", "tokens": frames.tokens(prompt), "params": params,
                "first_token": answer["first_token"], "tier_pages": 0, "pages": answer["pages"],
                "handles": answer["handles"]}  # fmt: skip
     reply = run(frames.call(decode.ready["address"], message, token, timeout=30))
-    assert reply["ok"] is False and reply["error"] == "PullFailed", reply
+    assert reply["op"] == "error" and reply["error"] == "PullFailed", reply
     assert run(settled_counts(cluster, baseline, timeout_s=20)) == 0
     faults.clear("kill_prefill")  # a new prefill on the cluster for the next test

@@ -142,9 +142,10 @@ def test_exposed_arenas_hold_only_kv_pages(small_cluster):
     prefill = c.named("prefill")[0].ready["address"]
     params = {"max_new_tokens": 2, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0,
               "stop_token_ids": []}  # fmt: skip
-    reply = run(frames.call(prefill, {"op": "prefill", "rid": "sec", "tokens": list(range(40)),
+    reply = run(frames.call(prefill, {"op": "prefill", "rid": "sec",
+                                      "tokens": frames.tokens(range(40)),
                                       "params": params, "lease_s": 2.0}, token))  # fmt: skip
-    assert reply["ok"], reply
+    assert frames.accepted(reply), reply
     handle = msgpack.unpackb(reply["handles"][0]["handle"], raw=False)
     arenas = run(_hello(handle["agent"], token))["arenas"]
     assert arenas and all(a[2] == c.chaos.pages * page_bytes for a in arenas), arenas

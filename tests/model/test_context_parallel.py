@@ -10,8 +10,8 @@ import torch
 from kvrelay.layout import ParallelConfig
 from kvrelay.model import Request, SamplingParams, load_engine
 from kvrelay.model.context_parallel import zigzag_chunks
+from kvrelay.model.page_export import export_prefix, import_prefix
 from kvrelay.model.parallel import ParallelEngine
-from kvrelay.model.transfer import export_prefix, import_prefix
 from tests.model.conftest import prompt_tokens
 from tests.model.oracle import hf_greedy, hf_model
 

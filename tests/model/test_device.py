@@ -16,7 +16,7 @@ from kvrelay.model.device import (
     parse_device,
     rank_device,
 )
-from kvrelay.model.transfer import export_prefix, import_prefix
+from kvrelay.model.page_export import export_prefix, import_prefix
 from tests.model.conftest import prompt_tokens
 from tests.model.oracle import hf_greedy, hf_model
 

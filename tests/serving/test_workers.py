@@ -117,7 +117,7 @@ def test_prefill_then_decode_equals_one_process(cluster, reference, sampling, se
     assert answer["spec"] == {"tp": 1, "pp": 1, "cp": 1} and len(answer["handles"]) == 1
     pulled = got["done"]["pulled"]
     # Three full pages sealed by prefill's write-through, the partial one from prefill.
-    assert pulled == {"local_pages": 0, "tier_pages": 3, "prefill_pages": 1}
+    assert pulled == {"local_pages": 0, "tier_pages": 3, "prefill_pages": 1, "recomputed_pages": 0}
 
 
 @pytest.mark.parametrize(
@@ -181,9 +181,34 @@ def test_flush_drops_the_pool_cache(cluster):
         return got["done"]["pulled"]
 
     assert pulled()["local_pages"] == 0
-    assert pulled() == {"local_pages": 3, "tier_pages": 0, "prefill_pages": 1}
+    # prefill's pool holds the 3 full pages (written through to the tier), so
+    # it stages only the partial one; decode's pool has the others.
+    assert pulled() == {"local_pages": 3, "tier_pages": 0, "prefill_pages": 1,
+                        "recomputed_pages": 0}  # fmt: skip
     assert run(fc.call(addr(decode), {"op": "flush"}))["op"] == "ok"
-    assert pulled()["local_pages"] == 0
+    # Now decode (no tier) cannot get the 3 pages prefill did not stage: it
+    # recomputes the prompt instead of every prefill staging them.
+    assert pulled() == {"local_pages": 0, "tier_pages": 0, "prefill_pages": 0,
+                        "recomputed_pages": 4}  # fmt: skip
+
+
+def test_decode_recomputes_pages_it_cannot_get(cluster, reference):
+    """Prefill stages only what the tier does not hold; a decode that cannot
+    get the rest (its tier lost them, or it has none) computes them itself,
+    with the same tokens."""
+    prompt = prompt_tokens(3 * PAGE + 6, seed=95)
+    sampling = fc.params(8)
+    first = run(fc.serve(addr(cluster["prefill"]), addr(cluster["decode"]), "l1", prompt, sampling))
+    assert first["ok"], first
+    answer = run(fc.prefill(addr(cluster["prefill"]), "l2", prompt, sampling))
+    assert answer["ok"] and answer["cached_tokens"]["local"] == 3 * PAGE
+    assert answer["tier_pages"] == 3
+    # decode_tp2 has no tier and none of these pages: the 3 unstaged pages are recomputed.
+    got = run(fc.decode(addr(cluster["decode_tp2"]), "l3", prompt, sampling, answer))
+    assert got["ok"], got
+    assert got["done"]["pulled"] == {"local_pages": 0, "tier_pages": 0, "prefill_pages": 0,
+                                     "recomputed_pages": 4}  # fmt: skip
+    assert got["tokens"] == reference(prompt, sampling)
 
 
 def test_bad_requests_get_typed_errors(cluster):
