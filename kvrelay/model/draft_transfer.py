@@ -1,6 +1,6 @@
 """Export and import of a prefix's draft (MTP) KV as unified draft pages.
 
-The draft's pages ride beside the target's (`kvrelay.model.transfer`): same
+The draft's pages ride beside the target's (`kvrelay.model.page_export`): same
 page layout (one layer deep), same gather/scatter ops, their own arena rows,
 keyed by `kvrelay.layout.draft_page_keys`. Only ranks of the last PP stage
 hold the MTP layer; each moves its TP heads of every draft page
@@ -18,7 +18,7 @@ from kvrelay.cuda_ext import gather_pages, rect_geometry, scatter_pages
 from kvrelay.layout import draft_page_keys, draft_rectangle
 from kvrelay.model.engine import Engine
 from kvrelay.model.errors import PrefixNotCached
-from kvrelay.model.transfer import _arena_rows, _slot_mapping
+from kvrelay.model.page_export import _arena_rows, _slot_mapping
 
 
 def draft_keys(engine: Engine, tokens: list[int]) -> list[bytes]:

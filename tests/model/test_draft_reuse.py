@@ -11,8 +11,8 @@ import torch
 
 from kvrelay.model import Request, SamplingParams, load_engine
 from kvrelay.model.draft_transfer import draft_keys, export_draft_prefix, import_draft_prefix
+from kvrelay.model.page_export import export_prefix, import_prefix
 from kvrelay.model.parallel import ParallelEngine
-from kvrelay.model.transfer import export_prefix, import_prefix
 from tests.model.conftest import prompt_tokens
 
 PAGE = 16

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from kvrelay.model import Request, SamplingParams, load_engine
+from kvrelay.model.page_export import export_prefix
 from kvrelay.model.parallel import ParallelEngine
 from kvrelay.model.sampling import Sampler
 from kvrelay.model.speculative import verify
-from kvrelay.model.transfer import export_prefix
 from tests.model.conftest import prompt_tokens
 
 PAGE = 16
