@@ -72,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvrelay.bench import cp as cp_bench
     from kvrelay.bench import model as model_bench
     from kvrelay.bench import scale as scale_bench
+    from kvrelay.bench import spec as spec_bench
     from kvrelay.chaos import bench as chaos_bench
 
     for name, module, help_text in (
@@ -82,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("cache", cache, "replay a Mooncake trace: shared tier vs local caches vs infinite"),
         ("chaos", chaos_bench, "faults, hostile input and load against a real local cluster"),
         ("cp", cp_bench, "prefill time of a long prompt at CP=1 vs CP=2, in one run"),
+        ("spec", spec_bench,
+         "decode tokens/s with and without MTP speculation, acceptance; CP prefill"),
         ("scale", scale_bench,
          "per-phase time and memory of a request against its cached context, vs the floor"),
     ):  # fmt: skip

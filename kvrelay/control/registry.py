@@ -23,6 +23,9 @@ COUNTER_NAMES = (
     "requests", "prompt_tokens", "computed_tokens", "local_hit_tokens", "tier_hit_tokens",
     "generated_tokens", "bytes_from_tier", "bytes_to_tier", "bytes_from_prefill",
     "busy_rejections", "errors", "writeback_skipped_pages",
+    # Speculative decoding (decode workers with --speculative): draft tokens
+    # proposed and accepted, verify steps.
+    "spec_proposed", "spec_accepted", "spec_steps",
 )  # fmt: skip
 
 

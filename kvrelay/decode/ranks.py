@@ -260,6 +260,7 @@ class DecodeRanks:
                     "seq_id": output.seq_id,
                     "tokens": output.tokens,
                     "finish_reason": output.finish_reason,
+                    "spec": output.spec,
                     "written": written,
                     "writing": writing,
                 }

@@ -32,6 +32,7 @@ class _Job:
     finish_reason: str | None = None
     written: list[int] = field(default_factory=list)  # pages each writer rank wrote back
     writing: set[int] = field(default_factory=set)  # ranks whose write-back still runs
+    spec: dict | None = None  # speculation counts of the request (--speculative)
 
 
 class DecodeWorker(WorkerFront):
@@ -217,6 +218,11 @@ class DecodeWorker(WorkerFront):
                 continue
             del self._running[out["seq_id"]]
             job.finish_reason = out["finish_reason"]
+            job.spec = out.get("spec")
+            if job.spec:
+                self.counters.spec_proposed += job.spec["proposed"]
+                self.counters.spec_accepted += job.spec["accepted"]
+                self.counters.spec_steps += job.spec["steps"]
             job.written = [r[i]["written"] for r in outputs if r[i]["written"] is not None]
             job.writing = {rank for rank, r in enumerate(outputs) if r[i]["writing"]}
             if job.writing:
@@ -240,5 +246,6 @@ class DecodeWorker(WorkerFront):
                 job.finish_reason,
                 Pulled(**job.pulled),
                 min(job.written) if job.written else 0,
+                job.spec,
             )
         )

@@ -140,6 +140,7 @@ class ClusterConfig:
     control_port: int = 0  # 0: a free port
     ready_timeout_s: float = 120.0
     extra_env: dict = field(default_factory=dict)
+    speculative: int = 0  # decode: MTP draft tokens per step (the model needs an MTP layer)
 
 
 def free_port() -> int:
@@ -230,6 +231,8 @@ class LocalCluster:
                 args.append("--write-back")
         elif c.cache == "none":
             args.append("--no-local-cache")
+        if role == "decode" and c.speculative:
+            args += ["--speculative", str(c.speculative)]
         return args
 
     def start_pool(self, role: str, pool: PoolConfig) -> list[Process]:

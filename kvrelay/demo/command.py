@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--redeploy-turns", type=int, default=2, help="turns replayed after the redeploy"
     )
     parser.add_argument("--decode", default="1xtp1", help="decode pool")
+    parser.add_argument("--speculative", type=int, default=0, metavar="K",
+                        help="speculative mode: decode drafts K tokens per step with an MTP "
+                        "layer (a demo model with --mtp 1; --model must have one)")  # fmt: skip
     parser.add_argument("--backend", default=_default_backend(), choices=["tcp", "ucx"],
                         help="transfer backend of every process (ucx when built)")  # fmt: skip
     parser.add_argument("--sessions", type=int, default=4)
@@ -66,12 +69,12 @@ def _default_backend() -> str:
     return "ucx" if importlib.util.find_spec("kvrelay._ucx") else "tcp"
 
 
-def ensure_model(path: Path) -> Path:
+def ensure_model(path: Path, mtp: int = 0) -> Path:
     if not (path / "config.json").exists():
         from kvrelay.model.make_model import RandomModelSpec, write_model
 
         print(f"writing a random demo model to {path}", flush=True)
-        write_model(path, RandomModelSpec(**DEMO_MODEL))
+        write_model(path, RandomModelSpec(**DEMO_MODEL, mtp=mtp))
     return path
 
 
@@ -108,7 +111,7 @@ def run_mode(mode: str, args, workload: WorkloadConfig, model: Path, page_bytes:
     config = ClusterConfig(
         model_dir=model, log_dir=Path(args.out) / "logs" / mode, cache=mode,
         prefill=prefill, decode=PoolConfig.parse(args.decode), page_bytes=page_bytes,
-        page_size=args.page_size, backend=args.backend,
+        page_size=args.page_size, backend=args.backend, speculative=args.speculative,
     )  # fmt: skip
     total = workload.sessions * workload.turns
     with LocalCluster(config) as cluster:
@@ -142,6 +145,18 @@ def _control_stats(url: str) -> dict | None:
         return None
 
 
+def _print_speculation(stats: dict) -> None:
+    """Draft tokens proposed/accepted per mode, from control's /stats counters."""
+    for mode, data in stats.items():
+        totals = (data or {}).get("worker_counters", {})
+        proposed = totals.get("spec_proposed", 0)
+        accepted, steps = totals.get("spec_accepted", 0), totals.get("spec_steps", 0)
+        rate = accepted / proposed if proposed else 0.0
+        length = (accepted + steps) / steps if steps else 0.0
+        print(f"speculation ({mode}): {proposed} proposed, {accepted} accepted ({rate:.1%}), "
+              f"mean accept length {length:.2f}")  # fmt: skip
+
+
 def compare_tokens(runs: dict[str, list[TurnRecord]]) -> list[str]:
     """Differences between modes' generated tokens, turn by turn."""
     if len(runs) < 2:
@@ -169,7 +184,11 @@ def run(args: argparse.Namespace) -> None:
         raise SystemExit(f"kvrelay demo: unknown modes {sorted(unknown)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = ensure_model(Path(args.model))
+    if args.speculative < 0:
+        raise SystemExit("kvrelay demo: --speculative must be >= 0")
+    if args.speculative and args.model == ".kvrelay-demo/model":
+        args.model = ".kvrelay-demo/model-mtp"  # the plain demo model has no MTP layer
+    model = ensure_model(Path(args.model), mtp=1 if args.speculative else 0)
     page_bytes = page_bytes_of(model, "float32", args.page_size)
     print(f"workload: {workload.sessions} sessions x {workload.turns} turns, context "
           f"{workload.system_tokens + workload.user_tokens} -> {workload.final_context()} "
@@ -188,6 +207,8 @@ def run(args: argparse.Namespace) -> None:
     print(f"\ngenerated tokens across modes ({', '.join(modes)}): {same}")
     for line in problems[:10]:
         print("  ", line)
+    if args.speculative:
+        _print_speculation(stats)
     errors = sum(s.errors for s in summaries)
     json_path = Path(args.json or out / "demo.json")
     json_path.write_text(json.dumps({

@@ -1,6 +1,7 @@
 """The unified page layout (DESIGN.md section 3): specs, rectangles, page keys,
 and the placement of page keys over cache servers (`HashRing`)."""
 
+from kvrelay.layout.draft import draft_page_keys, draft_rectangle
 from kvrelay.layout.keys import page_keys, tokens_as_uint32
 from kvrelay.layout.parallel import (
     ParallelConfig,
@@ -12,6 +13,7 @@ from kvrelay.layout.parallel import (
 from kvrelay.layout.ring import HashRing, ring_prefix
 from kvrelay.layout.spec import (
     ATTENTION_KINDS,
+    DRAFT_POSITION_CONVENTIONS,
     KV_DTYPE_ITEMSIZE,
     LAYOUT_VERSION,
     LayoutError,
@@ -20,6 +22,7 @@ from kvrelay.layout.spec import (
 
 __all__ = [
     "ATTENTION_KINDS",
+    "DRAFT_POSITION_CONVENTIONS",
     "KV_DTYPE_ITEMSIZE",
     "LAYOUT_VERSION",
     "HashRing",
@@ -27,6 +30,8 @@ __all__ = [
     "ModelKVSpec",
     "ParallelConfig",
     "Rectangle",
+    "draft_page_keys",
+    "draft_rectangle",
     "page_keys",
     "page_writers",
     "rank_rectangle",

@@ -36,6 +36,11 @@ ATTENTION_KINDS = ("mha", "mla")
 
 DIGEST_BYTES = 32
 
+# RoPE positions of an MTP draft slot t (computed from the target's hidden
+# state at t and token t + 1): "target" uses t (SGLang, vLLM), "shifted" t + 1
+# (transformers' generic MtpModel).
+DRAFT_POSITION_CONVENTIONS = ("target", "shifted")
+
 
 class LayoutError(ValueError):
     """A spec, parallel config or rectangle that cannot describe a valid layout."""
@@ -68,6 +73,9 @@ class ModelKVSpec:
     page_size: int = 64
     salt: str = ""
     target_namespace: bytes | None = None
+    # A draft's RoPE position convention ("target": draft slot t at position
+    # t; "shifted": at t + 1). It changes the draft's K bytes.
+    draft_positions: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_id, str) or not self.model_id:
@@ -94,6 +102,10 @@ class ModelKVSpec:
             or len(self.target_namespace) != DIGEST_BYTES
         ):
             raise LayoutError("target_namespace must be a 32-byte digest")
+        if (self.draft_positions is None) != (self.target_namespace is None):
+            raise LayoutError("a draft spec has both target_namespace and draft_positions")
+        if self.draft_positions not in (None, *DRAFT_POSITION_CONVENTIONS):
+            raise LayoutError(f"draft_positions must be one of {DRAFT_POSITION_CONVENTIONS}")
 
     # -- geometry ---------------------------------------------------------
     @property
@@ -142,6 +154,7 @@ class ModelKVSpec:
         }
         if self.target_namespace is not None:
             fields["target_namespace"] = self.target_namespace
+            fields["draft_positions"] = self.draft_positions
         return fields
 
     def namespace(self) -> bytes:
@@ -150,8 +163,12 @@ class ModelKVSpec:
         return hashlib.sha256(packed).digest()
 
     def page_keys(self, tokens, parent: bytes | None = None) -> list[bytes]:
-        """Keys of the full pages of `tokens` (see `kvrelay.layout.keys.page_keys`)."""
+        """Keys of the full pages of `tokens` (see `kvrelay.layout.keys.page_keys`).
+        A draft's pages are keyed by `kvrelay.layout.draft.draft_page_keys`."""
         from kvrelay.layout.keys import page_keys
+
+        if self.target_namespace is not None:
+            raise LayoutError("a draft page's key covers the next token: use draft_page_keys")
 
         return page_keys(self.namespace() if parent is None else parent, tokens, self.page_size)
 
@@ -166,11 +183,15 @@ class ModelKVSpec:
         v_head_dim: int,
         kv_dtype: str | None = None,
         attention_kind: str = "mha",
+        positions: str = "target",
     ) -> ModelKVSpec:
         """Spec of a draft (MTP) model whose pages ride beside this target's.
 
-        Page size and tenant salt are the target's: draft pages are keyed by
-        the same token chain, rooted at a namespace derived from the target's.
+        Page size and tenant salt are the target's; the namespace derives from
+        the target's and the draft's RoPE position convention. Draft page p is
+        keyed by the target's key of page p and the first token of page p + 1
+        (`kvrelay.layout.draft.draft_page_keys`), since its last slot depends
+        on that token.
         """
         return ModelKVSpec(
             model_id=model_id,
@@ -184,4 +205,5 @@ class ModelKVSpec:
             page_size=self.page_size,
             salt=self.salt,
             target_namespace=self.namespace(),
+            draft_positions=positions,
         )

@@ -11,7 +11,7 @@ import sys
 
 from kvrelay.layout import LayoutError, ParallelConfig
 from kvrelay.model.config import TORCH_DTYPES, ModelConfig
-from kvrelay.model.cross_config import open_runner, parse_parallel, prefix_pages
+from kvrelay.model.cross_config import open_runner, parse_parallel, prefix_unified_pages
 from kvrelay.model.engine import DEFAULT_MAX_PREFILL_TOKENS, Request
 from kvrelay.model.errors import ModelLoadError, PoolExhausted, RequestError
 from kvrelay.model.make_model import RandomModelSpec, write_model
@@ -90,7 +90,18 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--stop-ids", type=_ids, default=None, help="stop tokens (default: the config's EOS)"
     )
-    parser.add_argument("--json", action="store_true", help='print {"tokens": [...]} only')
+    parser.add_argument(
+        "--speculative",
+        type=int,
+        default=0,
+        metavar="K",
+        help="draft K tokens per step with the model's MTP layer (0: off)",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"tokens": [...]} only (and "spec": {proposed, accepted, steps} with K > 0)',
+    )
 
 
 def run_generate(args: argparse.Namespace) -> dict:
@@ -107,6 +118,8 @@ def _generate(args: argparse.Namespace) -> dict:
         raise SystemExit("--prompt-ids is empty")
     if not 0 <= args.reuse_prefix <= len(prompt):
         raise SystemExit(f"--reuse-prefix must lie in [0, {len(prompt)}]")
+    if args.speculative < 0:
+        raise SystemExit("--speculative must be >= 0")
     config = ModelConfig.from_dir(args.model)
     stops = config.eos_token_ids if args.stop_ids is None else tuple(args.stop_ids)
     params = SamplingParams(
@@ -131,18 +144,26 @@ def _generate(args: argparse.Namespace) -> dict:
         "device": args.device,
         "max_prefill_tokens": args.max_prefill_tokens,
     }
+    if args.speculative:
+        options["speculative"] = args.speculative
     prefix, imported = prompt[: args.reuse_prefix], None
     if prefix and args.prefix_parallel is not None:
-        # The prefix's pages from another config: they must serve this one as is.
-        imported = prefix_pages(args.model, args.prefix_parallel, prefix, **options)
+        # The prefix's pages (target and draft) from another config: they
+        # must serve this one as is.
+        imported = prefix_unified_pages(args.model, args.prefix_parallel, prefix, **options)
     with open_runner(args.model, sizes, **options) as runner:
         if imported is not None:
-            runner.import_prefix(prefix, imported)
+            runner.import_prefix(prefix, imported[0])
+            if imported[1] is not None:
+                runner.import_draft_prefix(prefix, imported[1])
         elif prefix:
             runner.generate([Request(prefix, SamplingParams(1))])
         result = runner.generate([Request(prompt, params)])[0]
     if args.json:
-        print(json.dumps({"tokens": result.tokens}))
+        line = {"tokens": result.tokens}
+        if result.spec is not None:
+            line["spec"] = result.spec
+        print(json.dumps(line))
     else:
         print(
             f"generated {len(result.tokens)} tokens ({result.finish_reason}), "
@@ -150,7 +171,15 @@ def _generate(args: argparse.Namespace) -> dict:
             file=sys.stderr,
         )
         print(" ".join(str(t) for t in result.tokens))
-    return {"tokens": result.tokens, "cached_tokens": result.cached_tokens}
+        if result.spec is not None:
+            stats = result.spec
+            rate = stats["accepted"] / stats["proposed"] if stats["proposed"] else 0.0
+            print(
+                f"speculative: {stats['proposed']} proposed, {stats['accepted']} accepted "
+                f"({rate:.1%}) over {stats['steps']} steps",
+                file=sys.stderr,
+            )
+    return {"tokens": result.tokens, "cached_tokens": result.cached_tokens, "spec": result.spec}
 
 
 def add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -172,6 +201,15 @@ def add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--std", type=float, default=0.05, help="weight init std")
     parser.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="float32")
     parser.add_argument("--shards", type=int, default=1, help="safetensors files (indexed)")
+    parser.add_argument(
+        "--mtp", type=int, choices=[0, 1], default=0, help="DeepSeek-V3 style MTP layers"
+    )
+    parser.add_argument(
+        "--mtp-fit-steps",
+        type=int,
+        default=0,
+        help="fit the MTP layer to the target's greedy continuations for N Adam steps",
+    )
     parser.add_argument("dir", help="output directory")
 
 
@@ -194,9 +232,20 @@ def run_make_model(args: argparse.Namespace) -> None:
         seed=args.seed,
         dtype=args.dtype,
         shards=args.shards,
+        mtp=args.mtp,
     )
+    if args.mtp_fit_steps and not args.mtp:
+        raise SystemExit("--mtp-fit-steps needs --mtp 1")
     try:
         path = write_model(args.dir, spec)
     except ValueError as bad:
         raise SystemExit(str(bad)) from None
     print(f"wrote {spec.arch} model ({spec.layers} layers, hidden {spec.hidden}) to {path}")
+    if args.mtp_fit_steps:
+        from kvrelay.model.mtp_fit import fit_mtp
+
+        fitted = fit_mtp(path, args.mtp_fit_steps)
+        print(
+            f"fitted the MTP layer for {args.mtp_fit_steps} steps: agreement with the target "
+            f"{fitted['agreement_before']:.1%} -> {fitted['agreement_after']:.1%} (fitting data)"
+        )

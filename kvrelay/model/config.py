@@ -54,6 +54,9 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # DeepSeek-V3 style MTP layers stored after the decoder layers
+    # (`num_nextn_predict_layers`); kvrelay runs at most one.
+    num_mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
@@ -108,6 +111,11 @@ class ModelConfig:
             raise ModelLoadError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported")
         if raw.get("use_sliding_window"):
             raise ModelLoadError(f"{source}: sliding-window attention is not supported")
+        mtp_layers = raw.get("num_nextn_predict_layers") or 0
+        if mtp_layers not in (0, 1):
+            raise ModelLoadError(
+                f"{source}: num_nextn_predict_layers {mtp_layers!r} is not supported (0 or 1)"
+            )
         try:
             heads = int(raw["num_attention_heads"])
             hidden = int(raw["hidden_size"])
@@ -134,6 +142,7 @@ class ModelConfig:
                 o_bias=model_type == "llama" and bool(raw.get("attention_bias", False)),
                 mlp_bias=model_type == "llama" and bool(raw.get("mlp_bias", False)),
                 eos_token_ids=eos_ids,
+                num_mtp_layers=int(mtp_layers),
             )
         except KeyError as missing:
             raise ModelLoadError(f"{source}: missing field {missing.args[0]!r}") from None

@@ -63,6 +63,27 @@ class Runner:
 
         return import_prefix(self.engine, tokens, arena)
 
+    # Draft (MTP) pages, with speculation on (`kvrelay.model.draft_transfer`).
+    def export_draft_prefix(self, tokens: list[int]) -> torch.Tensor | None:
+        from kvrelay.model.draft_transfer import export_draft_prefix
+
+        engine = self.engine
+        if self.group is None and engine.draft is None:
+            return None
+        if self.group is not None:
+            return self.group.export_draft_prefix(tokens)
+        pages = max(0, (len(tokens) - 1) // engine.spec.page_size)
+        arena = torch.zeros(pages, engine.draft.spec.page_bytes, dtype=torch.uint8)
+        export_draft_prefix(engine, tokens, arena)
+        return arena
+
+    def import_draft_prefix(self, tokens: list[int], arena: torch.Tensor) -> int:
+        if self.group is not None:
+            return self.group.import_draft_prefix(tokens, arena)
+        from kvrelay.model.draft_transfer import import_draft_prefix
+
+        return import_draft_prefix(self.engine, tokens, arena)
+
 
 @contextmanager
 def open_runner(model_dir, sizes: ParallelConfig, **options):
@@ -82,6 +103,17 @@ def open_runner(model_dir, sizes: ParallelConfig, **options):
 def prefix_pages(model_dir, sizes: ParallelConfig, prefix: list[int], **options) -> torch.Tensor:
     """The unified pages of `prefix` (a trailing partial page included) as
     computed under `sizes`: the prefix is run for one token, then exported."""
+    return prefix_unified_pages(model_dir, sizes, prefix, **options)[0]
+
+
+def prefix_unified_pages(model_dir, sizes: ParallelConfig, prefix: list[int], **options):
+    """(target pages, draft pages or None) of `prefix` computed under `sizes`.
+    Draft pages come with `speculative` in `options`; speculation runs at
+    cp=1 only, so a CP prefix carries target pages alone (the run then
+    recomputes the pages whose draft state is missing)."""
+    if sizes.cp > 1:
+        options = {k: v for k, v in options.items() if k != "speculative"}
     with open_runner(model_dir, sizes, **options) as runner:
         runner.generate([Request(prefix, SamplingParams(1))])
-        return runner.export_prefix(prefix)
+        draft = runner.export_draft_prefix(prefix) if options.get("speculative") else None
+        return runner.export_prefix(prefix), draft

@@ -77,6 +77,10 @@ class DecoderShard:
         self.rope = RotaryEmbedding(config)
         self.dtype = pool.dtype
         self.scale = config.head_dim**-0.5
+        # A draft (MTP) layer needs the final-normed hidden state of every row
+        # (last stage only); off, only `last_rows` are normed.
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
         """Runs this rank's layers; returns logits of `batch.last_rows` on the
@@ -100,9 +104,12 @@ class DecoderShard:
             return None
         if batch.split is not None:
             hidden = batch.split.all_gather(hidden)
+        if self.keep_hidden:
+            hidden = self.last_hidden = rms_norm(hidden, w.final_norm, self.config.rms_norm_eps)
         if batch.last_rows is not None:
             hidden = hidden[batch.last_rows]
-        hidden = rms_norm(hidden, w.final_norm, self.config.rms_norm_eps)
+        if not self.keep_hidden:
+            hidden = rms_norm(hidden, w.final_norm, self.config.rms_norm_eps)
         return F.linear(hidden, w.lm_head)
 
     def _layer(self, index, layer: LayerWeights, hidden, cos, sin, batch: ForwardBatch):

@@ -20,6 +20,7 @@ from kvrelay.model.decoder import DecoderShard, ForwardBatch
 from kvrelay.model.errors import PoolExhausted, RequestError
 from kvrelay.model.pool import partial_page_key
 from kvrelay.model.sampling import Sampler, SamplingParams
+from kvrelay.model.speculative import DraftState, SpecDecoder
 
 DEFAULT_MAX_PREFILL_TOKENS = 4096
 
@@ -47,6 +48,10 @@ class Result:
     # Wall time of the batch's prefill and of its decode steps (what benchmarks read).
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    # With speculation: {"proposed", "accepted", "steps"} (see model/speculative.py).
+    spec: dict | None = None
+    draft_prompt_logits: torch.Tensor | None = None  # MTP rows of the prefill
+    proposals: list[list[int]] = field(default_factory=list)  # per step, with return_logits
 
 
 @dataclass(slots=True)
@@ -63,6 +68,7 @@ class _Sequence:
     prompt_logits: torch.Tensor | None = None
     step_logits: list[torch.Tensor] = field(default_factory=list)
     seq_id: int = 0
+    draft: DraftState | None = None  # with speculation
 
 
 @dataclass(slots=True)
@@ -74,6 +80,7 @@ class StepOutput:
     finish_reason: str | None  # set when the sequence left the batch
     cached_tokens: int
     all_tokens: list[int] | None = None  # prompt + generated, once finished
+    spec: dict | None = None  # speculation counts, once finished (see Result.spec)
 
 
 class Engine:
@@ -83,6 +90,7 @@ class Engine:
         spec: ModelKVSpec,
         parallel: ParallelConfig | None = None,
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+        draft: SpecDecoder | None = None,
     ) -> None:
         if spec.page_size != shard.pool.page_size:
             raise ValueError("the pool's page size must be the unified page size")
@@ -97,6 +105,9 @@ class Engine:
         self.comm = shard.comm
         self.namespace = spec.namespace()
         self.parallel = parallel or ParallelConfig()
+        # Speculative decoding with an MTP layer (None: one token per step).
+        self.draft = draft
+        shard.keep_hidden = draft is not None and draft.mtp is not None
         # Continuous batching state: admitted but not yet prefilled, and decoding.
         self._pending: list[_Sequence] = []
         self._active: list[_Sequence] = []
@@ -136,6 +147,9 @@ class Engine:
                 step_logits=s.step_logits,
                 prefill_seconds=prefilled - start,
                 decode_seconds=done - prefilled,
+                spec=s.draft.stats.as_dict() if s.draft else None,
+                draft_prompt_logits=s.draft.prompt_logits if s.draft else None,
+                proposals=s.draft.proposals if s.draft else [],
             )
             for s in sequences
         ]
@@ -158,18 +172,22 @@ class Engine:
         and return their pages."""
         pending, decoding = self._pending, self._active
         self._pending = []
+        before = [len(seq.generated) for seq in decoding]
         if pending:
             self._active = decoding + pending
             self._prefill(pending)
-        if decoding:
+        if decoding and self.draft is not None:
+            self.draft.decode_step(self, decoding)
+        elif decoding:
             self._decode_step(decoding)
         outputs = []
-        for seq in pending + decoding:
+        for seq, old in zip(pending + decoding, [0] * len(pending) + before, strict=True):
             outputs.append(
-                StepOutput(seq.seq_id, seq.generated[-1:], seq.finish_reason, seq.cached)
+                StepOutput(seq.seq_id, seq.generated[old:], seq.finish_reason, seq.cached)
             )
             if seq.finish_reason is not None:
                 outputs[-1].all_tokens = list(seq.tokens)
+                outputs[-1].spec = seq.draft.stats.as_dict() if seq.draft else None
                 self._finish(seq)
         return outputs
 
@@ -180,6 +198,8 @@ class Engine:
                 if seq.seq_id == seq_id:
                     group.remove(seq)
                     self.pool.release(seq.pages)
+                    if self.draft is not None:
+                        self.draft.release(seq.draft)
                     return True
         return False
 
@@ -194,6 +214,8 @@ class Engine:
         finally:
             self.pool.release(seq.pages)
             seq.pages = []
+            if self.draft is not None:
+                self.draft.release(seq.draft)
 
     # -- admission --------------------------------------------------------
     def _admit(self, request: Request) -> _Sequence:
@@ -208,18 +230,31 @@ class Engine:
         # At least the last prompt token is computed: its logits pick the first token.
         usable = min(len(keys), (len(prompt) - 1) // ps)
         hit = self.pool.match_prefix(keys[:usable])
+        if self.draft is not None:
+            # Reuse only as far as the draft's pages are cached too; target
+            # pages past that are recomputed (the draft needs their hidden states).
+            drafted = self.draft.cached_pages(prompt, keys[: len(hit)])
+            self.pool.release(hit[drafted:])
+            hit = hit[:drafted]
         agreed = self.comm.min_all(len(hit))
         self.pool.release(hit[agreed:])
         hit = hit[:agreed]
         # KV slots for the prompt and every generated token but the last.
         total_pages = -(-(len(prompt) + request.params.max_new_tokens - 1) // ps)
         fits = self.pool.free_pages >= total_pages - agreed
+        fits = fits and (self.draft is None or self.draft.fits(total_pages - agreed))
         if not self.comm.min_all(int(fits)):
             available = self.pool.free_pages
             self.pool.release(hit)
             raise PoolExhausted(total_pages - agreed, available)
         pages = hit + self.pool.allocate(total_pages - agreed)
-        cached = agreed * ps + self._reuse_partial_page(prompt, keys, agreed, pages)
+        draft = None
+        if self.draft is not None:
+            # A partial page's draft state is not kept: the tail is recomputed.
+            draft = self.draft.admit(prompt, keys, agreed, total_pages)
+            cached = agreed * ps
+        else:
+            cached = agreed * ps + self._reuse_partial_page(prompt, keys, agreed, pages)
         return _Sequence(
             request=request,
             tokens=prompt,
@@ -228,6 +263,7 @@ class Engine:
             keys=keys,
             registered=agreed,
             sampler=Sampler(request.params, skip=request.skip_draws, vocab=vocab),
+            draft=draft,
         )
 
     def _reuse_partial_page(self, prompt, keys, full: int, pages: list[int]) -> int:
@@ -270,10 +306,16 @@ class Engine:
         all_rows = any(s.request.return_logits for s in sequences)
         last: dict[int, torch.Tensor] = {}
         parts: dict[int, list[torch.Tensor]] = {id(s): [] for s in sequences}
+        hidden: dict[int, list[torch.Tensor]] = {id(s): [] for s in sequences}
         for spans in self._prefill_chunks(sequences):
             logits = self._forward(spans, all_rows=all_rows, split=self.parallel.cp > 1)
             if logits is None:
                 continue  # not the last stage
+            if self.shard.keep_hidden:  # the draft needs every row's hidden state
+                at = 0
+                for seq, begin, end in spans:
+                    hidden[id(seq)].append(self.shard.last_hidden[at : at + end - begin])
+                    at += end - begin
             row = 0
             for seq, begin, end in spans:
                 rows = end - begin if all_rows else 1
@@ -290,6 +332,8 @@ class Engine:
                     # Results leave the rank (pickled to the parent): host copies.
                     seq.prompt_logits = torch.cat(parts[id(seq)]).cpu()
         self._sample(sequences, logits)
+        if self.draft is not None:
+            self.draft.prefill(self, sequences, [hidden[id(s)] for s in sequences])
         for seq in sequences:
             self._register_full_pages(seq)
 
@@ -386,3 +430,5 @@ class Engine:
         for index in range(seq.registered, full):
             self.pool.register(seq.pages[index], seq.keys[index])
         seq.registered = max(seq.registered, full)
+        if self.draft is not None:
+            self.draft.register(seq)

@@ -13,8 +13,10 @@ from kvrelay.model.decoder import DecoderShard
 from kvrelay.model.device import parse_device
 from kvrelay.model.engine import DEFAULT_MAX_PREFILL_TOKENS, Engine
 from kvrelay.model.errors import ModelLoadError
+from kvrelay.model.mtp import MtpLayer, draft_kv_spec, load_mtp_weights
 from kvrelay.model.paged_attention import DEFAULT_CHUNK_TOKENS, PagedOnlineSoftmaxBackend
 from kvrelay.model.pool import PagedKVPool
+from kvrelay.model.speculative import SpecDecoder
 from kvrelay.model.weights import ShardPlan, fingerprint, load_weights
 
 
@@ -71,12 +73,19 @@ def load_engine(
     device: torch.device | str = "cpu",
     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
     attention_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    speculative: int = 0,
+    mtp_positions: str = "target",
 ) -> Engine:
     """An engine for one rank (the whole model when `parallel` is None), its
-    weights, KV pool and activations on `device`."""
+    weights, KV pool and activations on `device`; `speculative` K > 0 drafts
+    K tokens per step with the model's MTP layer."""
     if dtype not in TORCH_DTYPES:
         raise ModelLoadError(f"dtype {dtype!r} is not one of {sorted(TORCH_DTYPES)}")
     parallel = parallel or ParallelConfig()
+    if not isinstance(speculative, int) or speculative < 0:
+        raise ModelLoadError(f"speculative must be a non-negative int, got {speculative!r}")
+    if speculative and parallel.cp != 1:
+        raise ModelLoadError("speculative decoding runs at cp=1 (decode keeps CP=1)")
     config = ModelConfig.from_dir(model_dir)
     spec = kv_spec(model_dir, config, dtype, page_size)
     plan = shard_plan(config, spec, parallel)
@@ -92,6 +101,43 @@ def load_engine(
         dtype=torch_dtype,
         device=device,
     )
+    draft = None
+    if speculative:
+        draft = load_draft(
+            model_dir,
+            config,
+            plan,
+            torch_dtype,
+            (num_pages, page_size),
+            comm,
+            mtp_positions,
+            device,
+        )
+        draft = SpecDecoder(draft, draft_kv_spec(spec, config, mtp_positions), speculative)
     backend = PagedOnlineSoftmaxBackend(attention_chunk_tokens)
     shard = DecoderShard(config, plan, weights, pool, comm, backend)
-    return Engine(shard, spec, parallel, max_prefill_tokens)
+    return Engine(shard, spec, parallel, max_prefill_tokens, draft)
+
+
+def load_draft(
+    model_dir, config, plan, dtype, geometry, comm, positions, device
+) -> MtpLayer | None:
+    """The MTP layer of the last PP stage's ranks (None on other stages), with
+    a draft pool of as many pages as the target's."""
+    if config.num_mtp_layers < 1:
+        raise ModelLoadError(
+            f"{model_dir}: --speculative needs an MTP layer (num_nextn_predict_layers)"
+        )
+    if not plan.last_stage:
+        return None
+    pool = PagedKVPool(
+        num_pages=geometry[0],
+        page_size=geometry[1],
+        num_layers=1,
+        num_heads=plan.num_kv_heads,
+        head_dim=config.head_dim,
+        dtype=dtype,
+        device=device,
+    )
+    weights = load_mtp_weights(model_dir, config, plan, dtype, device)
+    return MtpLayer(config, plan, weights, pool, comm, positions)

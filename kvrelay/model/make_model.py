@@ -39,6 +39,7 @@ class RandomModelSpec:
     seed: int = 0
     dtype: str = "float32"
     shards: int = 1
+    mtp: int = 0  # MTP layers (DeepSeek-V3 layout after the decoder layers): 0 or 1
 
     def config_json(self) -> dict:
         head_dim = self.head_dim or self.hidden // self.heads
@@ -63,6 +64,8 @@ class RandomModelSpec:
             "eos_token_id": None,
             "pad_token_id": None,
         }
+        if self.mtp:
+            config["num_nextn_predict_layers"] = self.mtp
         if self.arch == "llama":
             config |= {"attention_bias": self.attention_bias, "mlp_bias": self.mlp_bias}
         else:
@@ -71,8 +74,7 @@ class RandomModelSpec:
 
 
 def random_weights(spec: RandomModelSpec) -> dict[str, torch.Tensor]:
-    config = spec.config_json()
-    hidden, inter, hd = spec.hidden, config["intermediate_size"], config["head_dim"]
+    hidden = spec.hidden
     gen = torch.Generator().manual_seed(spec.seed)
 
     def normal(*shape: int) -> torch.Tensor:
@@ -83,38 +85,56 @@ def random_weights(spec: RandomModelSpec) -> dict[str, torch.Tensor]:
 
     tensors = {"model.embed_tokens.weight": normal(spec.vocab, hidden)}
     for layer in range(spec.layers):
-        p = f"model.layers.{layer}."
-        a = p + "self_attn."
-        tensors |= {
-            p + "input_layernorm.weight": norm(),
-            a + "q_proj.weight": normal(spec.heads * hd, hidden),
-            a + "k_proj.weight": normal(spec.kv_heads * hd, hidden),
-            a + "v_proj.weight": normal(spec.kv_heads * hd, hidden),
-            a + "o_proj.weight": normal(hidden, spec.heads * hd),
-            p + "post_attention_layernorm.weight": norm(),
-            p + "mlp.gate_proj.weight": normal(inter, hidden),
-            p + "mlp.up_proj.weight": normal(inter, hidden),
-            p + "mlp.down_proj.weight": normal(hidden, inter),
-        }
-        if spec.arch == "qwen2" or spec.attention_bias:
-            tensors |= {
-                a + "q_proj.bias": normal(spec.heads * hd),
-                a + "k_proj.bias": normal(spec.kv_heads * hd),
-                a + "v_proj.bias": normal(spec.kv_heads * hd),
-            }
-        if spec.arch == "llama" and spec.attention_bias:
-            tensors[a + "o_proj.bias"] = normal(hidden)
-        if spec.arch == "llama" and spec.mlp_bias:
-            tensors |= {
-                p + "mlp.gate_proj.bias": normal(inter),
-                p + "mlp.up_proj.bias": normal(inter),
-                p + "mlp.down_proj.bias": normal(hidden),
-            }
+        tensors |= _layer_tensors(spec, f"model.layers.{layer}.", normal, norm)
     tensors["model.norm.weight"] = norm()
     if not spec.tie_embeddings:
         tensors["lm_head.weight"] = normal(spec.vocab, hidden)
+    if spec.mtp:
+        # Drawn after the target's tensors, so the target is the same model
+        # with or without an MTP layer.
+        p = f"model.layers.{spec.layers}."
+        tensors |= _layer_tensors(spec, p, normal, norm)
+        tensors |= {
+            p + "enorm.weight": norm(),
+            p + "hnorm.weight": norm(),
+            p + "eh_proj.weight": normal(hidden, 2 * hidden),
+            p + "shared_head.norm.weight": norm(),
+        }
     dtype = TORCH_DTYPES[spec.dtype]
     return {name: t.to(dtype).contiguous() for name, t in tensors.items()}
+
+
+def _layer_tensors(spec: RandomModelSpec, p: str, normal, norm) -> dict[str, torch.Tensor]:
+    config = spec.config_json()
+    hidden, inter, hd = spec.hidden, config["intermediate_size"], config["head_dim"]
+    tensors: dict[str, torch.Tensor] = {}
+    a = p + "self_attn."
+    tensors |= {
+        p + "input_layernorm.weight": norm(),
+        a + "q_proj.weight": normal(spec.heads * hd, hidden),
+        a + "k_proj.weight": normal(spec.kv_heads * hd, hidden),
+        a + "v_proj.weight": normal(spec.kv_heads * hd, hidden),
+        a + "o_proj.weight": normal(hidden, spec.heads * hd),
+        p + "post_attention_layernorm.weight": norm(),
+        p + "mlp.gate_proj.weight": normal(inter, hidden),
+        p + "mlp.up_proj.weight": normal(inter, hidden),
+        p + "mlp.down_proj.weight": normal(hidden, inter),
+    }
+    if spec.arch == "qwen2" or spec.attention_bias:
+        tensors |= {
+            a + "q_proj.bias": normal(spec.heads * hd),
+            a + "k_proj.bias": normal(spec.kv_heads * hd),
+            a + "v_proj.bias": normal(spec.kv_heads * hd),
+        }
+    if spec.arch == "llama" and spec.attention_bias:
+        tensors[a + "o_proj.bias"] = normal(hidden)
+    if spec.arch == "llama" and spec.mlp_bias:
+        tensors |= {
+            p + "mlp.gate_proj.bias": normal(inter),
+            p + "mlp.up_proj.bias": normal(inter),
+            p + "mlp.down_proj.bias": normal(hidden),
+        }
+    return tensors
 
 
 def write_model(directory: str | Path, spec: RandomModelSpec) -> Path:
@@ -125,6 +145,8 @@ def write_model(directory: str | Path, spec: RandomModelSpec) -> Path:
         raise ValueError(f"dtype must be one of {sorted(TORCH_DTYPES)}")
     if spec.shards < 1:
         raise ValueError("shards must be >= 1")
+    if spec.mtp not in (0, 1):
+        raise ValueError("mtp must be 0 or 1")
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(spec.config_json(), indent=2) + "\n")

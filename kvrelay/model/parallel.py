@@ -145,6 +145,7 @@ def _worker(
             world_size=sizes.world_size,
             timeout=timedelta(seconds=timeout_s),
         )
+        from kvrelay.model.draft_transfer import export_draft_prefix, import_draft_prefix
         from kvrelay.model.loader import load_engine
         from kvrelay.model.page_export import export_prefix, import_prefix
 
@@ -162,6 +163,8 @@ def _worker(
         "generate": engine.generate,
         "export": lambda tokens, arena: export_prefix(engine, tokens, arena),
         "import": lambda tokens, arena: import_prefix(engine, tokens, arena),
+        "export_draft": lambda tokens, arena: export_draft_prefix(engine, tokens, arena),
+        "import_draft": lambda tokens, arena: import_draft_prefix(engine, tokens, arena),
         "free_pages": lambda: engine.pool.free_pages,
         "clear_cache": engine.pool.clear_cache,
         "describe": lambda: _describe(engine),
@@ -223,6 +226,7 @@ class ParallelEngine:
         device: str = "cpu",
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
         attention_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        speculative: int = 0,
     ) -> None:
         """`rank_setup(engine) -> {name: handler}` (picklable, e.g. a
         module-level function or a partial of one) runs in each rank after its
@@ -246,6 +250,8 @@ class ParallelEngine:
             "max_prefill_tokens": max_prefill_tokens,
             "attention_chunk_tokens": attention_chunk_tokens,
         }
+        if speculative:
+            options["speculative"] = speculative
         self._rendezvous = rendezvous()
         self._procs = []
         options["collective"] = collective_backend(devices)
@@ -281,6 +287,20 @@ class ParallelEngine:
         if not arena.is_shared():
             arena = arena.clone().share_memory_()
         return self._call("import", list(tokens), arena)[0]
+
+    def export_draft_prefix(self, tokens: list[int]) -> torch.Tensor:
+        """The draft pages of `tokens` (`kvrelay.model.draft_transfer`): one
+        layer of the target's heads and dims per page."""
+        num_pages = max(0, (len(tokens) - 1) // self.spec.page_size)
+        page_bytes = self.spec.num_kv_heads * self.spec.block_bytes
+        arena = torch.zeros(num_pages, page_bytes, dtype=torch.uint8).share_memory_()
+        self._call("export_draft", list(tokens), arena)
+        return arena
+
+    def import_draft_prefix(self, tokens: list[int], arena: torch.Tensor) -> int:
+        if not arena.is_shared():
+            arena = arena.clone().share_memory_()
+        return self._call("import_draft", list(tokens), arena)[0]
 
     def free_pages(self) -> list[int]:
         """Each rank's free pages."""

@@ -57,11 +57,16 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> int:
         """logits: [vocab] of any float dtype, on any device. Sampling runs on
         the CPU, whose seeded generator gives the same draws on every device."""
-        p = self.params
         logits = logits.cpu()
-        if p.greedy:
+        if self.params.greedy:
             return int(torch.argmax(logits))
-        scores = logits.to(torch.float64) / p.temperature
+        return int(torch.multinomial(self.probs(logits), 1, generator=self.generator))
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution a non-greedy draw samples from (float64 [vocab]):
+        temperature, then top-k, then top-p."""
+        p = self.params
+        scores = logits.cpu().to(torch.float64) / p.temperature
         if p.top_k and p.top_k < scores.numel():
             kth = torch.topk(scores, p.top_k).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -73,5 +78,4 @@ class Sampler:
             before = torch.cumsum(probs, dim=-1) - probs
             drop = order[before >= p.top_p]
             scores[drop] = float("-inf")
-        probs = torch.softmax(scores, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return torch.softmax(scores, dim=-1)

@@ -182,45 +182,10 @@ def load_weights(
 ) -> ModelWeights:
     """The tensors `plan`'s rank needs, in `dtype`, on `device`."""
     reader = _Reader(model_dir, dtype, device)
-    hidden, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
-    q_out, kv_out = config.num_heads * hd, config.num_kv_heads * hd
-    q_rows = (plan.q_head_start * hd, (plan.q_head_start + plan.num_q_heads) * hd)
-    kv_rows = (plan.kv_head_start * hd, (plan.kv_head_start + plan.num_kv_heads) * hd)
-    mlp_rows = (plan.mlp_start, plan.mlp_start + plan.mlp_size)
-
-    def bias(name: str, size: int, rows=None) -> torch.Tensor:
-        return reader.read(name, (size,), rows)
-
-    layers = []
-    for layer in range(plan.layer_start, plan.layer_end):
-        p = f"model.layers.{layer}."
-        attn, mlp = p + "self_attn.", p + "mlp."
-
-        def mlp_bias(name: str, size: int, rows, mlp=mlp) -> torch.Tensor | None:
-            return bias(mlp + name, size, rows) if config.mlp_bias else None
-
-        layers.append(
-            LayerWeights(
-                input_norm=reader.read(p + "input_layernorm.weight", (hidden,)),
-                q_proj=reader.read(attn + "q_proj.weight", (q_out, hidden), q_rows),
-                k_proj=reader.read(attn + "k_proj.weight", (kv_out, hidden), kv_rows),
-                v_proj=reader.read(attn + "v_proj.weight", (kv_out, hidden), kv_rows),
-                q_bias=bias(attn + "q_proj.bias", q_out, q_rows) if config.qkv_bias else None,
-                k_bias=bias(attn + "k_proj.bias", kv_out, kv_rows) if config.qkv_bias else None,
-                v_bias=bias(attn + "v_proj.bias", kv_out, kv_rows) if config.qkv_bias else None,
-                o_proj=reader.read(attn + "o_proj.weight", (hidden, q_out), None, q_rows),
-                o_bias=bias(attn + "o_proj.bias", hidden) if config.o_bias else None,
-                post_norm=reader.read(p + "post_attention_layernorm.weight", (hidden,)),
-                gate_proj=reader.read(mlp + "gate_proj.weight", (inter, hidden), mlp_rows),
-                up_proj=reader.read(mlp + "up_proj.weight", (inter, hidden), mlp_rows),
-                down_proj=reader.read(mlp + "down_proj.weight", (hidden, inter), None, mlp_rows),
-                gate_bias=bias(mlp + "gate_proj.bias", inter, mlp_rows)
-                if config.mlp_bias
-                else None,
-                up_bias=bias(mlp + "up_proj.bias", inter, mlp_rows) if config.mlp_bias else None,
-                down_bias=bias(mlp + "down_proj.bias", hidden) if config.mlp_bias else None,
-            )
-        )
+    hidden = config.hidden_size
+    layers = [
+        read_layer(reader, config, plan, index) for index in range(plan.layer_start, plan.layer_end)
+    ]
     embed_shape = (config.vocab_size, hidden)
     embed = lm_head = final_norm = None
     if plan.first_stage:
@@ -236,3 +201,43 @@ def load_weights(
         else:
             lm_head = reader.read("lm_head.weight", embed_shape)
     return ModelWeights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head)
+
+
+def read_layer(reader: _Reader, config: ModelConfig, plan: ShardPlan, index: int) -> LayerWeights:
+    """Decoder layer `index`'s tensors (its `model.layers.{index}.*`), `plan`'s
+    heads and MLP columns of them."""
+    hidden, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    q_out, kv_out = config.num_heads * hd, config.num_kv_heads * hd
+    q_rows = (plan.q_head_start * hd, (plan.q_head_start + plan.num_q_heads) * hd)
+    kv_rows = (plan.kv_head_start * hd, (plan.kv_head_start + plan.num_kv_heads) * hd)
+    mlp_rows = (plan.mlp_start, plan.mlp_start + plan.mlp_size)
+    p = f"model.layers.{index}."
+    attn, mlp = p + "self_attn.", p + "mlp."
+
+    def bias(name: str, size: int, rows=None) -> torch.Tensor:
+        return reader.read(name, (size,), rows)
+
+    def mlp_bias(name: str, size: int, rows=None) -> torch.Tensor | None:
+        return bias(mlp + name, size, rows) if config.mlp_bias else None
+
+    def qkv_bias(name: str, size: int, rows) -> torch.Tensor | None:
+        return bias(attn + name, size, rows) if config.qkv_bias else None
+
+    return LayerWeights(
+        input_norm=reader.read(p + "input_layernorm.weight", (hidden,)),
+        q_proj=reader.read(attn + "q_proj.weight", (q_out, hidden), q_rows),
+        k_proj=reader.read(attn + "k_proj.weight", (kv_out, hidden), kv_rows),
+        v_proj=reader.read(attn + "v_proj.weight", (kv_out, hidden), kv_rows),
+        q_bias=qkv_bias("q_proj.bias", q_out, q_rows),
+        k_bias=qkv_bias("k_proj.bias", kv_out, kv_rows),
+        v_bias=qkv_bias("v_proj.bias", kv_out, kv_rows),
+        o_proj=reader.read(attn + "o_proj.weight", (hidden, q_out), None, q_rows),
+        o_bias=bias(attn + "o_proj.bias", hidden) if config.o_bias else None,
+        post_norm=reader.read(p + "post_attention_layernorm.weight", (hidden,)),
+        gate_proj=reader.read(mlp + "gate_proj.weight", (inter, hidden), mlp_rows),
+        up_proj=reader.read(mlp + "up_proj.weight", (inter, hidden), mlp_rows),
+        down_proj=reader.read(mlp + "down_proj.weight", (hidden, inter), None, mlp_rows),
+        gate_bias=mlp_bias("gate_proj.bias", inter, mlp_rows),
+        up_bias=mlp_bias("up_proj.bias", inter, mlp_rows),
+        down_bias=mlp_bias("down_proj.bias", hidden),
+    )

@@ -133,6 +133,8 @@ class DecodeDone(Message, tag="done"):
     finish_reason: FinishReason
     pulled: Pulled = msgspec.field(default_factory=Pulled)
     written_back_pages: Count = 0
+    # With `--speculative`: {"proposed", "accepted", "steps"} of the request.
+    spec: dict[str, int] | None = None
 
 
 class WorkerStats(Message, tag="stats"):

@@ -65,6 +65,9 @@ class WorkerConfig:
     drain_timeout_s: float = option(
         30.0, help="on SIGTERM, how long in-flight requests may finish", positive=True
     )
+    speculative: int = option(
+        0, help="decode: draft K tokens per step with the model's MTP layer (0: off)", minimum=0
+    )
 
     def checked(self, role: str) -> WorkerConfig:
         """This config with the backend and device resolved; SystemExit for

@@ -68,6 +68,7 @@ class WorkerFront:
             page_size=c.page_size,
             num_pages=c.num_pages,
             device=c.device,
+            speculative=c.speculative,
             rank_setup=functools.partial(self._rank_setup, c.rank_options()),
         )
         self.spec = self.engine.spec

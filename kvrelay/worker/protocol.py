@@ -69,6 +69,9 @@ class WorkerCounters:
     bytes_from_prefill: int = 0
     busy_rejections: int = 0
     errors: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_steps: int = 0
     writeback_skipped_pages: int = 0  # decode: full pages not written back, no staging rows
 
     def as_dict(self) -> dict:

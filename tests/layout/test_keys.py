@@ -99,7 +99,11 @@ def test_draft_namespace_derives_from_the_target():
     other_target = replace(BASE, weights_fingerprint="w1")
     assert other_target.draft_spec(**draft_args).namespace() != draft.namespace()
     # A standalone spec with the draft's fields but no target is not the draft.
-    assert replace(draft, target_namespace=None).namespace() != draft.namespace()
+    standalone = replace(draft, target_namespace=None, draft_positions=None)
+    assert standalone.namespace() != draft.namespace()
+    # The RoPE position convention changes the draft's K bytes: another namespace.
+    shifted = BASE.draft_spec(**draft_args, positions="shifted")
+    assert shifted.namespace() != draft.namespace()
 
 
 @settings(max_examples=200, deadline=None)

@@ -1,0 +1,83 @@
+"""Export and import of a prefix's draft (MTP) KV as unified draft pages.
+
+The draft's pages ride beside the target's (`kvrelay.model.page_export`): same
+page layout (one layer deep), same gather/scatter ops, their own arena rows,
+keyed by `kvrelay.layout.draft_page_keys`. Only ranks of the last PP stage
+hold the MTP layer; each moves its TP heads of every draft page
+(`draft_rectangle`; a replicated head is written by its first replica).
+Draft page p needs token (p + 1) * page_size, so a prefix of n tokens has
+(n - 1) // page_size draft pages: one fewer than its full target pages when
+n is page-aligned, and never a partial one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvrelay.cuda_ext import gather_pages, rect_geometry, scatter_pages
+from kvrelay.layout import draft_page_keys, draft_rectangle
+from kvrelay.model.engine import Engine
+from kvrelay.model.errors import PrefixNotCached
+from kvrelay.model.page_export import _arena_rows, _slot_mapping
+
+
+def draft_keys(engine: Engine, tokens: list[int]) -> list[bytes]:
+    """Keys of the draft pages `tokens` determine ([] without speculation)."""
+    if engine.draft is None:
+        return []
+    return draft_page_keys(engine.draft.spec, engine.spec.page_keys(tokens), tokens)
+
+
+def export_draft_prefix(engine: Engine, tokens, arena: torch.Tensor, page_ids=None) -> int:
+    """Write this rank's rectangle of every draft page of `tokens` into
+    `arena` rows (default 0, 1, ...). Returns the number of draft pages."""
+    tokens = [int(t) for t in tokens]
+    keys = draft_keys(engine, tokens)
+    draft = engine.draft
+    if draft is None or draft.pool is None or not keys:
+        return len(keys)
+    pool = draft.pool
+    pages = pool.match_prefix(keys)
+    try:
+        if len(pages) < len(keys):
+            raise PrefixNotCached(f"{len(pages)} of {len(keys)} draft pages are cached")
+        rect = draft_rectangle(draft.spec, engine.parallel)
+        if rect.writer:
+            ids = _arena_rows(range(len(pages)) if page_ids is None else page_ids, len(pages))
+            slots = _slot_mapping(engine, pages, 0, len(pages) * draft.page_size)
+            geometry = rect_geometry(draft.spec, rect)
+            gather_pages(pool.k_layers, pool.v_layers, arena, ids, slots, **geometry)
+    finally:
+        pool.release(pages)
+    return len(keys)
+
+
+def import_draft_prefix(engine: Engine, tokens, arena: torch.Tensor, page_ids=None) -> int:
+    """Read this rank's rectangle of the draft pages of `tokens` from `arena`
+    into fresh draft pool pages and index them (pages already cached are
+    kept). Returns the number of draft pages of `tokens`."""
+    tokens = [int(t) for t in tokens]
+    keys = draft_keys(engine, tokens)
+    draft = engine.draft
+    if draft is None or draft.pool is None or not keys:
+        return len(keys)
+    pool = draft.pool
+    ids = _arena_rows(range(len(keys)) if page_ids is None else page_ids, len(keys))
+    have = pool.match_prefix(keys)
+    try:
+        fresh = pool.allocate(len(keys) - len(have))
+    except Exception:
+        pool.release(have)
+        raise
+    try:
+        if fresh:
+            rect = draft_rectangle(draft.spec, engine.parallel)
+            slots = _slot_mapping(engine, fresh, len(have), len(keys) * draft.page_size)
+            geometry = rect_geometry(draft.spec, rect)
+            rows = ids[len(have) :].contiguous()
+            scatter_pages(pool.k_layers, pool.v_layers, arena, rows, slots, **geometry)
+            for page, key in zip(fresh, keys[len(have) :], strict=True):
+                pool.register(page, key)
+    finally:
+        pool.release(have + fresh)
+    return len(keys)
