@@ -44,7 +44,7 @@ from kvrelay.model.engine import Request
 from kvrelay.model.loader import load_engine
 from kvrelay.model.make_model import RandomModelSpec, write_model
 from kvrelay.model.sampling import SamplingParams
-from kvrelay.model.transfer import export_prefix, import_prefix
+from kvrelay.model.page_export import export_prefix, import_prefix
 from kvrelay.prefill.ranks import TIER_WINDOW
 
 PHASES = ("lookup", "tier_pull", "compute", "stage", "decode_pull")
