@@ -5,18 +5,18 @@ from kvrelay.cache.index import (
     CacheIndexError,
     L2Slot,
     L3Object,
-    Lease,
     LookupResult,
     PageEntry,
     PageIndex,
+    PinLease,
 )
 
 __all__ = [
     "CacheIndexError",
     "L2Slot",
     "L3Object",
-    "Lease",
     "LookupResult",
     "PageEntry",
     "PageIndex",
+    "PinLease",
 ]

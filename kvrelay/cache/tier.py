@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvrelay.cache.arena import PageArena
-from kvrelay.cache.index import L2Slot, Lease, LookupResult, PageEntry, PageIndex
+from kvrelay.cache.index import L2Slot, LookupResult, PageEntry, PageIndex, PinLease
 from kvrelay.cache.l3 import L3Store
 
 L3_POLICIES = ("write-back", "write-through")
@@ -81,7 +81,7 @@ class CacheTier:
 
     def reserve(
         self, keys: Sequence[bytes], lease_s: float, namespace: bytes = b""
-    ) -> tuple[list[int | None], Lease]:
+    ) -> tuple[list[int | None], PinLease]:
         """Slots for writers to fill, pinned under one lease.
 
         Per key: its slot, or None when the page is already sealed (nothing to

@@ -16,14 +16,17 @@ import numpy as np
 
 
 @dataclass(frozen=True, slots=True)
-class Lease:
+class RunLease:
+    """Byte runs of one arena handed to readers through a block handle, until
+    released or `expiry` (wall clock); the owner may reuse them afterwards."""
+
     lease_id: int
     arena_id: int
     runs: tuple[tuple[int, int], ...]
     expiry: float
 
 
-def covers(lease: Lease, runs: np.ndarray) -> bool:
+def covers(lease: RunLease, runs: np.ndarray) -> bool:
     """True when every (offset, length) row of `runs` lies inside the union of
     the lease's runs (adjacent lease runs join, as a reader coalesces them)."""
     if not lease.runs:
@@ -48,27 +51,27 @@ class LeaseTable:
 
     def __init__(self) -> None:
         self._ids = itertools.count(1)
-        self._active: dict[int, Lease] = {}
+        self._active: dict[int, RunLease] = {}
 
-    def grant(self, arena_id: int, runs, seconds: float) -> Lease:
+    def grant(self, arena_id: int, runs, seconds: float) -> RunLease:
         if not seconds > 0:
             raise ValueError(f"a lease lasts a positive number of seconds, got {seconds!r}")
-        lease = Lease(next(self._ids), arena_id, tuple(runs), time.time() + seconds)
+        lease = RunLease(next(self._ids), arena_id, tuple(runs), time.time() + seconds)
         self._active[lease.lease_id] = lease
         return lease
 
-    def get(self, lease_id: int) -> Lease | None:
+    def get(self, lease_id: int) -> RunLease | None:
         return self._active.get(lease_id)
 
     def is_active(self, lease_id: int, now: float | None = None) -> bool:
         lease = self._active.get(lease_id)
         return lease is not None and lease.expiry > (time.time() if now is None else now)
 
-    def release(self, lease_id: int) -> Lease | None:
+    def release(self, lease_id: int) -> RunLease | None:
         """Ends a lease early (the reader is done); returns it, or None if unknown."""
         return self._active.pop(lease_id, None)
 
-    def sweep(self, now: float | None = None) -> list[Lease]:
+    def sweep(self, now: float | None = None) -> list[RunLease]:
         """Removes and returns expired leases, whose pages the caller may reuse."""
         now = time.time() if now is None else now
         expired = [lease for lease in self._active.values() if lease.expiry <= now]
