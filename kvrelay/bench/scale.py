@@ -43,8 +43,8 @@ from kvrelay.model.config import TORCH_DTYPES
 from kvrelay.model.engine import Request
 from kvrelay.model.loader import load_engine
 from kvrelay.model.make_model import RandomModelSpec, write_model
-from kvrelay.model.sampling import SamplingParams
 from kvrelay.model.page_export import export_prefix, import_prefix
+from kvrelay.model.sampling import SamplingParams
 from kvrelay.prefill.ranks import TIER_WINDOW
 
 PHASES = ("lookup", "tier_pull", "compute", "stage", "decode_pull")
