@@ -163,3 +163,82 @@ def test_mla_one_writer_all_ranks_read_any_shape(cache_servers, opened):
     assert readers[1][0].tier.mover.zero_copy and readers[3][0].tier.mover.zero_copy
     for rank in readers:
         _read_and_check(rank, truth, keys, True)
+
+
+@pytest.mark.parametrize("cache_servers", [MHA_PAGE_BYTES], indirect=True)
+def test_plain_interface_kvrelay_client_and_killed_server(cache_servers, opened):
+    import asyncio
+
+    from kvrelay.adapters.sglang.identity import kvrelay_key, sglang_page_keys
+    from kvrelay.cache.client import CacheClient, CacheClientConfig
+    from kvrelay.layout import Rectangle
+    from kvrelay.transfer import create_agent
+
+    tokens = _tokens(3)
+    truth, keys = _truth(False, 3), env.sglang_keys(tokens, PAGE)
+    assert sglang_page_keys(tokens, PAGE) == keys  # kvrelay names SGLang's pages
+    # Plain interface: flat pages in get_data_page order, page_first -> page_head.
+    backend, pool, *_ = _rank(opened, cache_servers, "page_first", mla=False)
+    indices = _host_indices(pool, PAGES)
+    for i in range(PAGES):
+        write_page(pool, int(indices[i * PAGE]), truth[i])
+    flats = [pool.get_data_page(int(indices[i * PAGE])) for i in range(PAGES)]
+    assert backend.batch_set(keys, flats) is True
+    reader, rpool, *_ = _rank(opened, cache_servers, "page_head", mla=False)
+    got = reader.batch_get(keys, [rpool.get_dummy_flat_data_page() for _ in keys])
+    assert all(g is not None for g in got) and reader.exists(keys[0])
+    rindices = _host_indices(rpool, PAGES)
+    for i, flat in enumerate(got):
+        rpool.set_from_flat_data_page(int(rindices[i * PAGE]), flat)
+        assert torch.equal(read_page(rpool, int(rindices[i * PAGE])), truth[i])
+
+    # kvrelay's own cache client (whole-page rectangle) reads SGLang's pages.
+    spec = backend.spec
+    unified = truth.permute(0, 4, 2, 1, 3, 5).contiguous().view(PAGES, -1).view(torch.uint8)
+
+    async def own_read():
+        agent = await create_agent("tcp", token=env.TOKEN)
+        arena = agent.allocate_arena(PAGES * spec.page_bytes)
+        client = CacheClient(agent, spec, Rectangle(0, HEADS, 0, LAYERS),
+                             CacheClientConfig(servers=tuple(s.address for s in cache_servers),
+                                               token=env.TOKEN))  # fmt: skip
+        ns = spec.namespace()
+        found = await client.lookup([kvrelay_key(ns, k) for k in keys], arena,
+                                    [i * spec.page_bytes for i in range(PAGES)])  # fmt: skip
+        data = arena.tensor[: PAGES * spec.page_bytes].view(PAGES, -1).clone()
+        await client.close()
+        await agent.close()
+        return found, data
+
+    found, data = asyncio.run(own_read())
+    assert found == PAGES and torch.equal(data, unified)
+
+    # A cache server killed while a call waits on it: misses, within the bound.
+    cache_servers[0].process.send_signal(__import__("signal").SIGSTOP)
+    import threading
+
+    results = {}
+    fresh = env.sglang_keys(_tokens(4), PAGE)
+    call = threading.Thread(
+        target=lambda: results.update(got=reader.batch_get_v1(keys, _host_indices(rpool, PAGES)))
+    )
+    call.start()
+    cache_servers[0].process.kill()
+    call.join(30)
+    assert not call.is_alive()
+    assert len(results["got"]) == PAGES and all(isinstance(r, bool) for r in results["got"])
+    assert results["got"] != [True] * PAGES  # pages on the killed server are misses
+    assert reader.batch_exists(keys) < PAGES
+    assert backend.batch_set_v1(fresh, _host_indices(pool, PAGES)) in ([False] * PAGES,
+                                                                        [True] * PAGES)  # fmt: skip
+    stats = reader.get_stats().kvrelay
+    assert stats["miss_pages"] > 0 and stats["errors"] + stats["timeouts"] > 0
+
+
+def test_unknown_extra_config_key_is_refused():
+    from kvrelay.adapters.sglang.config import AdapterConfig, AdapterConfigError
+
+    extra = {"servers": ["127.0.0.1:1"], "token": "t", "interface_v1": 1}
+    assert AdapterConfig.from_extra_config(extra).servers == ("127.0.0.1:1",)
+    with pytest.raises(AdapterConfigError, match="unknown extra config keys"):
+        AdapterConfig.from_extra_config({**extra, "servres": []})
