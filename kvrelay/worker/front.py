@@ -16,6 +16,7 @@ import json
 import logging
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from reprlib import repr as brief
 
 from kvrelay.model.config import ModelConfig
@@ -132,6 +133,7 @@ class WorkerFront:
             "pp": c.pp,
             "num_pages": c.num_pages,
             "cache": bool(c.cache),
+            "model_dir": str(Path(c.model_dir).resolve()),  # control reads the tokenizer
         }
 
     def ready_line(self) -> str:
