@@ -12,7 +12,7 @@ PIP := $(PY) -m pip -q --disable-pip-version-check
 EXT_SOURCES := $(wildcard kvrelay/cuda_ext/csrc/*) $(wildcard kvrelay/transfer/csrc/*)
 NVCC ?= nvcc
 
-.PHONY: setup test test-fast test-numba test-gpu gpu-check lint cuda-check bench demo clean
+.PHONY: setup sglang-deps test test-fast test-numba test-sglang test-gpu gpu-check lint cuda-check bench demo clean
 
 setup: $(VENV)/.ext-stamp
 
@@ -30,6 +30,18 @@ $(VENV)/.ext-stamp: $(VENV)/.deps-stamp setup.py pyproject.toml $(EXT_SOURCES)
 	$(PIP) install --no-build-isolation -e .
 	touch $@
 
+# SGLang beside kvrelay's CPU torch, without its dependency pins (which name a
+# CUDA torch), in a directory layered over the venv: its torchvision (a CUDA
+# build) and triton stay out of the main suite, where transformers would import
+# them. The adapter tests (tests/adapters) import the real package from there.
+VENV_SGLANG ?= .venv-sglang
+sglang-deps: $(VENV_SGLANG)/.stamp
+
+$(VENV_SGLANG)/.stamp: requirements-sglang.txt $(VENV)/.deps-stamp
+	rm -rf $(VENV_SGLANG)
+	$(PIP) install --no-deps --target $(VENV_SGLANG) -r requirements-sglang.txt
+	touch $@
+
 lint: $(VENV)/.deps-stamp
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -37,6 +49,7 @@ lint: $(VENV)/.deps-stamp
 test: setup lint
 	$(PY) -m pytest
 	$(MAKE) --no-print-directory test-numba
+	$(MAKE) --no-print-directory test-sglang
 
 # The edit-run loop: unit tests only (no servers, clusters or rank processes,
 # nothing marked slow or gpu).
@@ -46,6 +59,10 @@ test-fast: setup
 # The same op tests through the numba fallback, as when the extension is absent.
 test-numba: setup
 	KVRELAY_NO_EXT=1 $(PY) -m pytest -q tests/cuda_ext
+
+# kvrelay as SGLang's HiCache storage backend, against the real SGLang.
+test-sglang: setup sglang-deps
+	KVRELAY_SGLANG_TESTS=1 PYTHONPATH=$(CURDIR)/$(VENV_SGLANG) $(PY) -m pytest -q tests/adapters
 
 # Exactly the gpu-marked tests (kernel vs oracle, UCX GPU pulls, the runner
 # on CUDA vs HF, the two-GPU cluster, the GPU benches): under 10 minutes on

@@ -118,6 +118,7 @@ setup(
         "numpy",
         "numba",
         "msgpack",
+        "msgspec",
         "safetensors",
         "redis",
         "tqdm",

@@ -1,7 +1,6 @@
 """kvrelay: move and reuse LLM KV cache between prefill, decode and a shared cache tier."""
 
-# The compiled module kvrelay._C links against libtorch; importing torch first
-# loads those libraries, so `import kvrelay._C` works on its own.
-import torch as _torch  # noqa: F401
+# No imports here: the control process imports kvrelay.control without torch
+# (kvrelay.cuda_ext imports torch itself before the compiled kvrelay._C).
 
 __version__ = "0.1.0"

@@ -53,12 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     _subcommand(servers, "cache", "a cache server (L2 arena, optional L3)",
                 cache_launch.add_arguments, cache_launch.run)  # fmt: skip
-    from kvrelay.worker import launch as worker_launch
+    from kvrelay.decode import launch as decode_launch
+    from kvrelay.prefill import launch as prefill_launch
 
     _subcommand(servers, "prefill", "a prefill worker (registers with control)",
-                worker_launch.add_arguments, worker_launch.run_prefill)  # fmt: skip
+                prefill_launch.add_arguments, prefill_launch.run_prefill)  # fmt: skip
     _subcommand(servers, "decode", "a decode worker (registers with control)",
-                worker_launch.add_decode_arguments, worker_launch.run_decode)  # fmt: skip
+                decode_launch.add_decode_arguments, decode_launch.run_decode)  # fmt: skip
 
     from kvrelay.control import launch as control_launch
 
@@ -68,7 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks: print a table, write JSON")
     benches = bench.add_subparsers(dest="bench", required=True)
     from kvrelay.bench import cache, layout, transfer
+    from kvrelay.bench import cp as cp_bench
     from kvrelay.bench import model as model_bench
+    from kvrelay.bench import scale as scale_bench
+    from kvrelay.chaos import bench as chaos_bench
 
     for name, module, help_text in (
         ("layout", layout, "gather/scatter between a paged pool and unified pages vs memcpy"),
@@ -76,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
          "prefill/decode tokens/s vs HF transformers; prefill saved by prefix reuse"),
         ("transfer", transfer, "page pulls between two processes"),
         ("cache", cache, "replay a Mooncake trace: shared tier vs local caches vs infinite"),
+        ("chaos", chaos_bench, "faults, hostile input and load against a real local cluster"),
+        ("cp", cp_bench, "prefill time of a long prompt at CP=1 vs CP=2, in one run"),
+        ("scale", scale_bench,
+         "per-phase time and memory of a request against its cached context, vs the floor"),
     ):  # fmt: skip
         _subcommand(benches, name, help_text, module.add_arguments, module.run)
     return parser

@@ -39,8 +39,8 @@ from kvrelay.bench.cache_report import HEADERS, L3_HEADERS, l3_row, plot, progre
 from kvrelay.bench.stats import format_table, machine_info, write_json
 from kvrelay.cache.arena import ArenaConfig, PageArena
 from kvrelay.cache.l3 import L3Store, open_store, record
-from kvrelay.cache.ring import HashRing
 from kvrelay.cache.tier import CacheTier
+from kvrelay.layout.ring import HashRing
 from kvrelay.transfer import create_agent
 
 NAMESPACE = hashlib.sha256(b"kvrelay bench cache").digest()

@@ -1,24 +1,22 @@
-"""The cache tier (DESIGN.md section 5): page index, key ring, L3 stores, L2 arena,
+"""The cache tier (DESIGN.md section 5): page index, L3 stores, L2 arena,
 tier, server and client (import those from their modules)."""
 
 from kvrelay.cache.index import (
     CacheIndexError,
     L2Slot,
     L3Object,
-    Lease,
     LookupResult,
     PageEntry,
     PageIndex,
+    PinLease,
 )
-from kvrelay.cache.ring import HashRing
 
 __all__ = [
     "CacheIndexError",
-    "HashRing",
     "L2Slot",
     "L3Object",
-    "Lease",
     "LookupResult",
     "PageEntry",
     "PageIndex",
+    "PinLease",
 ]

@@ -25,10 +25,27 @@ import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvrelay.cache.connection import ServerConnection, ServerGone, ring_prefix
-from kvrelay.cache.ring import HashRing
 from kvrelay.cache.writeback import WriteBackQueue
-from kvrelay.layout import ModelKVSpec, Rectangle
+from kvrelay.layout import HashRing, ModelKVSpec, Rectangle, ring_prefix
+from kvrelay.rpc import Channel, Unavailable
+from kvrelay.rpc.cache_ops import (
+    DEFAULT_LEASE_S,
+    CacheStats,
+    CacheStatsReply,
+    CacheWelcome,
+    Commit,
+    CommitReply,
+    Flush,
+    FlushReply,
+    HandleReply,
+    Lookup,
+    LookupReply,
+    PublishHandle,
+    ReleaseLease,
+    ReleaseReply,
+    Reserve,
+    ReserveReply,
+)
 from kvrelay.transfer import Agent, Arena, TransferError
 
 WRITE_POLICIES = ("write-through", "write-back")
@@ -39,7 +56,7 @@ class CacheClientConfig:
     servers: tuple[str, ...]  # "host:port" control addresses
     token: str
     timeout_s: float = 2.0
-    lease_s: float = 30.0
+    lease_s: float = DEFAULT_LEASE_S
     write_policy: str = "write-through"  # or "write-back"
     # Write-back: pages the client can hold (its staging arena holds this many
     # rectangles; pages offered beyond it are dropped, not waited for) ...
@@ -85,7 +102,7 @@ class CacheClient:
         self.ring = HashRing(config.servers)
         self.stats = ClientStats()
         self._servers = {
-            a: ServerConnection(a, config.token, config.timeout_s, spec.page_bytes)
+            a: Channel(a, config.token, CacheWelcome, config.timeout_s, self._check_welcome)
             for a in config.servers
         }
         self._queue: WriteBackQueue | None = None
@@ -93,6 +110,11 @@ class CacheClient:
         self._queued = asyncio.Event()  # a page waits
         self._batch_ready = asyncio.Event()  # write_back_batch pages wait, or the queue is full
         self._push_lock = asyncio.Lock()
+
+    def _check_welcome(self, welcome: CacheWelcome) -> str | None:
+        if welcome.page_bytes != self.spec.page_bytes:
+            return f"it holds pages of {welcome.page_bytes} bytes, not {self.spec.page_bytes}"
+        return None
 
     async def close(self) -> None:
         """Push what waits (write-back), then drop connections and the staging arena."""
@@ -145,21 +167,32 @@ class CacheClient:
     async def _lookup_one(self, server: str, keys: list[bytes]) -> tuple[int, int | None]:
         try:
             reply = await self._servers[server].call(
-                {"op": "lookup", "keys": keys, "lease_s": self.config.lease_s, "ns": self.namespace}
+                Lookup(keys, self.config.lease_s, self.namespace), LookupReply
             )
-        except ServerGone:
+        except Unavailable:
             self.stats.errors += 1
             return 0, None
-        return reply["hits"], reply["lease"]
+        return reply.hits, reply.lease
+
+    async def count_prefix(self, keys: Sequence[bytes]) -> int:
+        """Length of the sealed prefix of `keys` in the tier, moving no page bytes
+        (a lookup whose pins are released at once; a server down counts as misses)."""
+        groups = self.ring.group(keys)
+        answers = await asyncio.gather(
+            *(self._lookup_one(s, [keys[p] for p in ps]) for s, ps in groups.items())
+        )
+        found = dict(zip(groups, answers, strict=True))
+        prefix, _ = ring_prefix(self.ring, keys, {s: a[0] for s, a in found.items()})
+        await self._release_all([(s, a[1]) for s, a in found.items() if a[1] is not None])
+        return prefix
 
     async def _pull(self, server, lease, positions, dest, page_offsets) -> None:
         reply = await self._servers[server].call(
-            {"op": "handle", "lease": lease, "count": len(positions), "runs": self.runs,
-             "ns": self.namespace}
-        )  # fmt: skip
+            PublishHandle(lease, len(positions), self.runs, self.namespace), HandleReply
+        )
         offsets = self._local_offsets(page_offsets, positions)
         await self.agent.read(
-            reply["handle"], dest, offsets, namespace=self.namespace, timeout=self.config.timeout_s
+            reply.handle, dest, offsets, namespace=self.namespace, timeout=self.config.timeout_s
         )
         self.stats.bytes_in += len(positions) * self.rect.num_bytes(self.spec)
 
@@ -245,30 +278,26 @@ class CacheClient:
         lease = None
         try:
             reply = await conn.call(
-                {"op": "reserve", "keys": mine, "lease_s": self.config.lease_s,
-                 "ns": self.namespace}
-            )  # fmt: skip
-            lease = reply["lease"]
-            todo = [
-                p for p, slot in zip(positions, reply["slots"], strict=True) if slot is not None
-            ]
+                Reserve(mine, self.config.lease_s, self.namespace), ReserveReply
+            )
+            lease = reply.lease
+            todo = [p for p, slot in zip(positions, reply.slots, strict=True) if slot is not None]
             if not todo:
                 return 0, 0
-            reply = await conn.call(
-                {"op": "handle", "lease": lease, "count": len(todo), "runs": self.runs,
-                 "ns": self.namespace}
-            )  # fmt: skip
+            handle = await conn.call(
+                PublishHandle(lease, len(todo), self.runs, self.namespace), HandleReply
+            )
             await self.agent.write(
-                reply["handle"],
+                handle.handle,
                 src,
                 [o for p in todo for o in offsets[p]],
                 namespace=self.namespace,
                 timeout=self.config.timeout_s,
             )
-            await conn.call({"op": "commit", "keys": [keys[p] for p in todo], "runs": self.runs})
+            await conn.call(Commit([keys[p] for p in todo], self.runs), CommitReply)
             self.stats.bytes_out += len(todo) * self.rect.num_bytes(self.spec)
             return len(todo), 0
-        except (ServerGone, TransferError):
+        except (Unavailable, TransferError):
             self.stats.errors += 1
             return 0, len(positions)
         finally:
@@ -281,10 +310,12 @@ class CacheClient:
 
         async def one(server: str) -> dict | None:
             try:
-                reply = await self._servers[server].call({"op": "stats"})
-            except ServerGone:
+                reply = await self._servers[server].call(CacheStats(), CacheStatsReply)
+            except Unavailable:
                 return None
-            return {k: v for k, v in reply.items() if k != "ok"}
+            return {"tier": reply.tier, "pages": reply.pages} | (
+                {"l3": reply.l3} if reply.l3 else {}
+            )
 
         replies = await asyncio.gather(*(one(s) for s in self._servers))
         return dict(zip(self._servers, replies, strict=True))
@@ -292,14 +323,13 @@ class CacheClient:
     async def admin_flush(self, namespace: bytes | None = None) -> dict[str, dict | None]:
         """Drop one namespace's pages (None: every page) from every server's L2 and L3;
         per server `{"dropped", "l3_dropped"}`, None for a server that did not answer."""
-        message = {"op": "flush"} if namespace is None else {"op": "flush", "ns": namespace}
 
         async def one(server: str) -> dict | None:
             try:
-                reply = await self._servers[server].call(message)
-            except ServerGone:
+                reply = await self._servers[server].call(Flush(namespace), FlushReply)
+            except Unavailable:
                 return None
-            return {"dropped": reply["dropped"], "l3_dropped": reply["l3_dropped"]}
+            return {"dropped": reply.dropped, "l3_dropped": reply.l3_dropped}
 
         replies = await asyncio.gather(*(one(s) for s in self._servers))
         return dict(zip(self._servers, replies, strict=True))
@@ -307,7 +337,7 @@ class CacheClient:
     async def _release_all(self, leases: list[tuple[str, int]]) -> None:
         async def release(server: str, lease: int) -> None:
             # A lost release only keeps pages pinned until the lease expires.
-            with contextlib.suppress(ServerGone):
-                await self._servers[server].call({"op": "release", "lease": lease})
+            with contextlib.suppress(Unavailable):
+                await self._servers[server].call(ReleaseLease(lease), ReleaseReply)
 
         await asyncio.gather(*(release(s, lease) for s, lease in leases))

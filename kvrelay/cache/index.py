@@ -63,7 +63,11 @@ class PageEntry:
 
 
 @dataclass(slots=True)
-class Lease:
+class PinLease:
+    """Pages of the index pinned for a reader or writer (never evicted) until
+    released or `expiry` (the tier's clock). Not a transfer lease: the cache
+    server publishes a `RunLease` of the same length for the pages' bytes."""
+
     lease_id: int
     keys: tuple[bytes, ...]
     expiry: float
@@ -74,11 +78,16 @@ class LookupResult:
     """The hit prefix of a lookup: entries in key order and, if pinned, their lease."""
 
     entries: tuple[PageEntry, ...]
-    lease: Lease | None
+    lease: PinLease | None
 
     @property
     def hits(self) -> int:
         return len(self.entries)
+
+    @property
+    def slots(self) -> list[int]:
+        """The L2 slots of the entries (the tier's index holds L2 pages only)."""
+        return [e.location.slot for e in self.entries]
 
 
 def _check_key(key: bytes) -> None:
@@ -120,7 +129,7 @@ class PageIndex:
         self._entries: dict[bytes, PageEntry] = {}
         # Sealed, unpinned pages, least recently used first: the eviction order.
         self._evictable: OrderedDict[bytes, None] = OrderedDict()
-        self._leases: dict[int, Lease] = {}
+        self._leases: dict[int, PinLease] = {}
         self._expiries: list[tuple[float, int]] = []
         self._lease_ids = itertools.count(1)
 
@@ -258,19 +267,19 @@ class PageIndex:
             lease = self._grant([e.key for e in hits], lease_s)
         return LookupResult(tuple(hits), lease)
 
-    def pin(self, keys: Sequence[bytes], lease_s: float) -> Lease:
+    def pin(self, keys: Sequence[bytes], lease_s: float) -> PinLease:
         """Pin indexed pages (sealed or not, e.g. reservations being written) under a lease."""
         self.expire_leases()
         for key in keys:
             self._require(key)
         return self._grant(list(keys), lease_s)
 
-    def lease(self, lease_id: int) -> Lease | None:
+    def lease(self, lease_id: int) -> PinLease | None:
         """The live lease of that id, or None once released or expired."""
         self.expire_leases()
         return self._leases.get(lease_id)
 
-    def seconds_left(self, lease: Lease) -> float:
+    def seconds_left(self, lease: PinLease) -> float:
         return lease.expiry - self._clock()
 
     def release(self, lease_id: int) -> bool:
@@ -322,10 +331,10 @@ class PageIndex:
         if not entry.pins:
             self._evictable[entry.key] = None
 
-    def _grant(self, keys: list[bytes], lease_s: float) -> Lease:
+    def _grant(self, keys: list[bytes], lease_s: float) -> PinLease:
         if lease_s <= 0:
             raise ValueError(f"lease_s must be positive, got {lease_s}")
-        lease = Lease(next(self._lease_ids), tuple(keys), self._clock() + lease_s)
+        lease = PinLease(next(self._lease_ids), tuple(keys), self._clock() + lease_s)
         for key in keys:
             entry = self._entries[key]
             entry.pins += 1
@@ -334,7 +343,7 @@ class PageIndex:
         heapq.heappush(self._expiries, (lease.expiry, lease.lease_id))
         return lease
 
-    def _unpin(self, lease: Lease) -> None:
+    def _unpin(self, lease: PinLease) -> None:
         for key in lease.keys:
             entry = self._entries.get(key)
             if entry is None:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvrelay.cache.arena import PageArena
-from kvrelay.cache.index import L2Slot, Lease, PageEntry, PageIndex
+from kvrelay.cache.index import L2Slot, LookupResult, PageEntry, PageIndex, PinLease
 from kvrelay.cache.l3 import L3Store
 
 L3_POLICIES = ("write-back", "write-through")
@@ -49,20 +49,6 @@ class TierConfig:
             raise ValueError(f"l3_policy must be one of {L3_POLICIES}, got {self.l3_policy!r}")
 
 
-@dataclass(frozen=True, slots=True)
-class Hit:
-    entries: tuple[PageEntry, ...]
-    lease: Lease | None
-
-    @property
-    def hits(self) -> int:
-        return len(self.entries)
-
-    @property
-    def slots(self) -> list[int]:
-        return [e.location.slot for e in self.entries]
-
-
 class CacheTier:
     def __init__(
         self,
@@ -82,7 +68,7 @@ class CacheTier:
 
     def lookup(
         self, keys: Sequence[bytes], lease_s: float | None = None, namespace: bytes = b""
-    ) -> Hit:
+    ) -> LookupResult:
         """Longest sealed prefix of `keys`, promoting from L3 past the L2 hits."""
         self.stats.lookups += 1
         self.stats.lookup_pages += len(keys)
@@ -91,11 +77,11 @@ class CacheTier:
             self._promote(keys[hits : hits + self.config.max_promote], namespace)
         result = self.index.lookup(keys, lease_s)
         self.stats.hit_pages += result.hits
-        return Hit(result.entries, result.lease)
+        return result
 
     def reserve(
         self, keys: Sequence[bytes], lease_s: float, namespace: bytes = b""
-    ) -> tuple[list[int | None], Lease]:
+    ) -> tuple[list[int | None], PinLease]:
         """Slots for writers to fill, pinned under one lease.
 
         Per key: its slot, or None when the page is already sealed (nothing to

@@ -5,6 +5,7 @@ process ids, logs scanned for unhandled errors, free-count probes."""
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,7 +71,7 @@ class ChaosCluster(LocalCluster):
 
     def cache_args(self, i: int) -> list[str]:
         c, chaos = self.config, self.chaos
-        args = ["launch", "cache", "--token", c.token, "--page-bytes", str(c.page_bytes),
+        args = ["launch", "cache", "--page-bytes", str(c.page_bytes),
                 "--arena-gb", str(c.cache_gb / c.cache_servers), "--backend", c.backend,
                 "--timeout-s", str(chaos.timeout_s)]  # fmt: skip
         if chaos.l3 == "valkey":
@@ -127,14 +128,14 @@ class ChaosCluster(LocalCluster):
                                       self.config.token, timeout=10)  # fmt: skip
         except (OSError, TimeoutError):
             return None
-        return reply.get("stats") if reply and reply.get("ok") else None
+        return reply.get("stats") if frames.accepted(reply) else None
 
     async def cache_stats(self, address: str) -> dict | None:
         try:
             reply = await frames.call(address, {"op": "stats"}, self.config.token, timeout=10)
         except (OSError, TimeoutError):
             return None
-        return reply if reply and reply.get("ok") else None
+        return reply if frames.accepted(reply) else None
 
     async def free_counts(self) -> dict[str, tuple]:
         """Per worker: (free pool pages, free staging rows, queued, active)."""
@@ -144,3 +145,21 @@ class ChaosCluster(LocalCluster):
             out[process.name] = None if s is None else (
                 s["free_pages"], s["staging_free"], s["queued"], s["active"])  # fmt: skip
         return out
+
+
+def children(pid: int) -> list[int]:
+    """Every descendant of `pid` (a worker's rank processes)."""
+    out = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                kids = [int(k) for k in f.read().split()]
+        except OSError:
+            continue
+        for kid in kids:
+            out += [kid, *children(kid)]
+    return out

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import msgpack
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 _LEN = struct.Struct(">I")
 
-REFUSED = "refused"  # a map {ok: false, error: "<TypeName>", ...}
-ACCEPTED = "accepted"  # a map {ok: true, ...}
+REFUSED = "refused"  # a map {op: "error", error: "<TypeName>", ...}
+ACCEPTED = "accepted"  # a typed answer: a map with another op
 CLOSED = "closed"  # the server closed the connection without a frame
 HUNG = "hung"  # neither a frame nor a close within the probe's deadline
 BAD_REPLY = "bad_reply"  # a frame that is not a typed answer
@@ -23,6 +23,11 @@ BAD_REPLY = "bad_reply"  # a frame that is not a typed answer
 def frame(message) -> bytes:
     body = msgpack.packb(message, use_bin_type=True)
     return _LEN.pack(len(body)) + body
+
+
+def tokens(ids) -> bytes:
+    """Token ids as wire version 2 carries them: packed little-endian uint32."""
+    return struct.pack(f"<{len(ids)}I", *ids)
 
 
 def raw_frame(body: bytes) -> bytes:
@@ -51,13 +56,18 @@ async def read_frame(reader: asyncio.StreamReader) -> dict | None:
     return reply if isinstance(reply, dict) else {"not_a_map": reply}
 
 
+def accepted(reply: dict | None) -> bool:
+    """A typed answer that is not an error reply."""
+    return bool(reply) and isinstance(reply.get("op"), str) and reply["op"] != "error"
+
+
 def classify(reply: dict | None) -> Outcome:
     if reply is None:
         return Outcome(CLOSED)
-    if reply.get("ok") is True:
+    if accepted(reply):
         return Outcome(ACCEPTED, reply=reply)
     error = reply.get("error")
-    if reply.get("ok") is False and isinstance(error, str) and error:
+    if reply.get("op") == "error" and isinstance(error, str) and error:
         return Outcome(REFUSED, error, reply)
     return Outcome(BAD_REPLY, reply=reply)
 
@@ -79,7 +89,7 @@ async def probe(
             if token is not None:
                 writer.write(hello(token))
                 answer = await read_frame(reader)
-                if not answer or answer.get("ok") is not True:
+                if not accepted(answer):
                     return Outcome(BAD_REPLY, reply=answer)
             writer.write(payload)
             await writer.drain()
@@ -105,7 +115,7 @@ async def call(address: str, message: dict, token: str, timeout: float = 30.0) -
             writer.write(hello(token) + frame(message))
             await writer.drain()
             answer = await read_frame(reader)
-            if not answer or not answer.get("ok"):
+            if not accepted(answer):
                 return answer
             return await read_frame(reader)
     finally:

@@ -1,7 +1,7 @@
 """Families of hostile frames and the runner that sends them to a server.
 
 Each case goes on its own connection. What counts as rejected correctly: a
-typed refusal (`{ok: false, error: "<TypeName>"}`), or for a truncated
+typed refusal (`{op: "error", error: "<TypeName>"}`), or for a truncated
 frame the server closing the connection (nobody is left to answer).
 Anything else — an answer, no answer within the deadline, a reply that is
 not typed — is counted against the server, and after each family a good
@@ -151,4 +151,4 @@ async def still_serving(target: Target) -> bool:
         reply = await frames.call(target.address, target.good, target.token, timeout=30)
     except (OSError, TimeoutError):
         return False
-    return bool(reply) and reply.get("ok") is True
+    return frames.accepted(reply)

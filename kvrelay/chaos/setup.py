@@ -4,6 +4,7 @@ needs (a live one, released ones, expired ones) are real."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 
 import msgpack
@@ -28,6 +29,8 @@ async def _session(address: str, token: str, messages: list[dict]) -> list[dict]
             return replies
     finally:
         writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
 
 
 async def reserved_handle(cache: str, token: str, page_bytes: int, key: bytes,

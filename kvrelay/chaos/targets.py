@@ -142,7 +142,7 @@ def worker_target(
         "seed": 0,
         "stop_token_ids": [],
     }
-    tokens = [1, 2, 3]
+    tokens = struct.pack("<3I", 1, 2, 3)  # token ids travel packed (uint32)
     if role == "prefill":
         ops = {
             "prefill": {
@@ -170,7 +170,17 @@ def worker_target(
         }
         checked = {"decode": ("tokens", "first_token", "params", "tier_pages", "pages", "handles")}
     bad = {
-        "tokens": [[], [-1], [vocab], [2**63 - 1], [1, 2, vocab + 5], [True], [1.0], "abc"],
+        "tokens": [
+            b"",
+            b"\x01\x00\x00",
+            struct.pack("<I", vocab),
+            struct.pack("<3I", 1, 2, vocab + 5),
+            struct.pack("<I", 2**32 - 1),
+            [1, 2],
+            [True],
+            "abc",
+            7,
+        ],
         "first_token": [-1, vocab, 2**63 - 1, True, 1.5],
         "params": [
             dict(params, **{k: v})

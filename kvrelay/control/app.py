@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import hmac
 import re
-from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -18,7 +17,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrelay.control import metrics
 from kvrelay.control.completions import CompletionRunner, error_body
-from kvrelay.control.dispatch import DispatchConfig, Dispatcher
+from kvrelay.control.config import ControlConfig
+from kvrelay.control.dispatch import Dispatcher
 from kvrelay.control.openapi import (
     AUTH,
     BAD_REQUEST,
@@ -39,22 +39,9 @@ from kvrelay.control.schemas import (
 )
 from kvrelay.control.stats import ControlStats
 from kvrelay.control.tier import TierProbe
-from kvrelay.control.worker import WorkerError, one_shot
-
-
-@dataclass(slots=True)
-class ControlConfig:
-    token: str
-    cache: tuple[str, ...] = ()
-    heartbeat_s: float = 1.0
-    request_timeout_s: float = 300.0
-    lease_s: float = 30.0
-    max_retries: int = 2
-    connect_timeout_s: float = 5.0  # connect + hello of one worker attempt
-    attempt_timeout_s: float = 60.0  # prefill reply / decode's first frame
-    admin_timeout_s: float = 5.0  # per worker call of /admin routes
-    tier_timeout_s: float = 1.0  # per cache server call
-
+from kvrelay.control.worker_client import WorkerError, one_shot
+from kvrelay.rpc import Ok
+from kvrelay.rpc.worker_ops import Drain, FlushPool
 
 # pydantic names a union's member in the error location ("prompt.list[int]");
 # the client knows its field by name only.
@@ -81,12 +68,7 @@ def create_app(config: ControlConfig) -> FastAPI:
     stats = ControlStats()
     prometheus = metrics.ControlMetrics(stats, registry)
     tier = TierProbe(config.cache, config.token, config.tier_timeout_s) if config.cache else None
-    dispatch_config = DispatchConfig(
-        token=config.token, request_timeout_s=config.request_timeout_s,
-        lease_s=config.lease_s, max_retries=config.max_retries,
-        connect_timeout_s=config.connect_timeout_s, attempt_timeout_s=config.attempt_timeout_s,
-    )  # fmt: skip
-    runner = CompletionRunner(Dispatcher(dispatch_config, registry, stats, tier), registry, stats)
+    runner = CompletionRunner(Dispatcher(config, registry, stats, tier), registry, stats)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -217,7 +199,7 @@ def create_app(config: ControlConfig) -> FastAPI:
             node.estimate.clear()
             try:
                 async with asyncio.timeout(config.admin_timeout_s):
-                    await one_shot(node, config.token, {"op": "flush"})
+                    await one_shot(node, config.token, FlushPool(), Ok)
             except (WorkerError, TimeoutError):
                 return False
             return True
@@ -235,7 +217,7 @@ def create_app(config: ControlConfig) -> FastAPI:
             raise HTTPException(404, f"unknown node {body.node_id}")
         try:
             async with asyncio.timeout(config.admin_timeout_s):
-                await one_shot(node, config.token, {"op": "drain"})
+                await one_shot(node, config.token, Drain(), Ok)
             acknowledged = True
         except (WorkerError, TimeoutError):
             acknowledged = False

@@ -26,34 +26,22 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from kvrelay.control.config import ControlConfig
 from kvrelay.control.registry import Node, Registry
 from kvrelay.control.stats import ControlStats
 from kvrelay.control.tier import TierProbe
-from kvrelay.control.worker import (
+from kvrelay.control.worker_client import (
     WorkerBusy,
     WorkerCall,
     WorkerError,
-    WorkerFault,
     WorkerRefused,
     WorkerRejected,
-    raise_for_error,
 )
 from kvrelay.layout.keys import page_keys
+from kvrelay.rpc import pack_tokens, unpack_tokens
+from kvrelay.rpc.worker_ops import Decode, DecodeDone, Params, Prefill, PrefillReply, TokenBatch
 
 LEASE_MARGIN_S = 1.0  # don't reuse handles this close to their expiry
-
-
-@dataclass(slots=True)
-class DispatchConfig:
-    token: str
-    request_timeout_s: float = 300.0
-    lease_s: float = 30.0  # how long prefill holds staging rows for decode
-    max_retries: int = 2
-    connect_timeout_s: float = 5.0  # connect + hello of one worker attempt
-    # Prefill's reply, or decode's first frame, must come within this, else
-    # the node is suspect and the attempt goes elsewhere (after decode tokens
-    # were streamed, only the request timeout bounds the stream).
-    attempt_timeout_s: float = 60.0
 
 
 class DispatchError(Exception):
@@ -101,7 +89,7 @@ def rank(nodes: list[Node], scores: dict[str, int]) -> list[Node]:
 
 
 class Dispatcher:
-    def __init__(self, config: DispatchConfig, registry: Registry, stats: ControlStats,
+    def __init__(self, config: ControlConfig, registry: Registry, stats: ControlStats,
                  tier: TierProbe | None) -> None:  # fmt: skip
         self.config = config
         self.registry = registry
@@ -159,21 +147,20 @@ class Dispatcher:
                     reply, pnode = await self._prefill(job, prompt, params, budget)
                     margin = min(LEASE_MARGIN_S, self.config.lease_s / 4)
                     lease_end = time.monotonic() + self.config.lease_s - margin
-                    first = int(reply["first_token"])
+                    first = reply.first_token
                     event = {"type": "first", "tokens": [first], "prefill": pnode.node_id}
                     if not emitted:
-                        cached = reply.get("cached_tokens") or {}
-                        event["cached"] = {"local": int(cached.get("local", 0)),
-                                           "tier": int(cached.get("tier", 0))}  # fmt: skip
+                        cached = reply.cached_tokens
+                        event["cached"] = {"local": cached.local, "tier": cached.tier}
                         event["ttft_s"] = time.monotonic() - started
-                        event["prefill_timings"] = _timings(reply.get("timings"))
+                        event["prefill_timings"] = dict(reply.timings)
                         self.stats.record_ttft(event["ttft_s"])
                         self.stats.record_prefill_phases(event["prefill_timings"])
                         self.stats.record_prefill(len(job.tokens), **event["cached"])
                     emitted.append(first)
                     yield event
-                    if reply.get("finish_reason"):
-                        yield {"type": "done", "finish_reason": reply["finish_reason"],
+                    if reply.finish_reason:
+                        yield {"type": "done", "finish_reason": reply.finish_reason,
                                "decode": None}  # fmt: skip
                         return
                     decode = self._decode(job, prompt, params, reply, lease_end, emitted, budget)
@@ -199,7 +186,7 @@ class Dispatcher:
             ) from None  # fmt: skip
 
     async def _prefill(self, job: Job, prompt: list[int], params: dict,
-                       budget: list[int]) -> tuple[dict, Node]:  # fmt: skip
+                       budget: list[int]) -> tuple[PrefillReply, Node]:  # fmt: skip
         tried: set[str] = set()
         busy: set[str] = set()
         last: str | None = None
@@ -220,17 +207,14 @@ class Dispatcher:
                 raise DispatchError(503, f"no prefill worker available for {job.model}{why}")
             node = order[0]
             tried.add(node.node_id)
-            message = {"op": "prefill", "rid": job.rid, "tokens": prompt, "params": params,
-                       "lease_s": self.config.lease_s}  # fmt: skip
+            message = Prefill(job.rid, pack_tokens(prompt), Params(**params), self.config.lease_s)
             call = WorkerCall(node, self.config.token, self.config.connect_timeout_s)
             job.current = node
             node.inflight += 1
             try:
                 await call.open()
                 await call.send(message)
-                reply = await call.recv(self.config.attempt_timeout_s)
-                raise_for_error(reply, node)
-                _check_prefill(reply, node)
+                reply = await call.recv(PrefillReply, self.config.attempt_timeout_s)
             except WorkerBusy as exc:
                 self.stats.busy += 1
                 busy.add(node.node_id)
@@ -263,16 +247,14 @@ class Dispatcher:
         self.stats.busy_waits += 1
         await self.registry.wait_for_capacity()
 
-    async def _decode(self, job: Job, prompt: list[int], params: dict, prefill: dict,
+    async def _decode(self, job: Job, prompt: list[int], params: dict, prefill: PrefillReply,
                       lease_end: float, emitted: list[int],
                       budget: list[int]) -> AsyncIterator[dict]:  # fmt: skip
         tried: set[str] = set()
-        message = {
-            "op": "decode", "rid": job.rid, "tokens": prompt,
-            "first_token": int(prefill["first_token"]), "params": params,
-            "tier_pages": int(prefill.get("tier_pages", 0)), "pages": int(prefill["pages"]),
-            "handles": prefill["handles"],
-        }  # fmt: skip
+        message = Decode(
+            job.rid, pack_tokens(prompt), prefill.first_token, prefill.pages, Params(**params),
+            prefill.tier_pages, prefill.handles,
+        )  # fmt: skip
         last: str | None = None
         # The first attempt always runs; a retry only while the handles' lease holds.
         while not tried or time.monotonic() < lease_end:
@@ -292,9 +274,10 @@ class Dispatcher:
                 await call.send(message)
                 last_at = time.monotonic()
                 while True:
-                    frame = await call.recv(None if streamed else self.config.attempt_timeout_s)
-                    raise_for_error(frame, node)
-                    tokens = _tokens(frame, node)
+                    frame = await call.recv(
+                        TokenBatch | DecodeDone, None if streamed else self.config.attempt_timeout_s
+                    )
+                    tokens = unpack_tokens(frame.tokens) if isinstance(frame, TokenBatch) else []
                     if tokens:
                         now = time.monotonic()
                         if not streamed:
@@ -304,9 +287,9 @@ class Dispatcher:
                         streamed += len(tokens)
                         emitted.extend(tokens)
                         yield {"type": "tokens", "tokens": tokens, "decode": node.node_id}
-                    if frame.get("done"):
+                    if isinstance(frame, DecodeDone):
                         node.estimate.add(job.page_keys(node, job.tokens + emitted))
-                        yield {"type": "done", "finish_reason": frame.get("finish_reason"),
+                        yield {"type": "done", "finish_reason": frame.finish_reason,
                                "decode": node.node_id}  # fmt: skip
                         return
             except WorkerBusy as exc:
@@ -334,33 +317,3 @@ class Dispatcher:
                 node.inflight -= 1
                 self.registry.capacity_changed()
                 call.close()
-
-
-def _check_prefill(reply: dict, node: Node) -> None:
-    """A reply control cannot use is the worker's fault, not the client's."""
-    first = reply.get("first_token")
-    if not isinstance(first, int) or isinstance(first, bool) or first < 0:
-        raise WorkerFault(f"{node.node_id} sent a prefill reply without a valid first_token")
-    if reply.get("finish_reason") not in (None, "stop", "length"):
-        raise WorkerFault(f"{node.node_id} sent finish_reason {reply.get('finish_reason')!r}")
-    if reply.get("finish_reason") is None and (
-        not isinstance(reply.get("handles"), list) or not isinstance(reply.get("pages"), int)
-    ):
-        raise WorkerFault(f"{node.node_id} sent a prefill reply without handles/pages")
-
-
-def _tokens(frame: dict, node: Node) -> list[int]:
-    tokens = frame.get("tokens", [])
-    if not isinstance(tokens, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens
-    ):
-        raise WorkerFault(f"{node.node_id} sent malformed tokens")
-    return tokens
-
-
-def _timings(raw) -> dict:
-    """The prefill worker's own breakdown of a request (queue, lookup,
-    compute, publish seconds), passed on to the client; junk is dropped."""
-    if not isinstance(raw, dict):
-        return {}
-    return {str(k): float(v) for k, v in raw.items() if isinstance(v, int | float)}

@@ -6,48 +6,20 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import socket
 
-from kvrelay.control.app import ControlConfig, create_app
+from kvrelay import options
+from kvrelay.control.app import create_app
+from kvrelay.control.config import ControlConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--listen", default="127.0.0.1:8000", help="HTTP address HOST:PORT")
-    parser.add_argument(
-        "--token", default=os.environ.get("KVRELAY_TOKEN"), help="cluster token ($KVRELAY_TOKEN)"
-    )
-    parser.add_argument("--cache", default="", help="cache servers H:P[,H:P...] to probe")
-    parser.add_argument("--heartbeat-s", type=float, default=1.0,
-                        help="workers' heartbeat period; 3 missed take a node out")  # fmt: skip
-    parser.add_argument("--request-timeout-s", type=float, default=300.0,
-                        help="a request's whole budget, retries included")  # fmt: skip
-    parser.add_argument("--attempt-timeout-s", type=float, default=60.0,
-                        help="wait for a prefill reply or decode's first frame before "
-                             "trying another worker")  # fmt: skip
-    parser.add_argument("--lease-s", type=float, default=30.0,
-                        help="how long prefill keeps a request's pages for decode")  # fmt: skip
-    parser.add_argument("--max-retries", type=int, default=2,
-                        help="attempts repeated after worker faults, per request")  # fmt: skip
-    parser.add_argument("--log-level", default="warning", help="uvicorn log level")
+    options.add_arguments(parser, ControlConfig)
 
 
 def config_from_args(args: argparse.Namespace) -> ControlConfig:
-    if not args.token:
-        raise SystemExit("kvrelay launch control: give --token or set KVRELAY_TOKEN")
-    for name in ("heartbeat_s", "request_timeout_s", "attempt_timeout_s", "lease_s"):
-        if getattr(args, name) <= 0:
-            raise SystemExit(f"kvrelay launch control: --{name.replace('_', '-')} must be > 0")
-    if args.max_retries < 0:
-        raise SystemExit("kvrelay launch control: --max-retries must be >= 0")
-    cache = tuple(a.strip() for a in args.cache.split(",") if a.strip())
-    return ControlConfig(
-        token=args.token, cache=cache, heartbeat_s=args.heartbeat_s,
-        request_timeout_s=args.request_timeout_s, attempt_timeout_s=args.attempt_timeout_s,
-        lease_s=args.lease_s,
-        max_retries=args.max_retries,
-    )  # fmt: skip
+    return options.from_args(ControlConfig, args)
 
 
 def bind(listen: str) -> socket.socket:
@@ -89,11 +61,14 @@ def run(args: argparse.Namespace) -> None:
             self.should_exit = True
 
     config = config_from_args(args)
-    sock = bind(args.listen)
+    sock = bind(config.listen)
     host, port = sock.getsockname()[:2]
     server = Server(
         uvicorn.Config(
-            create_app(config), log_level=args.log_level, lifespan="on", timeout_graceful_shutdown=5
+            create_app(config),
+            log_level=config.log_level,
+            lifespan="on",
+            timeout_graceful_shutdown=5,
         )
     )
 

@@ -12,20 +12,25 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from kvrelay.cache.connection import ServerConnection, ServerGone, ring_prefix
-from kvrelay.cache.ring import HashRing
+from kvrelay.layout import HashRing, ring_prefix
+from kvrelay.rpc import Channel, Unavailable
+from kvrelay.rpc.cache_ops import (
+    CacheWelcome,
+    Flush,
+    FlushReply,
+    Lookup,
+    LookupReply,
+    ReleaseLease,
+    ReleaseReply,
+)
 
 PROBE_LEASE_S = 2.0
-
-
-# Control's name for a cache server that did not answer (a miss, never an error).
-TierUnavailable = ServerGone
 
 
 class TierProbe:
     def __init__(self, servers: Sequence[str], token: str, timeout_s: float = 1.0) -> None:
         self.ring = HashRing(servers)
-        self._servers = {a: ServerConnection(a, token, timeout_s) for a in servers}
+        self._servers = {a: Channel(a, token, CacheWelcome, timeout_s) for a in servers}
         self.probes = 0
         self.errors = 0
 
@@ -53,28 +58,27 @@ class TierProbe:
     async def _lookup(self, server: str, namespace: bytes, keys: list[bytes]):
         try:
             reply = await self._servers[server].call(
-                {"op": "lookup", "keys": keys, "lease_s": PROBE_LEASE_S, "ns": namespace}
+                Lookup(keys, PROBE_LEASE_S, namespace), LookupReply
             )
-        except TierUnavailable:
+        except Unavailable:
             self.errors += 1
             return 0, None
-        return int(reply.get("hits", 0)), reply.get("lease")
+        return reply.hits, reply.lease
 
     async def _release(self, server: str, lease: int) -> None:
         try:
-            await self._servers[server].call({"op": "release", "lease": lease})
-        except TierUnavailable:
+            await self._servers[server].call(ReleaseLease(lease), ReleaseReply)
+        except Unavailable:
             self.errors += 1  # the lease runs out on its own
 
     async def flush(self, namespace: bytes | None) -> dict[str, int | None]:
         """Drop unpinned pages (of one namespace, or all) on every server;
         pages dropped per server, None for one that did not answer."""
 
-        async def one(server: ServerConnection) -> int | None:
-            message = {"op": "flush"} if namespace is None else {"op": "flush", "ns": namespace}
+        async def one(server: Channel) -> int | None:
             try:
-                return int((await server.call(message)).get("dropped", 0))
-            except TierUnavailable:
+                return (await server.call(Flush(namespace), FlushReply)).dropped
+            except Unavailable:
                 self.errors += 1
                 return None
 

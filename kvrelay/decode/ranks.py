@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from kvrelay.layout import rank_rectangle
 from kvrelay.model.engine import Request
 from kvrelay.model.errors import PoolExhausted, RequestError
-from kvrelay.model.transfer import export_prefix, import_prefix
+from kvrelay.model.page_export import export_prefix, import_prefix
 from kvrelay.transfer import BlockHandle, TransferError
 from kvrelay.worker.protocol import pages_of, sampling
 from kvrelay.worker.rank import PullFailed, RankOptions, RankRuntime
@@ -35,6 +35,29 @@ def intersect(mine, theirs) -> list[tuple[int, int, int]]:
             if start < end:
                 out.append((start, end - start, index))
     return out
+
+
+def held_pages(entry: dict, pages: int) -> list[int]:
+    """The prompt pages a prefill handle holds, in its order: its entry's
+    `pages` (prefill sends them when it staged only some pages: those after
+    its cached prefix, or a CP rank's share), else every page."""
+    handle = BlockHandle.from_bytes(entry["handle"])
+    theirs = entry["runs"]
+    held = entry.get("pages", list(range(pages)))
+    if not isinstance(held, list) or not all(
+        isinstance(p, int) and not isinstance(p, bool) and 0 <= p < pages for p in held
+    ):
+        raise RequestError(f"a prefill handle's pages must be page indices in [0, {pages})")
+    if not theirs or len(handle.runs) != len(held) * len(theirs):
+        raise RequestError("a prefill handle's runs do not match its pages")
+    return held
+
+
+def staged_from(handles, pages: int) -> int:
+    """The first page any prefill handle holds (pages before it were not
+    staged: decode takes them from the tier or computes them)."""
+    firsts = [min(held) for entry in handles if (held := held_pages(entry, pages))]
+    return min(firsts, default=pages)
 
 
 @dataclass(slots=True)
@@ -112,7 +135,10 @@ class DecodeRanks:
 
     async def _pull(self, item, keys, local, pages, rows) -> dict:
         """This rank's pages [local, pages): what the tier has of
-        [local, tier_pages), the rest from the prefill handles."""
+        [local, tier_pages), the rest from the prefill handles, which cover
+        only the pages prefill staged (those after its tier prefix). Pages
+        neither gives (the tier lost some, or this worker has no tier) are
+        recomputed by the engine at admission: `have` says where that starts."""
         tier = 0
         tier_end = max(local, min(int(item["tier_pages"]), len(keys)))
         if self.rt.cache is not None and tier_end > local:
@@ -120,9 +146,17 @@ class DecodeRanks:
                 keys[local:tier_end], self.rt.arena, self.rt.offsets(rows[: tier_end - local])
             )
         start, nbytes = local + tier, 0
+        staged = staged_from(item["handles"], pages)
+        if start < staged:  # a gap before what prefill staged: recompute from it
+            return {"tier_pages": tier, "prefill_pages": 0, "bytes_from_prefill": 0, "have": start}
         if start < pages:
             nbytes = await self._from_prefill(item["handles"], start, pages, rows, local)
-        return {"tier_pages": tier, "prefill_pages": pages - start, "bytes_from_prefill": nbytes}
+        return {
+            "tier_pages": tier,
+            "prefill_pages": pages - start,
+            "bytes_from_prefill": nbytes,
+            "have": pages,
+        }
 
     def _finish_loads(self) -> list[dict]:
         """Loads whose pulls are done on every rank: scatter into the pool and
@@ -145,9 +179,14 @@ class DecodeRanks:
             try:
                 if not ok:
                     raise PullFailed(why or "another rank failed to pull its pages")
-                if load.rows:
+                tokens = load.item["tokens"]
+                have = self.rt.agree(pulled["have"])
+                if have < pages_of(len(tokens), self.ps):
+                    tokens = tokens[: have * self.ps]  # the engine computes the rest
+                    answer["recomputed_pages"] = pages_of(len(load.item["tokens"]), self.ps) - have
+                if load.rows and have > load.local:
                     ids = [load.rows[0]] * load.local + load.rows
-                    import_prefix(self.engine, load.item["tokens"], self.rt.staging, ids)
+                    import_prefix(self.engine, tokens, self.rt.staging, ids)
                 answer["seq_id"] = self.engine.admit(load.request)
                 answer["tier_pages"] = self.rt.agree(pulled["tier_pages"])
                 answer["prefill_pages"] = pulled["prefill_pages"]
@@ -166,34 +205,35 @@ class DecodeRanks:
 
     async def _from_prefill(self, handles, start, pages, rows, local) -> int:
         """Each prefill writer's handle, narrowed to the overlap of its
-        rectangle with this rank's, for pages [start, pages)."""
+        rectangle with this rank's, for pages [start, pages). A handle of a
+        context-parallel prefill rank holds only the pages its `pages` lists."""
         pb = self.rt.page_bytes
-        reads, covered = [], 0
+        reads, covered = [], [0] * (pages - start)
         for entry in handles:
             handle = BlockHandle.from_bytes(entry["handle"])
             theirs = [tuple(r) for r in entry["runs"]]
-            if not theirs or len(handle.runs) != pages * len(theirs):
-                raise RequestError("a prefill handle's runs do not match its pages")
+            held = held_pages(entry, pages)
             overlap = intersect(self.rt.runs, theirs)
             if not overlap:
                 continue
             remote, local_offsets = [], []
-            for page in range(start, pages):
-                row_base = handle.runs[page * len(theirs)][0] - theirs[0][0]
+            for slot, page in enumerate(held):
+                if not start <= page < pages:
+                    continue
+                row_base = handle.runs[slot * len(theirs)][0] - theirs[0][0]
                 for offset, length, _ in overlap:
                     remote.append((row_base + offset, length))
                     local_offsets.append(rows[page - local] * pb + offset)
-            covered += sum(length for _, length, _ in overlap)
-            reads.append(
-                self.rt.agent.read(
-                    handle.narrow(remote), self.rt.arena, local_offsets,
-                    namespace=self.rt.namespace,
-                )
-            )  # fmt: skip
-        if covered < self.rt.rect.num_bytes(self.rt.spec):
+                    covered[page - start] += length
+            if remote:
+                reads.append((handle.narrow(remote), local_offsets))
+        if any(n < self.rt.rect.num_bytes(self.rt.spec) for n in covered):
             raise RequestError("the prefill handles do not cover this rank's rectangle")
-        await asyncio.gather(*reads)
-        return covered * (pages - start)
+        # Coroutines only once every check passed: none is left unawaited.
+        await asyncio.gather(*(
+            self.rt.agent.read(h, self.rt.arena, offs, namespace=self.rt.namespace)
+            for h, offs in reads))  # fmt: skip
+        return sum(covered)
 
     async def _release(self, handles) -> None:
         async def one(entry) -> None:

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 from kvrelay.decode.ranks import decode_rank_setup
 from kvrelay.model.errors import PoolExhausted, RequestError
-from kvrelay.transfer import PeerError
-from kvrelay.transfer.wire import Connection
+from kvrelay.rpc import Connection, Error, PeerError, pack_tokens
+from kvrelay.rpc.worker_ops import Decode, DecodeDone, Pulled, Role, TokenBatch
 from kvrelay.worker.front import WorkerConfig, WorkerFront, log
-from kvrelay.worker.protocol import Busy, check_params, check_tokens, error_reply, is_int
+from kvrelay.worker.protocol import Busy, params_of, tokens_of
 
 # How often the ranks are asked whether pulls finished while nothing runs.
 LOAD_POLL_S = 0.002
@@ -23,7 +23,7 @@ LOAD_POLL_S = 0.002
 
 @dataclass(slots=True)
 class _Job:
-    rid: object
+    rid: str
     item: dict
     frames: asyncio.Queue = field(default_factory=asyncio.Queue)
     seq_id: int | None = None
@@ -34,27 +34,9 @@ class _Job:
     writing: set[int] = field(default_factory=set)  # ranks whose write-back still runs
 
 
-def _check_handles(handles) -> list[dict]:
-    if not isinstance(handles, list):
-        raise RequestError("handles must be a list")
-    for entry in handles:
-        ok = isinstance(entry, dict) and isinstance(entry.get("handle"), bytes)
-        runs = entry.get("runs") if ok else None
-        ok = (
-            ok
-            and isinstance(runs, list)
-            and all(
-                isinstance(r, list | tuple) and len(r) == 2 and all(isinstance(x, int) for x in r)
-                for r in runs
-            )
-        )
-        if not ok:
-            raise RequestError("each handle is {handle: bytes, runs: [[offset, length]]}")
-    return handles
-
-
 class DecodeWorker(WorkerFront):
-    role = "decode"
+    role = Role.DECODE
+    request_type = Decode
 
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config, decode_rank_setup)
@@ -72,24 +54,27 @@ class DecodeWorker(WorkerFront):
     def active(self) -> int:
         return len(self._running) + len(self._loading)
 
-    async def handle(self, conn: Connection, message: dict) -> None:
-        rid = message.get("rid")
-        tokens = check_tokens(message.get("tokens"), self.vocab)
-        params = check_params(message.get("params", {}), self.vocab)
-        first = message.get("first_token")
-        check_tokens([first], self.vocab, "first_token")
+    async def handle(self, conn: Connection, request: Decode) -> None:
+        rid = request.rid
+        tokens = tokens_of(request.tokens, self.vocab)
+        params = params_of(request.params, self.vocab)
+        first = request.first_token
+        if first >= self.vocab:
+            raise RequestError(f"first_token must be an integer in [0, {self.vocab})")
         if params["max_new_tokens"] < 2 or first in params["stop_token_ids"]:
             raise RequestError("nothing to decode: prefill's first token already ends it")
-        tier_pages, pages = message.get("tier_pages", 0), message.get("pages")
-        if not is_int(tier_pages) or not is_int(pages) or tier_pages < 0:
-            raise RequestError("tier_pages and pages must be non-negative integers")
-        handles = _check_handles(message.get("handles", []))
         if self.draining or len(self._waiting) >= self.config.max_queue:
             self.counters.busy_rejections += 1
-            await conn.send(error_reply(Busy("draining or queue full"), rid))
+            await conn.send(Error.of(Busy("draining or queue full"), rid))
             return
+        handles = [
+            {"handle": h.handle, "runs": h.runs}
+            | ({"pages": h.pages} if h.pages is not None else {})
+            for h in request.handles
+        ]
         item = {"tokens": tokens, "first_token": first, "params": params,
-                "tier_pages": tier_pages, "pages": pages, "handles": handles}  # fmt: skip
+                "tier_pages": request.tier_pages, "pages": request.pages,
+                "handles": handles}  # fmt: skip
         job = _Job(rid, item)
         self._waiting.append(job)
         self._wake.set()
@@ -106,7 +91,7 @@ class DecodeWorker(WorkerFront):
                     return
                 message = frame.result()
                 await conn.send(message)
-                if message.get("done") or not message.get("ok"):
+                if isinstance(message, DecodeDone | Error):
                     return
         except PeerError:
             job.cancelled = True
@@ -185,20 +170,22 @@ class DecodeWorker(WorkerFront):
                 if job is not None:
                     name, message = answer["error"]
                     self.counters.errors += 1
-                    job.frames.put_nowait(
-                        {"ok": False, "error": name, "message": message, "rid": job.rid}
-                    )
+                    job.frames.put_nowait(Error(name, message, job.rid))
                 continue
             if job is None:
                 orphans.append(answer["seq_id"])
                 continue
             job.seq_id = answer["seq_id"]
             job.pulled |= {k: answer[k] for k in ("tier_pages", "prefill_pages")}
+            recomputed = answer.get("recomputed_pages", 0)
+            if recomputed:  # neither the tier nor prefill had them: computed here
+                job.pulled["recomputed_pages"] = recomputed
             self._running[job.seq_id] = job
             c = self.counters
             c.requests += 1
             c.prompt_tokens += len(job.item["tokens"])
             c.computed_tokens += 1  # prefill's first token: its KV is computed here
+            c.computed_tokens += recomputed * self.config.page_size
             c.local_hit_tokens += answer["local_pages"] * self.config.page_size
             c.tier_hit_tokens += answer["tier_pages"] * self.config.page_size
             c.bytes_from_prefill += sum(r[i]["bytes_from_prefill"] for r in per_rank)
@@ -206,7 +193,7 @@ class DecodeWorker(WorkerFront):
 
     def _fail(self, job: _Job, exc: Exception) -> None:
         self.counters.errors += 1
-        job.frames.put_nowait(error_reply(exc, job.rid))
+        job.frames.put_nowait(Error.of(exc, job.rid))
 
     async def _drop_cancelled(self) -> None:
         for seq_id, job in list(self._running.items()):
@@ -225,7 +212,7 @@ class DecodeWorker(WorkerFront):
                 continue
             self.counters.generated_tokens += len(out["tokens"])
             if out["tokens"]:
-                job.frames.put_nowait({"ok": True, "rid": job.rid, "tokens": out["tokens"]})
+                job.frames.put_nowait(TokenBatch(job.rid, pack_tokens(out["tokens"])))
             if out["finish_reason"] is None:
                 continue
             del self._running[out["seq_id"]]
@@ -248,12 +235,10 @@ class DecodeWorker(WorkerFront):
 
     def _done(self, job: _Job) -> None:
         job.frames.put_nowait(
-            {
-                "ok": True,
-                "rid": job.rid,
-                "done": True,
-                "finish_reason": job.finish_reason,
-                "pulled": job.pulled,
-                "written_back_pages": min(job.written) if job.written else 0,
-            }
+            DecodeDone(
+                job.rid,
+                job.finish_reason,
+                Pulled(**job.pulled),
+                min(job.written) if job.written else 0,
+            )
         )

@@ -162,7 +162,10 @@ class LocalCluster:
 
     # -- processes --------------------------------------------------------
     def _start(self, name: str, args: list[str]) -> Process:
-        env = os.environ | {"PYTHONUNBUFFERED": "1"} | self.config.extra_env
+        # The token goes by environment, not argv: a command line is in every
+        # process listing and at the top of each log.
+        env = os.environ | {"PYTHONUNBUFFERED": "1", "KVRELAY_TOKEN": self.config.token}
+        env |= self.config.extra_env
         log = self.config.log_dir / f"{name}.log"
         log.write_text(f"$ kvrelay {' '.join(args)}\n")
         popen = subprocess.Popen(
@@ -184,7 +187,7 @@ class LocalCluster:
         c = self.config
         try:
             port = c.control_port or free_port()
-            args = ["launch", "control", "--listen", f"127.0.0.1:{port}", "--token", c.token]
+            args = ["launch", "control", "--listen", f"127.0.0.1:{port}"]
             if c.cache == "shared":
                 args += ["--cache", ",".join(self._start_cache())]
             self._start("control", args).wait_ready(c.ready_timeout_s)
@@ -203,7 +206,7 @@ class LocalCluster:
         started = []
         for i in range(c.cache_servers):
             started.append(self._start(f"cache{i}", [
-                "launch", "cache", "--token", c.token, "--page-bytes", str(c.page_bytes),
+                "launch", "cache", "--page-bytes", str(c.page_bytes),
                 "--arena-gb", str(c.cache_gb / c.cache_servers), "--backend", c.backend,
             ]))  # fmt: skip
         self.cache_addresses = [p.wait_ready(c.ready_timeout_s)["listen"] for p in started]
@@ -213,7 +216,7 @@ class LocalCluster:
         c = self.config
         args = [
             "launch", role, "--model", str(c.model_dir), "--tp", str(pool.tp),
-            "--pp", str(pool.pp), "--control", self.control_url, "--token", c.token,
+            "--pp", str(pool.pp), "--control", self.control_url,
             "--backend", c.backend, "--page-size", str(c.page_size), "--dtype", c.dtype,
             "--num-pages", str(c.prefill_pages if role == "prefill" else c.decode_pages),
         ]  # fmt: skip

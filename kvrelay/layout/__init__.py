@@ -1,4 +1,5 @@
-"""The unified page layout (DESIGN.md section 3): specs, rectangles, page keys."""
+"""The unified page layout (DESIGN.md section 3): specs, rectangles, page keys,
+and the placement of page keys over cache servers (`HashRing`)."""
 
 from kvrelay.layout.keys import page_keys, tokens_as_uint32
 from kvrelay.layout.parallel import (
@@ -8,6 +9,7 @@ from kvrelay.layout.parallel import (
     rank_rectangle,
     stage_layers,
 )
+from kvrelay.layout.ring import HashRing, ring_prefix
 from kvrelay.layout.spec import (
     ATTENTION_KINDS,
     KV_DTYPE_ITEMSIZE,
@@ -20,6 +22,7 @@ __all__ = [
     "ATTENTION_KINDS",
     "KV_DTYPE_ITEMSIZE",
     "LAYOUT_VERSION",
+    "HashRing",
     "LayoutError",
     "ModelKVSpec",
     "ParallelConfig",
@@ -27,6 +30,7 @@ __all__ = [
     "page_keys",
     "page_writers",
     "rank_rectangle",
+    "ring_prefix",
     "stage_layers",
     "tokens_as_uint32",
 ]

@@ -5,10 +5,10 @@ from kvrelay.model.engine import Engine, Request, Result
 from kvrelay.model.errors import ModelLoadError, PoolExhausted, RequestError
 from kvrelay.model.loader import kv_spec, load_engine
 from kvrelay.model.make_model import RandomModelSpec, write_model
+from kvrelay.model.page_export import export_prefix, import_prefix
 from kvrelay.model.parallel import ParallelEngine
 from kvrelay.model.pool import PagedKVPool
 from kvrelay.model.sampling import SamplingParams
-from kvrelay.model.transfer import export_prefix, import_prefix
 
 __all__ = [
     "Engine",

@@ -12,24 +12,46 @@ import sys
 from kvrelay.layout import LayoutError, ParallelConfig
 from kvrelay.model.config import TORCH_DTYPES, ModelConfig
 from kvrelay.model.cross_config import open_runner, parse_parallel, prefix_pages
-from kvrelay.model.engine import Request
+from kvrelay.model.engine import DEFAULT_MAX_PREFILL_TOKENS, Request
 from kvrelay.model.errors import ModelLoadError, PoolExhausted, RequestError
 from kvrelay.model.make_model import RandomModelSpec, write_model
 from kvrelay.model.sampling import SamplingParams
 
 
 def _ids(text: str) -> list[int]:
+    """Token ids separated by commas and/or whitespace (a JSON list too)."""
     try:
-        return [int(t) for t in text.split(",") if t.strip()]
+        return [int(t) for t in text.strip().strip("[]").replace(",", " ").split()]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated token ids, got {text!r}"
+            f"expected comma-separated token ids, got {text[:60]!r}"
         ) from None
+
+
+def _ids_file(path: str) -> list[int]:
+    try:
+        with open(path, encoding="utf-8") as file:
+            text = file.read()
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot read token ids from {path}: {error}") from None
+    return _ids(text)
+
+
+def _prompt_ids(text: str) -> list[int]:
+    # A long prompt (64K ids) does not fit the argument list: @path reads a file.
+    return _ids_file(text[1:]) if text.startswith("@") else _ids(text)
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="Hugging Face model directory")
-    parser.add_argument("--prompt-ids", type=_ids, required=True, help="e.g. 1,2,3")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt-ids", type=_prompt_ids, help="e.g. 1,2,3, or @FILE")
+    prompt.add_argument(
+        "--prompt-ids-file",
+        type=_ids_file,
+        metavar="FILE",
+        help="token ids separated by commas or whitespace",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="float32")
     parser.add_argument("--tp", type=int, default=1)
@@ -55,6 +77,12 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         help="compute the --reuse-prefix pages under this parallel config, then import them",
     )
     parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=DEFAULT_MAX_PREFILL_TOKENS,
+        help="new tokens per prefill forward (chunked prefill bounds memory)",
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -74,7 +102,7 @@ def run_generate(args: argparse.Namespace) -> dict:
 
 
 def _generate(args: argparse.Namespace) -> dict:
-    prompt = args.prompt_ids
+    prompt = args.prompt_ids if args.prompt_ids is not None else args.prompt_ids_file
     if not prompt:
         raise SystemExit("--prompt-ids is empty")
     if not 0 <= args.reuse_prefix <= len(prompt):
@@ -91,6 +119,8 @@ def _generate(args: argparse.Namespace) -> dict:
     )
     if args.prefix_parallel is not None and not args.reuse_prefix:
         raise SystemExit("--prefix-parallel needs --reuse-prefix K > 0")
+    if args.max_prefill_tokens <= 0:
+        raise SystemExit("--max-prefill-tokens must be positive")
     sizes = ParallelConfig(tp=args.tp, pp=args.pp, cp=args.cp)
     # Room for both runs even if nothing were shared.
     pages = 2 * (-(-(len(prompt) + args.max_new_tokens) // args.page_size)) + 1
@@ -99,6 +129,7 @@ def _generate(args: argparse.Namespace) -> dict:
         "page_size": args.page_size,
         "num_pages": pages,
         "device": args.device,
+        "max_prefill_tokens": args.max_prefill_tokens,
     }
     prefix, imported = prompt[: args.reuse_prefix], None
     if prefix and args.prefix_parallel is not None:

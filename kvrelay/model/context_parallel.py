@@ -58,9 +58,14 @@ class ContextSplit:
         padded = local.new_zeros((width, *local.shape[1:]))
         padded[: local.size(0)] = local
         parts = self.comm.all_gather_cp(padded)
+        if len(parts) != len(self.rank_rows):
+            raise RuntimeError(
+                f"a CP={len(self.rank_rows)} prefill needs a group of that many CP ranks "
+                f"(ParallelEngine(cp=...)); this engine's comm gathered {len(parts)}"
+            )
         out = local.new_empty((self.total, *local.shape[1:]))
         for rows, part in zip(self.rank_rows, parts, strict=True):
-            out[rows] = part[: rows.numel()]
+            out[rows.to(out.device)] = part[: rows.numel()]
         return out
 
 
@@ -99,10 +104,11 @@ def split_batch(batch, comm, cp: int, cp_rank: int):
         tuple(m[2] for m in mine_att),
         page_size=att.page_size,
     )
+    on_device = rows.to(batch.token_ids.device)
     return replace(
         batch,
-        token_ids=batch.token_ids[rows],
-        positions=batch.positions[rows],
+        token_ids=batch.token_ids[on_device],
+        positions=batch.positions[on_device],
         attention=attention,
         # write_slots and last_rows stay those of the whole batch: K/V and the
         # final hidden states are all-gathered before they are used.

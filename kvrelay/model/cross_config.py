@@ -49,7 +49,7 @@ class Runner:
     def export_prefix(self, tokens: list[int]) -> torch.Tensor:
         if self.group is not None:
             return self.group.export_prefix(tokens)
-        from kvrelay.model.transfer import export_prefix
+        from kvrelay.model.page_export import export_prefix
 
         pages = -(-len(tokens) // self.engine.spec.page_size)
         arena = torch.zeros(pages, self.engine.spec.page_bytes, dtype=torch.uint8)
@@ -59,7 +59,7 @@ class Runner:
     def import_prefix(self, tokens: list[int], arena: torch.Tensor) -> int:
         if self.group is not None:
             return self.group.import_prefix(tokens, arena)
-        from kvrelay.model.transfer import import_prefix
+        from kvrelay.model.page_export import import_prefix
 
         return import_prefix(self.engine, tokens, arena)
 

@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kvrelay.model.attention import AttentionBackend, AttentionBatch, TorchSDPABackend
+from kvrelay.model.attention import AttentionBackend, AttentionBatch
 from kvrelay.model.comm import Comm, LocalComm
 from kvrelay.model.config import ModelConfig
+from kvrelay.model.paged_attention import PagedOnlineSoftmaxBackend
 from kvrelay.model.pool import PagedKVPool
 from kvrelay.model.rope import RotaryEmbedding, apply_rotary
 from kvrelay.model.weights import LayerWeights, ModelWeights, ShardPlan
@@ -72,7 +73,7 @@ class DecoderShard:
         self.weights = weights
         self.pool = pool
         self.comm = comm or LocalComm()
-        self.backend = backend or TorchSDPABackend()
+        self.backend = backend or PagedOnlineSoftmaxBackend()
         self.rope = RotaryEmbedding(config)
         self.dtype = pool.dtype
         self.scale = config.head_dim**-0.5

@@ -21,6 +21,8 @@ from kvrelay.model.errors import PoolExhausted, RequestError
 from kvrelay.model.pool import partial_page_key
 from kvrelay.model.sampling import Sampler, SamplingParams
 
+DEFAULT_MAX_PREFILL_TOKENS = 4096
+
 
 @dataclass(slots=True)
 class Request:
@@ -76,10 +78,19 @@ class StepOutput:
 
 class Engine:
     def __init__(
-        self, shard: DecoderShard, spec: ModelKVSpec, parallel: ParallelConfig | None = None
+        self,
+        shard: DecoderShard,
+        spec: ModelKVSpec,
+        parallel: ParallelConfig | None = None,
+        max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
     ) -> None:
         if spec.page_size != shard.pool.page_size:
             raise ValueError("the pool's page size must be the unified page size")
+        if max_prefill_tokens <= 0:
+            raise ValueError("max_prefill_tokens must be positive")
+        # Chunked prefill: one forward computes at most this many new tokens,
+        # which bounds activations and attention state per layer.
+        self.max_prefill_tokens = max_prefill_tokens
         self.shard = shard
         self.pool = shard.pool
         self.spec = spec
@@ -253,21 +264,51 @@ class Engine:
 
     # -- execution --------------------------------------------------------
     def _prefill(self, sequences: list[_Sequence]) -> None:
-        spans = [(s, s.cached, len(s.tokens)) for s in sequences]
+        """The prompts' uncached tokens, in forwards of at most
+        `max_prefill_tokens` tokens (a later chunk attends to the earlier
+        ones' KV in the pool, as to a cached prefix)."""
         all_rows = any(s.request.return_logits for s in sequences)
-        logits = self._forward(spans, all_rows=all_rows, split=self.parallel.cp > 1)
-        if logits is not None and all_rows:
-            rows, start = [], 0
+        last: dict[int, torch.Tensor] = {}
+        parts: dict[int, list[torch.Tensor]] = {id(s): [] for s in sequences}
+        for spans in self._prefill_chunks(sequences):
+            logits = self._forward(spans, all_rows=all_rows, split=self.parallel.cp > 1)
+            if logits is None:
+                continue  # not the last stage
+            row = 0
             for seq, begin, end in spans:
+                rows = end - begin if all_rows else 1
+                if all_rows and seq.request.return_logits:
+                    parts[id(seq)].append(logits[row : row + rows])
+                if end == len(seq.tokens):
+                    last[id(seq)] = logits[row + rows - 1]
+                row += rows
+        logits = None
+        if last:
+            logits = torch.stack([last[id(s)] for s in sequences])
+            for seq in sequences:
                 if seq.request.return_logits:
                     # Results leave the rank (pickled to the parent): host copies.
-                    seq.prompt_logits = logits[start : start + end - begin].cpu()
-                start += end - begin
-                rows.append(start - 1)
-            logits = logits[rows]
+                    seq.prompt_logits = torch.cat(parts[id(seq)]).cpu()
         self._sample(sequences, logits)
         for seq in sequences:
             self._register_full_pages(seq)
+
+    def _prefill_chunks(self, sequences: list[_Sequence]):
+        """Spans (seq, begin, end) grouped into forwards of at most
+        `max_prefill_tokens` tokens, in order."""
+        chunk, room = [], self.max_prefill_tokens
+        for seq in sequences:
+            begin = seq.cached
+            while begin < len(seq.tokens):
+                end = min(len(seq.tokens), begin + room)
+                chunk.append((seq, begin, end))
+                room -= end - begin
+                begin = end
+                if room == 0:
+                    yield chunk
+                    chunk, room = [], self.max_prefill_tokens
+        if chunk:
+            yield chunk
 
     def _decode_step(self, active: list[_Sequence]) -> None:
         spans = [(s, len(s.tokens) - 1, len(s.tokens)) for s in active]

@@ -32,3 +32,8 @@ class PrefixNotCached(LookupError):
 
 class RequestError(ValueError):
     """A request the engine cannot run as given (empty prompt, bad sampling values)."""
+
+
+class StagingTooSmall(RequestError):
+    """A single request needs more staging rows than the worker's arena has
+    (its new pages): it can never run there, whatever else is running."""

@@ -11,8 +11,9 @@ from kvrelay.model.comm import Comm
 from kvrelay.model.config import TORCH_DTYPES, ModelConfig
 from kvrelay.model.decoder import DecoderShard
 from kvrelay.model.device import parse_device
-from kvrelay.model.engine import Engine
+from kvrelay.model.engine import DEFAULT_MAX_PREFILL_TOKENS, Engine
 from kvrelay.model.errors import ModelLoadError
+from kvrelay.model.paged_attention import DEFAULT_CHUNK_TOKENS, PagedOnlineSoftmaxBackend
 from kvrelay.model.pool import PagedKVPool
 from kvrelay.model.weights import ShardPlan, fingerprint, load_weights
 
@@ -68,6 +69,8 @@ def load_engine(
     parallel: ParallelConfig | None = None,
     comm: Comm | None = None,
     device: torch.device | str = "cpu",
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+    attention_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> Engine:
     """An engine for one rank (the whole model when `parallel` is None), its
     weights, KV pool and activations on `device`."""
@@ -89,4 +92,6 @@ def load_engine(
         dtype=torch_dtype,
         device=device,
     )
-    return Engine(DecoderShard(config, plan, weights, pool, comm), spec, parallel)
+    backend = PagedOnlineSoftmaxBackend(attention_chunk_tokens)
+    shard = DecoderShard(config, plan, weights, pool, comm, backend)
+    return Engine(shard, spec, parallel, max_prefill_tokens)

@@ -34,19 +34,11 @@ def gather_rect(
     """The pool KV of `slots` ([pages, page_size], -1 for none) into `rect` of
     arena rows `rows`."""
     dev = pool.device
-    geometry = rect_geometry(spec, rect)
-    slots = slots.to(dev)
     if arena.device == dev:
-        gather_pages(pool.k_layers, pool.v_layers, arena, rows.to(dev), slots, **geometry)
+        geometry = rect_geometry(spec, rect)
+        gather_pages(pool.k_layers, pool.v_layers, arena, rows.to(dev), slots.to(dev), **geometry)
     else:
-        bounce = torch.empty(rows.numel(), arena.size(1), dtype=torch.uint8, device=dev)
-        order = torch.arange(rows.numel(), dtype=torch.int64, device=dev)
-        gather_pages(pool.k_layers, pool.v_layers, bounce, order, slots, **geometry)
-        host = _pinned_like(bounce)
-        host.copy_(bounce)
-        rows = rows.to(arena.device)
-        for offset, length in rect.byte_runs(spec):
-            arena[rows, offset : offset + length] = host[:, offset : offset + length]
+        gather_through_bounce(pool, arena, rows, slots, spec, rect)
     synchronize(dev)
 
 
@@ -60,22 +52,43 @@ def scatter_rect(
 ) -> None:
     """`rect` of arena rows `rows` into the pool slots `slots` (-1 skipped)."""
     dev = pool.device
-    geometry = rect_geometry(spec, rect)
-    slots = slots.to(dev)
     if arena.device == dev:
-        scatter_pages(pool.k_layers, pool.v_layers, arena, rows.to(dev), slots, **geometry)
+        geometry = rect_geometry(spec, rect)
+        scatter_pages(pool.k_layers, pool.v_layers, arena, rows.to(dev), slots.to(dev), **geometry)
     else:
-        host = _pinned_like(torch.empty(rows.numel(), arena.size(1), dtype=torch.uint8))
-        host_rows = rows.to(arena.device)
-        for offset, length in rect.byte_runs(spec):
-            host[:, offset : offset + length] = arena[host_rows, offset : offset + length]
-        bounce = host.to(dev)
-        order = torch.arange(rows.numel(), dtype=torch.int64, device=dev)
-        scatter_pages(pool.k_layers, pool.v_layers, bounce, order, slots, **geometry)
+        scatter_through_bounce(pool, arena, rows, slots, spec, rect)
     synchronize(dev)
 
 
-def _pinned_like(t: torch.Tensor) -> torch.Tensor:
-    """A page-locked host tensor shaped like `t` (torch caches these
-    allocations), so the copy across PCIe is one DMA at full speed."""
-    return torch.zeros(t.shape, dtype=t.dtype, pin_memory=True)
+# The bounce paths serve a GPU pool and a host arena; they are written for any
+# pair of devices, so the CPU suite runs them too (pool and arena both on the
+# CPU, the bounce buffer then a plain host tensor).
+def gather_through_bounce(pool, arena, rows, slots, spec, rect) -> None:
+    dev = pool.device
+    bounce = torch.empty(rows.numel(), arena.size(1), dtype=torch.uint8, device=dev)
+    order = torch.arange(rows.numel(), dtype=torch.int64, device=dev)
+    geometry = rect_geometry(spec, rect)
+    gather_pages(pool.k_layers, pool.v_layers, bounce, order, slots.to(dev), **geometry)
+    host = _host_buffer(bounce.shape, dev)
+    host.copy_(bounce)
+    rows = rows.to(arena.device)
+    for offset, length in rect.byte_runs(spec):
+        arena[rows, offset : offset + length] = host[:, offset : offset + length]
+
+
+def scatter_through_bounce(pool, arena, rows, slots, spec, rect) -> None:
+    dev = pool.device
+    host = _host_buffer((rows.numel(), arena.size(1)), dev)
+    host_rows = rows.to(arena.device)
+    for offset, length in rect.byte_runs(spec):
+        host[:, offset : offset + length] = arena[host_rows, offset : offset + length]
+    bounce = host.to(dev)
+    order = torch.arange(rows.numel(), dtype=torch.int64, device=dev)
+    geometry = rect_geometry(spec, rect)
+    scatter_pages(pool.k_layers, pool.v_layers, bounce, order, slots.to(dev), **geometry)
+
+
+def _host_buffer(shape, device: torch.device) -> torch.Tensor:
+    """A host buffer for copies to or from `device`: page-locked beside a GPU
+    (torch caches these allocations), so the copy across PCIe is one DMA."""
+    return torch.zeros(shape, dtype=torch.uint8, pin_memory=device.type == "cuda")

@@ -1,8 +1,8 @@
 """Tensor, pipeline and context parallelism: one spawned process per rank.
 
 `ParallelEngine` starts tp x pp x cp processes (`spawn`, never `fork`) that
-join a torch.distributed group (gloo on CPU, bound to 127.0.0.1 on a free
-port; nccl when every rank has a GPU of its own, `kvrelay.model.device`).
+join a torch.distributed group (gloo on CPU, its pair sockets on loopback,
+meeting through a file store; nccl when every rank has a GPU of its own, `kvrelay.model.device`).
 Global rank = (cp_rank * pp + pp_rank) * tp + tp_rank, as in
 `ParallelConfig.rank`. Each rank loads only its weights and keeps a KV pool
 of only its rectangle of heads and layers (every CP rank of a rectangle
@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
+import shutil
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -27,7 +28,8 @@ import torch.multiprocessing as mp
 
 from kvrelay.layout import ModelKVSpec, ParallelConfig
 from kvrelay.model.device import collective_backend, parse_device, rank_device
-from kvrelay.model.engine import Request, Result
+from kvrelay.model.engine import DEFAULT_MAX_PREFILL_TOKENS, Request, Result
+from kvrelay.model.paged_attention import DEFAULT_CHUNK_TOKENS
 
 # How long the other ranks get to answer once one rank has failed.
 ERROR_GRACE_S = 10.0
@@ -102,10 +104,11 @@ class DistComm:
         return [part.to(x.device) for part in parts]
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous() -> str:
+    """The group's meeting point: a file store in a fresh private directory.
+    A tcp:// store's server listens on every interface (whatever host the
+    URL names) and asks no token; a file store opens no socket."""
+    return f"file://{tempfile.mkdtemp(prefix='kvrelay-group-')}/store"
 
 
 def _die_with_parent() -> None:
@@ -123,7 +126,7 @@ def _die_with_parent() -> None:
 
 
 def _worker(
-    rank, sizes, port, model_dir, options, timeout_s, rank_setup, commands, results
+    rank, sizes, init_method, model_dir, options, timeout_s, rank_setup, commands, results
 ):  # fmt: skip
     _die_with_parent()
     # Gloo binds its pair sockets on the interface named here: loopback only.
@@ -137,13 +140,13 @@ def _worker(
             torch.cuda.set_device(device)
         dist.init_process_group(
             backend,
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method=init_method,
             rank=rank,
             world_size=sizes.world_size,
             timeout=timedelta(seconds=timeout_s),
         )
         from kvrelay.model.loader import load_engine
-        from kvrelay.model.transfer import export_prefix, import_prefix
+        from kvrelay.model.page_export import export_prefix, import_prefix
 
         parallel = list(sizes.all_ranks())[rank]
         comm = DistComm(parallel, device if backend == "nccl" else "cpu")
@@ -218,6 +221,8 @@ class ParallelEngine:
         timeout_s: float = 300.0,
         rank_setup=None,
         device: str = "cpu",
+        max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+        attention_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     ) -> None:
         """`rank_setup(engine) -> {name: handler}` (picklable, e.g. a
         module-level function or a partial of one) runs in each rank after its
@@ -234,13 +239,20 @@ class ParallelEngine:
         context = mp.get_context("spawn")
         self._commands = [context.Queue() for _ in range(self.world)]
         self._results = context.Queue()
-        options = {"dtype": dtype, "page_size": page_size, "num_pages": num_pages}
-        port = free_port()
+        options = {
+            "dtype": dtype,
+            "page_size": page_size,
+            "num_pages": num_pages,
+            "max_prefill_tokens": max_prefill_tokens,
+            "attention_chunk_tokens": attention_chunk_tokens,
+        }
+        self._rendezvous = rendezvous()
         self._procs = []
         options["collective"] = collective_backend(devices)
         for rank in range(self.world):
             rank_options = {**options, "device": str(devices[rank])}
-            args = (rank, sizes, port, str(model_dir), rank_options, timeout_s, rank_setup)
+            args = (rank, sizes, self._rendezvous, str(model_dir), rank_options, timeout_s,
+                    rank_setup)  # fmt: skip
             queues = (self._commands[rank], self._results)
             self._procs.append(context.Process(target=_worker, args=args + queues, daemon=True))
         for proc in self._procs:
@@ -337,6 +349,7 @@ class ParallelEngine:
             if proc.exitcode is None:
                 proc.kill()
                 proc.join(timeout=5)
+        shutil.rmtree(os.path.dirname(self._rendezvous.removeprefix("file://")), ignore_errors=True)
 
     def __enter__(self) -> ParallelEngine:
         return self

@@ -10,10 +10,14 @@ from __future__ import annotations
 import time
 
 from kvrelay.model.engine import Request
-from kvrelay.model.transfer import export_prefix, import_prefix
+from kvrelay.model.page_export import export_prefix, import_prefix
 from kvrelay.transfer import BlockHandle
 from kvrelay.worker.protocol import pages_of, sampling
 from kvrelay.worker.rank import RankOptions, RankRuntime
+
+# Staging rows a tier pull goes through at a time: the prefix a tier serves
+# is imported chunk by chunk, so it needs no staging of its own size.
+TIER_WINDOW = 64
 
 
 class PrefillRanks:
@@ -73,25 +77,29 @@ class PrefillRanks:
     def prefill_batch(self, batch: list[dict]) -> list[dict]:
         """Runs the leading requests of `batch` that fit (pool and staging, all
         ranks agreeing); returns one answer per request run (the front keeps
-        the others queued)."""
+        the others queued). A request whose new pages exceed the whole
+        staging arena gets an error answer instead (it can never fit)."""
         self.sweep()
         pool, rows = self.engine.pool, self.rt.rows
-        taken, pool_need, rows_need = [], 0, 0
-        for item in batch:
-            pages = pages_of(len(item["tokens"]), self.ps)
-            fits = pool.free_pages >= pool_need + pages and rows.free >= rows_need + pages
-            if not self.rt.agree(fits):
-                break
-            taken.append(item)
-            pool_need += pages
-            rows_need += pages
-        if not taken:
-            return []
-        started = time.perf_counter()
-        states: list[dict] = []
+        taken, states, pool_need = [], [], 0
         try:
-            for item in taken:
-                states.append(self._lookup(item))
+            for item in batch:
+                pages = pages_of(len(item["tokens"]), self.ps)
+                if not self.rt.agree(pool.free_pages >= pool_need + pages):
+                    break
+                state = self._lookup(item)
+                if state.get("error"):
+                    if not taken:
+                        return [{"error": state["error"]}]  # answered; the front dequeues it
+                    break
+                if not self.rt.agree(rows.free >= state["stage"]):
+                    break  # the tier pages it imported stay cached for next time
+                state["rows"] = rows.take(state["stage"])
+                taken.append(item)
+                states.append(state)
+                pool_need += pages
+            if not taken:
+                return []
             looked_up = time.perf_counter()
             requests = [
                 Request(item["tokens"], sampling(item["params"], max_new_tokens=1))
@@ -109,20 +117,20 @@ class PrefillRanks:
         ]
         if not self.rt.options.local_cache:
             self.rt.clear_cache()
-        published = time.perf_counter()
-        for answer in answers:
-            answer["timings"] = {
-                "lookup_s": looked_up - started,
-                "compute_s": computed - looked_up,
-                "publish_s": published - computed,
-            }
+        for answer, state in zip(answers, states, strict=True):
+            answer["timings"] = state["timings"] | {"compute_s": computed - looked_up}
         return answers
 
     def _lookup(self, item: dict) -> dict:
-        """Pool prefix, then the tier's pages after it (pulled into staging rows
-        and imported into the pool). Ranks agree on both lengths."""
+        """Pool prefix, then the tier's pages after it, pulled through a
+        bounded window of staging rows and imported into the pool chunk by
+        chunk. Ranks agree on both lengths. `stage`: the pages this request
+        must stage for decode, those it cannot take from the tier."""
+        started = time.perf_counter()
         tokens = item["tokens"]
+        # Computed once here; the publish and the tier writes reuse them.
         keys = self.engine.spec.page_keys(tokens)
+        pages = pages_of(len(tokens), self.ps)
         # The last prompt token is always computed (its logits pick the first token).
         usable = min(len(keys), (len(tokens) - 1) // self.ps)
         pool = self.engine.pool
@@ -131,28 +139,67 @@ class PrefillRanks:
             hit = pool.match_prefix(keys[:usable])
             pool.release(hit)
             local = self.rt.agree(len(hit))
-        rows = self.rt.rows.take(pages_of(len(tokens), self.ps))
-        tier = self.rt.tier_lookup(keys[local:usable], rows[local:usable])
-        if tier:
-            count = local + tier
-            import_prefix(self.engine, tokens[: count * self.ps], self.rt.staging, rows[:count])
-        return {"keys": keys, "rows": rows, "local": local, "tier": tier}
+        looked_up = time.perf_counter()
+        tier = self._pull_tier(tokens, keys, local, usable)
+        timings = {"lookup_s": looked_up - started, "tier_pull_s": time.perf_counter() - looked_up}
+        # With the tier, decode takes [0, local + tier) from it (prefill's own
+        # hits were written through when computed); without it, everything.
+        start = local + tier if self.rt.cache is not None else 0
+        stage = pages - start
+        state = {"keys": keys, "local": local, "tier": tier, "start": start, "stage": stage}
+        state |= {"rows": [], "timings": timings}
+        if stage > self.rt.rows.count:
+            state["error"] = ["PoolExhausted", f"{stage} new pages to stage, "
+                              f"the staging arena holds {self.rt.rows.count}"]  # fmt: skip
+        return state
+
+    def _pull_tier(self, tokens, keys, local: int, usable: int) -> int:
+        """Tier pages after `local`, through at most TIER_WINDOW staging rows
+        at a time; returns the pages found (ranks agree)."""
+        if self.rt.cache is None or usable <= local:
+            return 0
+        window = min(TIER_WINDOW, usable - local, self.rt.rows.free)
+        if not self.rt.agree(window > 0):
+            return 0
+        rows = self.rt.rows.take(window)
+        position = local
+        try:
+            while position < usable:
+                count = min(window, usable - position)
+                hit = self.rt.tier_lookup(keys[position : position + count], rows[:count])
+                if hit:
+                    # Pages before `position` are cached: their row ids are not read.
+                    ids = [rows[0]] * position + rows[:hit]
+                    end = (position + hit) * self.ps
+                    import_prefix(self.engine, tokens[:end], self.rt.staging, ids, chain=keys)
+                position += hit
+                if hit < count:
+                    break
+        finally:
+            self.rt.rows.give_back(rows)
+        return position - local
 
     def _publish(self, item: dict, state: dict, result) -> dict:
-        """Export every page of the prompt into the staging rows, write new
-        full pages through to the tier, publish this rank's handle."""
+        """Export the pages decode cannot take from the tier (the new pages and
+        the partial last page) into the staging rows, write the new full
+        pages through to the tier, publish this rank's handle over them."""
         tokens, keys, rows = item["tokens"], state["keys"], state["rows"]
-        local, tier = state["local"], state["tier"]
-        export_prefix(self.engine, tokens, self.rt.staging, rows)
+        tier, start = state["tier"], state["start"]
+        started = time.perf_counter()
+        # `export_prefix` skips pages a CP rank does not own (page i: CP rank
+        # i % cp); every CP rank computed and holds all of them.
+        export_prefix(self.engine, tokens, self.rt.staging, rows, first_page=start, chain=keys)
+        staged = time.perf_counter()
+        owned = [i for i in range(start, start + len(rows)) if self.engine.parallel.owns_page(i)]
         full = len(keys)
-        new = list(range(local)) + list(range(local + tier, full))
-        written = self.rt.tier_write([keys[i] for i in new], [rows[i] for i in new])
-        # Pages decode may take from the tier; if a write failed, only what
-        # the tier is known to hold (what decode cannot find there it takes
-        # from the handles anyway).
-        tier_pages = full if written else (tier if local == 0 else 0)
-        if self.rt.cache is None:
-            tier_pages = 0
+        # Without the tier start is 0 and nothing is written. Pages before
+        # `start` are already there (tier hits, or this worker's own pages,
+        # written through when it computed them).
+        new = [i for i in owned if i < full]
+        written = self.rt.tier_write([keys[i] for i in new], [rows[i - start] for i in new])
+        tier_pages = 0
+        if self.rt.cache is not None:
+            tier_pages = full if written else start
         first = result.tokens[0]
         params = item["params"]
         finish = None
@@ -161,27 +208,34 @@ class PrefillRanks:
         elif params["max_new_tokens"] <= 1:
             finish = "length"
         handle = None
-        if self.rt.rect.writer and finish is None:
-            handle = self.rt.run(self._grant(rows, float(item["lease_s"])))
-        else:  # a replica publishes nothing; a finished request needs no decode
+        if self.rt.rect.writer and owned and finish is None:
+            mine = [i - start for i in owned]
+            handle = self.rt.run(self._grant(rows, mine, float(item["lease_s"])))
+        else:  # a replica (or a CP rank owning no page) publishes nothing;
+            # a finished request needs no decode
             self.rt.rows.give_back(rows)
         tier_tokens = min(tier * self.ps, result.cached_tokens)
+        state["timings"] |= {"stage_s": staged - started, "publish_s": time.perf_counter() - staged}
         return {
             "first_token": first,
             "finish_reason": finish,
             "cached_local": result.cached_tokens - tier_tokens,
             "cached_tier": tier_tokens,
             "tier_pages": tier_pages,
-            "pages": len(rows),
+            "staged_from": start,
+            "pages": pages_of(len(tokens), self.ps),
             "handle": handle,
             "runs": [list(r) for r in self.rt.runs],
+            # The prompt's pages this handle holds: those after the cached
+            # prefix, a CP rank's share of them; None for every page.
+            "page_indices": None if len(owned) == pages_of(len(tokens), self.ps) else owned,
         }
 
-    async def _grant(self, rows: list[int], lease_s: float) -> bytes:
-        # publish() touches the lease table: on the loop thread.
-        handle = self.rt.agent.publish(
-            self.rt.arena, self.rt.page_runs(rows), self.rt.namespace, lease_s
-        )
+    async def _grant(self, rows: list[int], owned: list[int], lease_s: float) -> bytes:
+        # publish() touches the lease table: on the loop thread. The handle
+        # covers the owned pages' rows; all the rows go back on its release.
+        runs = self.rt.page_runs([rows[i] for i in owned])
+        handle = self.rt.agent.publish(self.rt.arena, runs, self.rt.namespace, lease_s)
         self.outstanding[handle.lease_id] = rows
         return handle.to_bytes()
 

@@ -7,12 +7,19 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from kvrelay.model.errors import PoolExhausted, RequestError
+from kvrelay.model.errors import PoolExhausted, StagingTooSmall
 from kvrelay.prefill.ranks import prefill_rank_setup
-from kvrelay.transfer import PeerError
-from kvrelay.transfer.wire import Connection
+from kvrelay.rpc import Connection, Error, PeerError
+from kvrelay.rpc.worker_ops import (
+    CachedTokens,
+    HandleRef,
+    ParallelShape,
+    Prefill,
+    PrefillReply,
+    Role,
+)
 from kvrelay.worker.front import WorkerConfig, WorkerFront, log
-from kvrelay.worker.protocol import Busy, check_params, check_tokens, error_reply, pages_of
+from kvrelay.worker.protocol import Busy, pages_of, params_of, tokens_of
 
 # How long the scheduler waits before asking again when staging rows are all
 # held by published handles (released by decode, or expiring).
@@ -21,7 +28,7 @@ RETRY_S = 0.02
 
 @dataclass(slots=True)
 class _Pending:
-    rid: object
+    rid: str
     item: dict
     future: asyncio.Future
     queued_at: float = field(default_factory=time.perf_counter)
@@ -29,7 +36,8 @@ class _Pending:
 
 
 class PrefillWorker(WorkerFront):
-    role = "prefill"
+    role = Role.PREFILL
+    request_type = Prefill
 
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config, prefill_rank_setup)
@@ -44,29 +52,23 @@ class PrefillWorker(WorkerFront):
     def active(self) -> int:
         return self._running
 
-    async def handle(self, conn: Connection, message: dict) -> None:
-        rid = message.get("rid")
-        tokens = check_tokens(message.get("tokens"), self.vocab)
-        params = check_params(message.get("params", {}), self.vocab)
-        lease_s = message.get("lease_s", 30.0)
-        if (
-            isinstance(lease_s, bool)
-            or not isinstance(lease_s, int | float)
-            or not 0 < lease_s <= 3600
-        ):
-            raise RequestError("lease_s must be a number of seconds in (0, 3600]")
+    async def handle(self, conn: Connection, request: Prefill) -> None:
+        rid = request.rid
+        tokens = tokens_of(request.tokens, self.vocab)
+        params = params_of(request.params, self.vocab)
         if self.draining or len(self._queue) >= self.config.max_queue:
             self.counters.busy_rejections += 1
             why = "draining" if self.draining else f"queue holds {len(self._queue)} requests"
-            await conn.send(error_reply(Busy(why), rid))
+            await conn.send(Error.of(Busy(why), rid))
             return
+        # The pool holds the whole prompt; staging only its new pages (the
+        # ranks refuse a request whose new pages exceed the arena).
         pages = pages_of(len(tokens), self.config.page_size)
-        room = min(self.config.num_pages, self.config.staging_pages or self.config.num_pages)
-        if pages > room:
+        if pages > self.config.num_pages:
             self.counters.errors += 1
-            await conn.send(error_reply(PoolExhausted(pages, room), rid))
+            await conn.send(Error.of(PoolExhausted(pages, self.config.num_pages), rid))
             return
-        item = {"tokens": tokens, "params": params, "lease_s": float(lease_s)}
+        item = {"tokens": tokens, "params": params, "lease_s": request.lease_s}
         pending = _Pending(rid, item, asyncio.get_running_loop().create_future())
         self._queue.append(pending)
         self._wake.set()
@@ -84,14 +86,14 @@ class PrefillWorker(WorkerFront):
             exc = pending.future.exception()
             if exc is not None:
                 self.counters.errors += 1
-                await conn.send(error_reply(exc, rid))
+                await conn.send(Error.of(exc, rid))
                 return
             answer = pending.future.result()
             if closed.done() or conn.closed_by_peer():
                 await self._drop(answer)  # nobody will read or release them
                 return
             try:
-                await conn.send({"ok": True, "rid": rid, **answer})
+                await conn.send(answer)
             except PeerError:
                 await self._drop(answer)
         finally:
@@ -99,9 +101,9 @@ class PrefillWorker(WorkerFront):
             if closed.done() and not closed.cancelled():
                 closed.exception()  # retrieved: the close was expected
 
-    async def _drop(self, answer: dict) -> None:
+    async def _drop(self, answer: PrefillReply) -> None:
         """End the leases of an answer's handles now, freeing their staging rows."""
-        handles = [h["handle"] for h in answer.get("handles", [])]
+        handles = [h.handle for h in answer.handles]
         if handles:
             await self.ranks("drop_handles", handles)
 
@@ -136,6 +138,11 @@ class PrefillWorker(WorkerFront):
                 continue
             for i, pending in enumerate(batch[:done]):
                 self._queue.remove(pending)
+                refused = answers[0][i].get("error")
+                if refused:  # can never fit (its new pages exceed the staging arena)
+                    if not pending.future.done():
+                        pending.future.set_exception(StagingTooSmall(refused[1]))
+                    continue
                 answer = self._merge([rank[i] for rank in answers], pending)
                 if pending.abandoned:
                     await self._drop(answer)
@@ -144,7 +151,7 @@ class PrefillWorker(WorkerFront):
             # Abandoned while their batch ran but not taken: nobody waits for them.
             self._queue = [p for p in self._queue if not p.abandoned]
 
-    def _merge(self, per_rank: list[dict], pending: _Pending) -> dict:
+    def _merge(self, per_rank: list[dict], pending: _Pending) -> PrefillReply:
         first = per_rank[0]
         tokens = pending.item["tokens"]
         cached = first["cached_local"] + first["cached_tier"]
@@ -157,21 +164,24 @@ class PrefillWorker(WorkerFront):
         c.generated_tokens += 1
         finish = first["finish_reason"]
         handles = [
-            {"handle": r["handle"], "runs": r["runs"]} for r in per_rank if r["handle"] is not None
+            HandleRef(r["handle"], r["runs"], r.get("page_indices"))
+            for r in per_rank
+            if r["handle"] is not None
         ]
         timings = dict(first["timings"])
         timings["queue_s"] = time.perf_counter() - pending.queued_at - sum(timings.values())
-        return {
-            "first_token": first["first_token"],
-            "finish_reason": finish,
-            "prompt_tokens": len(tokens),
-            "cached_tokens": {"local": first["cached_local"], "tier": first["cached_tier"]},
-            "tier_pages": first["tier_pages"],
-            "pages": first["pages"],
-            "spec": {"tp": self.config.tp, "pp": self.config.pp},
-            "handles": handles,  # none when finished: decode is not needed
-            "timings": timings,
-        }
+        return PrefillReply(
+            rid=pending.rid,
+            first_token=first["first_token"],
+            finish_reason=finish,
+            prompt_tokens=len(tokens),
+            cached_tokens=CachedTokens(first["cached_local"], first["cached_tier"]),
+            tier_pages=first["tier_pages"],
+            pages=first["pages"],
+            spec=ParallelShape(self.config.tp, self.config.pp, self.config.cp),
+            handles=handles,  # none when finished: decode is not needed
+            timings=timings,
+        )
 
     def _fail_queue(self, exc: Exception) -> None:
         queue, self._queue = self._queue, []

@@ -48,6 +48,15 @@ def make_transport(name: str) -> Transport:
     return getattr(importlib.import_module(module), cls)()
 
 
+def available(name: str) -> bool:
+    """Whether the named backend's library loads here (ucx: `kvrelay._ucx` was built)."""
+    try:
+        importlib.import_module(BACKENDS[name][0])
+    except ImportError:  # BackendUnavailable is one
+        return False
+    return True
+
+
 async def create_agent(backend: str = "tcp", **config) -> Agent:
     """A started agent of the named backend (see `AgentConfig` for the settings)."""
     agent = Agent(AgentConfig(backend=backend, **config), make_transport(backend))
@@ -76,6 +85,7 @@ __all__ = [
     "TransferError",
     "TransferTimeout",
     "UnknownArena",
+    "available",
     "coalesce",
     "create_agent",
     "make_transport",

@@ -12,11 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import socket
 import uuid
 from collections.abc import Sequence
-from reprlib import repr as brief
 
+from kvrelay import rpc
+from kvrelay.rpc.agent_ops import (
+    AgentRequest,
+    AgentWelcome,
+    ArenaInfo,
+    Arenas,
+    ArenaTable,
+    Release,
+)
 from kvrelay.transfer.arena import Arena
 from kvrelay.transfer.base import AgentConfig, Peer, Transport
 from kvrelay.transfer.errors import (
@@ -28,17 +35,8 @@ from kvrelay.transfer.errors import (
     UnknownArena,
 )
 from kvrelay.transfer.fastpath import copy_shared, host_id
-from kvrelay.transfer.handle import ArenaInfo, BlockHandle, check_runs, plan_checked
+from kvrelay.transfer.handle import BlockHandle, check_runs, plan_checked
 from kvrelay.transfer.lease import LeaseTable
-from kvrelay.transfer.wire import (
-    MAX_HELLO_FRAME,
-    WIRE_VERSION,
-    Connection,
-    error_reply,
-    listen_socket,
-    refuse,
-    token_ok,
-)
 
 _LOOPBACK: dict[str, Agent] = {}  # in-process agents of the loopback backend
 
@@ -55,9 +53,7 @@ class Agent:
         self.arenas: dict[int, Arena] = {}
         self._arena_ids = itertools.count(1)
         self._peers: dict[str, Peer] = {}
-        self._server: asyncio.Task | None = None
-        self._listener: socket.socket | None = None
-        self._conns: set[asyncio.Task] = set()
+        self._server: rpc.Server | None = None
         self.address = ""
 
     # -- lifecycle ------------------------------------------------------------
@@ -66,8 +62,17 @@ class Agent:
             self.address = f"loopback:{self.agent_id.hex()}"
             _LOOPBACK[self.address] = self
             return self
-        self._listener, self.address = listen_socket(self.config.host, self.config.port)
-        self._server = asyncio.create_task(self._accept_loop())
+        self._server = rpc.Server(
+            token=self.config.token,
+            requests=AgentRequest,
+            handler=self._handle,
+            welcome=self._welcome,
+            host=self.config.host,
+            port=self.config.port,
+            hello_timeout_s=self.config.timeout,
+        )
+        await self._server.start()
+        self.address = self._server.address
         return self
 
     async def close(self) -> None:
@@ -75,12 +80,8 @@ class Agent:
         for peer in list(self._peers.values()):
             self._drop_peer(peer)
         _LOOPBACK.pop(self.address, None)
-        tasks = [t for t in (self._server, *self._conns) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if self._listener is not None:
-            self._listener.close()
+        if self._server is not None:
+            await self._server.close()
         for arena in list(self.arenas.values()):
             # Peers saw the control connection close, so they stop using it.
             self.free_arena(arena, force=True)
@@ -129,9 +130,9 @@ class Agent:
             self.transport.deregister(arena)
             arena.close()
 
-    def arena_table(self) -> list[list]:
+    def arena_table(self) -> list[ArenaInfo]:
         return [
-            ArenaInfo(a.arena_id, a.address, a.size, a.rkey, a.shm_path).to_wire()
+            ArenaInfo(a.arena_id, a.address, a.size, a.rkey, a.shm_path)
             for a in self.arenas.values()
         ]
 
@@ -216,10 +217,7 @@ class Agent:
                 _LOOPBACK[peer.address].leases.release(handle.lease_id)
                 return
             async with peer.conn.lock:
-                await peer.conn.send({"op": "release", "lease": handle.lease_id})
-                reply = await peer.conn.recv()
-        if not reply.get("ok"):
-            raise PeerError(f"release refused: {reply.get('message')}")
+                await rpc.call(peer.conn, Release(lease=handle.lease_id), rpc.Ok, None)
 
     # -- peers -----------------------------------------------------------------
     async def _peer(self, handle: BlockHandle) -> Peer:
@@ -239,31 +237,12 @@ class Agent:
             other = _LOOPBACK.get(address)
             if other is None or other.config.token != self.config.token:
                 raise PeerError(f"no loopback agent {address} with this cluster token")
-            hello = {"agent_id": other.agent_id, "host_id": other.host_id, "arenas": []}
+            hello = AgentWelcome(other.agent_id, other.host_id, [])
             return Peer(address, other.agent_id, other.host_id, {}, None, hello)
-        host, _, port = address.rpartition(":")
-        if not port.isdigit():
-            raise PeerError(f"bad agent address {address!r}")
-        conn = await Connection.open(host, int(port))
-        try:
-            await conn.send({"op": "hello", "v": WIRE_VERSION, "token": self.config.token})
-            hello = await conn.recv()
-            if not hello.get("ok"):
-                raise AuthError(f"agent {address} refused the hello: {hello.get('message')}")
-            peer = Peer(
-                address,
-                hello["agent_id"],
-                hello["host_id"],
-                _arenas(hello["arenas"]),
-                conn,
-                hello,
-            )
-        except (KeyError, TypeError) as exc:
-            conn.close()
-            raise ProtocolError(f"malformed hello from {address}: {exc}") from None
-        except BaseException:
-            conn.close()
-            raise
+        conn, hello = await rpc.connect(
+            address, self.config.token, AgentWelcome, self.config.timeout
+        )
+        peer = Peer(address, hello.agent_id, hello.host_id, _arenas(hello.arenas), conn, hello)
         peer.on_host = peer.host_id == self.host_id
         peer.same_host = self.config.fast_path and peer.on_host
         return peer
@@ -275,8 +254,7 @@ class Agent:
                 table = owner.arena_table() if owner is not None else []
             else:
                 async with peer.conn.lock:
-                    await peer.conn.send({"op": "arenas"})
-                    table = (await peer.conn.recv()).get("arenas", [])
+                    table = (await rpc.call(peer.conn, Arenas(), ArenaTable, None)).arenas
             peer.arenas = _arenas(table)
         info = peer.arenas.get(arena_id)
         if info is None:
@@ -303,56 +281,19 @@ class Agent:
         }
 
     # -- control server --------------------------------------------------------
-    async def _accept_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            sock, _ = await loop.sock_accept(self._listener)
-            task = asyncio.create_task(self._serve(Connection(sock)))
-            self._conns.add(task)
-            task.add_done_callback(self._conns.discard)
+    def _welcome(self) -> AgentWelcome:
+        return AgentWelcome(
+            self.agent_id, self.host_id, self.arena_table(), **self.transport.hello_fields()
+        )
 
-    async def _serve(self, conn: Connection) -> None:
-        try:
-            hello = await asyncio.wait_for(conn.recv(MAX_HELLO_FRAME), self.config.timeout)
-            if hello.get("op") != "hello" or not token_ok(hello.get("token"), self.config.token):
-                await conn.send(error_reply(AuthError("bad cluster token or no hello")))
-                return
-            if hello.get("v") != WIRE_VERSION:
-                await conn.send(error_reply(ProtocolError(f"wire version {hello.get('v')!r}")))
-                return
-            await conn.send(
-                {
-                    "ok": True,
-                    "agent_id": self.agent_id,
-                    "host_id": self.host_id,
-                    "arenas": self.arena_table(),
-                    **self.transport.hello_fields(),
-                }
-            )
-            while True:
-                message = await conn.recv(stall_timeout=self.config.timeout)
-                op = message.get("op")
-                if op == "arenas":
-                    await conn.send({"ok": True, "arenas": self.arena_table()})
-                elif op == "release":
-                    lease = message.get("lease")
-                    if isinstance(lease, int):
-                        self.leases.release(lease)
-                        await conn.send({"ok": True})
-                    else:
-                        await conn.send(error_reply(ProtocolError("lease must be an integer")))
-                elif not await self.transport.serve(self, conn, message):
-                    await conn.send(error_reply(ProtocolError(f"unknown op {brief(op)}")))
-        except ProtocolError as exc:
-            await refuse(conn, exc)
-        except (TransferError, TimeoutError, OSError):
-            pass  # the peer went away or spoke garbage: drop the connection
-        finally:
-            conn.close()
+    async def _handle(self, conn: rpc.Connection, request) -> rpc.Message | None:
+        if isinstance(request, Arenas):
+            return ArenaTable(self.arena_table())
+        if isinstance(request, Release):
+            self.leases.release(request.lease)
+            return rpc.Ok()
+        return await self.transport.serve(self, conn, request)
 
 
-def _arenas(table) -> dict[int, ArenaInfo]:
-    if not isinstance(table, list):
-        raise ProtocolError("arena table is not a list")
-    infos = [ArenaInfo.from_wire(item) for item in table]
-    return {info.arena_id: info for info in infos}
+def _arenas(table: list[ArenaInfo]) -> dict[int, ArenaInfo]:
+    return {info.arena_id: info for info in table}

@@ -7,9 +7,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvrelay.rpc import Connection, Message, ProtocolError
+from kvrelay.rpc.agent_ops import AgentWelcome, ArenaInfo
+from kvrelay.rpc.cache_ops import DEFAULT_LEASE_S
 from kvrelay.transfer.arena import Arena, RemoteMapping
-from kvrelay.transfer.handle import ArenaInfo, BlockHandle
-from kvrelay.transfer.wire import Connection
+from kvrelay.transfer.handle import BlockHandle
 
 
 @dataclass(slots=True)
@@ -22,7 +24,7 @@ class AgentConfig:
     port: int = 0
     fast_path: bool = True  # same-host peers copy straight out of shared arenas
     timeout: float = 10.0  # default deadline of a read or write, seconds
-    lease_seconds: float = 30.0
+    lease_seconds: float = DEFAULT_LEASE_S
 
 
 @dataclass(eq=False, slots=True)
@@ -34,7 +36,7 @@ class Peer:
     host_id: str
     arenas: dict[int, ArenaInfo]
     conn: Connection | None
-    hello: dict
+    hello: AgentWelcome
     on_host: bool = False  # the peer runs on this host (and PID namespace)
     same_host: bool = False  # on_host and the fast path is enabled
     state: object = None  # the backend's per-peer objects (ucx: endpoint, rkeys)
@@ -47,7 +49,7 @@ class Transport(ABC):
     name: str
 
     def hello_fields(self) -> dict:
-        """Extra fields this backend adds to the hello reply (e.g. a UCX worker address)."""
+        """Fields of `AgentWelcome` this backend fills in (e.g. a UCX worker address)."""
         return {}
 
     def register(self, arena: Arena) -> bytes:
@@ -71,9 +73,9 @@ class Transport(ABC):
         Runs under the caller's deadline: on cancellation nothing may still
         touch `local` when this returns."""
 
-    async def serve(self, agent, conn: Connection, message: dict) -> bool:
-        """Serves a backend-specific control request; False if not handled."""
-        return False
+    async def serve(self, agent, conn: Connection, request: Message) -> Message | None:
+        """Serves a backend-specific control request (tcp: `Read`, `Write`)."""
+        raise ProtocolError(f"the {self.name} backend serves no {type(request).__name__}")
 
     def drop_peer(self, peer: Peer) -> None:  # noqa: B027 (optional hook)
         """Releases what this backend holds for a failed or closed peer."""

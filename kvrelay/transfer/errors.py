@@ -7,9 +7,14 @@ byte moves) from a peer that failed (`PeerError`) or a deadline (`TransferTimeou
 
 from __future__ import annotations
 
+# The control connection's errors are the RPC layer's (one class each).
+from kvrelay.rpc.errors import AuthError, PeerError, ProtocolError, RpcError
 
-class TransferError(Exception):
-    """Base of every transfer-engine error."""
+__all__ = ["AuthError", "PeerError", "ProtocolError"]  # re-exported; the rest are defined here
+
+
+class TransferError(RpcError):
+    """Base of every transfer-engine error (an `RpcError`: a peer failed us)."""
 
 
 class BackendUnavailable(TransferError, ImportError):
@@ -46,18 +51,6 @@ class RkeyMismatch(HandleError):
 
 class RunOutOfBounds(HandleError, IndexError):
     """A byte run outside its arena (remote or local), or a bad run length."""
-
-
-class AuthError(TransferError):
-    """A control connection without the right cluster token."""
-
-
-class ProtocolError(TransferError):
-    """A malformed control frame, or one larger than the frame limit."""
-
-
-class PeerError(TransferError):
-    """The peer failed, closed the connection, or refused the request."""
 
 
 class TransferTimeout(TransferError, TimeoutError):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 import msgpack
 import numpy as np
 
+from kvrelay.rpc.agent_ops import ArenaInfo
 from kvrelay.transfer.errors import (
     HandleVersionError,
     LeaseExpired,
@@ -37,31 +38,6 @@ MAX_RUNS = 1 << 20
 _U64 = (1 << 64) - 1
 # Native uint64 where the host is little-endian, so decoded runs need no copy.
 _LE_U64 = np.dtype(np.uint64) if sys.byteorder == "little" else np.dtype("<u8")
-
-
-@dataclass(frozen=True, slots=True)
-class ArenaInfo:
-    """An arena as its owner publishes it to authenticated peers."""
-
-    arena_id: int
-    base: int
-    size: int
-    rkey: bytes = b""
-    shm: str = ""  # same-host fast path: memfd path readers may map ("" = none)
-
-    def to_wire(self) -> list:
-        return [self.arena_id, self.base, self.size, self.rkey, self.shm]
-
-    @classmethod
-    def from_wire(cls, item) -> ArenaInfo:
-        if not isinstance(item, list | tuple) or len(item) != 5:
-            raise MalformedHandle("arena table entry is not a 5-item list")
-        arena_id, base, size, rkey, shm = item
-        if not (_is_u64(arena_id) and _is_u64(base) and _is_u64(size)):
-            raise MalformedHandle("arena table entry has non-integer fields")
-        if not isinstance(rkey, bytes) or not isinstance(shm, str):
-            raise MalformedHandle("arena table entry has mistyped rkey/shm")
-        return cls(arena_id, base, size, rkey, shm)
 
 
 class Runs(Sequence):

@@ -12,13 +12,38 @@ import itertools
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True, slots=True)
-class Lease:
+class RunLease:
+    """Byte runs of one arena handed to readers through a block handle, until
+    released or `expiry` (wall clock); the owner may reuse them afterwards."""
+
     lease_id: int
     arena_id: int
     runs: tuple[tuple[int, int], ...]
     expiry: float
+
+
+def covers(lease: RunLease, runs: np.ndarray) -> bool:
+    """True when every (offset, length) row of `runs` lies inside the union of
+    the lease's runs (adjacent lease runs join, as a reader coalesces them)."""
+    if not lease.runs:
+        return False
+    spans = sorted(lease.runs)
+    starts, ends = [spans[0][0]], [spans[0][0] + spans[0][1]]
+    for offset, length in spans[1:]:
+        if offset <= ends[-1]:
+            ends[-1] = max(ends[-1], offset + length)
+        else:
+            starts.append(offset)
+            ends.append(offset + length)
+    offset = runs[:, 0].astype(np.uint64)
+    end = offset + runs[:, 1].astype(np.uint64)  # bounds-checked: no wrap
+    index = np.searchsorted(np.array(starts, dtype=np.uint64), offset, side="right") - 1
+    inside = (index >= 0) & (end <= np.array(ends, dtype=np.uint64)[np.maximum(index, 0)])
+    return bool(inside.all())
 
 
 class LeaseTable:
@@ -26,27 +51,27 @@ class LeaseTable:
 
     def __init__(self) -> None:
         self._ids = itertools.count(1)
-        self._active: dict[int, Lease] = {}
+        self._active: dict[int, RunLease] = {}
 
-    def grant(self, arena_id: int, runs, seconds: float) -> Lease:
+    def grant(self, arena_id: int, runs, seconds: float) -> RunLease:
         if not seconds > 0:
             raise ValueError(f"a lease lasts a positive number of seconds, got {seconds!r}")
-        lease = Lease(next(self._ids), arena_id, tuple(runs), time.time() + seconds)
+        lease = RunLease(next(self._ids), arena_id, tuple(runs), time.time() + seconds)
         self._active[lease.lease_id] = lease
         return lease
 
-    def get(self, lease_id: int) -> Lease | None:
+    def get(self, lease_id: int) -> RunLease | None:
         return self._active.get(lease_id)
 
     def is_active(self, lease_id: int, now: float | None = None) -> bool:
         lease = self._active.get(lease_id)
         return lease is not None and lease.expiry > (time.time() if now is None else now)
 
-    def release(self, lease_id: int) -> Lease | None:
+    def release(self, lease_id: int) -> RunLease | None:
         """Ends a lease early (the reader is done); returns it, or None if unknown."""
         return self._active.pop(lease_id, None)
 
-    def sweep(self, now: float | None = None) -> list[Lease]:
+    def sweep(self, now: float | None = None) -> list[RunLease]:
         """Removes and returns expired leases, whose pages the caller may reuse."""
         now = time.time() if now is None else now
         expired = [lease for lease in self._active.values() if lease.expiry <= now]

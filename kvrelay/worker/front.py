@@ -14,69 +14,33 @@ import contextlib
 import functools
 import json
 import logging
-import socket
-from dataclasses import dataclass
 from pathlib import Path
-from reprlib import repr as brief
 
+from kvrelay import rpc
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.errors import RequestError
 from kvrelay.model.parallel import ParallelEngine
-from kvrelay.transfer import ProtocolError, TransferError
-from kvrelay.transfer.wire import (
-    MAX_HELLO_FRAME,
-    WIRE_VERSION,
-    Connection,
-    listen_socket,
-    refuse,
-    token_ok,
+from kvrelay.rpc.worker_ops import (
+    Decode,
+    Drain,
+    FlushPool,
+    Prefill,
+    Role,
+    StatsReply,
+    WorkerRequest,
+    WorkerStats,
+    WorkerWelcome,
 )
-from kvrelay.worker.protocol import WorkerCounters, error_reply
-from kvrelay.worker.rank import RankOptions
+from kvrelay.worker.config import WorkerConfig
+from kvrelay.worker.protocol import WorkerCounters
 from kvrelay.worker.registration import Registrar
 
 log = logging.getLogger("kvrelay.worker")
 
 
-@dataclass(slots=True)
-class WorkerConfig:
-    model_dir: str
-    token: str
-    tp: int = 1
-    pp: int = 1
-    control: str = ""  # control's base URL; "" runs unregistered
-    cache: tuple[str, ...] = ()
-    backend: str = "tcp"
-    listen: str = "127.0.0.1:0"
-    num_pages: int = 256
-    page_size: int = 64
-    dtype: str = "float32"
-    device: str = "cpu"  # the first rank's; see kvrelay.model.device
-    staging: str = "device"  # GPU pools: "device" (GPU memory) or "pinned" (host)
-    local_cache: bool = True
-    max_batch: int = 8
-    max_queue: int = 64
-    write_back: bool = False
-    staging_pages: int = 0  # 0: as many as the pool has pages
-    transfer_timeout_s: float = 10.0
-    hello_timeout_s: float = 10.0
-    drain_timeout_s: float = 30.0
-
-    def rank_options(self) -> RankOptions:
-        return RankOptions(
-            token=self.token,
-            backend=self.backend,
-            cache=tuple(self.cache),
-            staging_pages=self.staging_pages or self.num_pages,
-            staging=self.staging,
-            transfer_timeout_s=self.transfer_timeout_s,
-            local_cache=self.local_cache,
-            write_back=self.write_back,
-        )
-
-
 class WorkerFront:
-    role = ""
+    role: Role
+    request_type: type[Prefill | Decode]
 
     def __init__(self, config: WorkerConfig, rank_setup) -> None:
         self.config = config
@@ -88,10 +52,9 @@ class WorkerFront:
         self.address = ""
         self._lock: asyncio.Lock | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._listener: socket.socket | None = None
+        self._server: rpc.Server | None = None
         self._inflight = 0
         self._last_status: dict | None = None
-        self._accept_task: asyncio.Task | None = None
 
     # -- lifecycle -------------------------------------------------------------
     async def start(self) -> WorkerFront:
@@ -101,6 +64,7 @@ class WorkerFront:
             c.model_dir,
             tp=c.tp,
             pp=c.pp,
+            cp=c.cp,
             dtype=c.dtype,
             page_size=c.page_size,
             num_pages=c.num_pages,
@@ -110,9 +74,18 @@ class WorkerFront:
         self.spec = self.engine.spec
         self.vocab = ModelConfig.from_dir(c.model_dir).vocab_size
         self._lock = asyncio.Lock()
-        host, port = c.listen.rsplit(":", 1)
-        self._listener, self.address = listen_socket(host, int(port), backlog=128)
-        self._accept_task = self._spawn(self._accept_loop())
+        host, port = rpc.split_address(c.listen)
+        self._server = rpc.Server(
+            token=c.token,
+            requests=WorkerRequest,
+            handler=self._handle,
+            welcome=lambda: WorkerWelcome(self.role),
+            host=host,
+            port=port,
+            hello_timeout_s=c.hello_timeout_s,
+        )
+        await self._server.start()
+        self.address = self._server.address
         self._spawn(self.scheduler())
         if c.control:
             self.registrar = Registrar(c.control, c.token, self.registration(), self.heartbeat)
@@ -131,6 +104,7 @@ class WorkerFront:
             "vocab_size": self.vocab,
             "tp": c.tp,
             "pp": c.pp,
+            "cp": c.cp,
             "num_pages": c.num_pages,
             "cache": bool(c.cache),
             "model_dir": str(Path(c.model_dir).resolve()),  # control reads the tokenizer
@@ -144,12 +118,8 @@ class WorkerFront:
         """Deregister, refuse new requests, let in-flight ones finish (or fail
         them at the drain deadline), stop the ranks."""
         self.draining = True
-        if self._listener is not None and self._accept_task is not None:
-            # Stop accepting first: closing a socket the loop still watches
-            # would hand its fd number, still registered, to the next socket.
-            self._accept_task.cancel()
-            await asyncio.gather(self._accept_task, return_exceptions=True)
-            self._listener.close()
+        if self._server is not None:
+            await self._server.stop_accepting()
         if self.registrar is not None:
             await self.registrar.deregister()
         loop = asyncio.get_running_loop()
@@ -159,6 +129,8 @@ class WorkerFront:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.close()
         if self.registrar is not None:
             await self.registrar.close()
         if self.engine is not None:
@@ -205,54 +177,29 @@ class WorkerFront:
             k: status[k] for k in ("queued", "active", "free_pages", "staging_free")
         }
 
-    # -- connections -------------------------------------------------------------------
-    async def _accept_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            sock, _ = await loop.sock_accept(self._listener)
-            self._spawn(self._serve(Connection(sock)))
-
-    async def _serve(self, conn: Connection) -> None:
-        try:
-            async with asyncio.timeout(self.config.hello_timeout_s):
-                hello = await conn.recv(MAX_HELLO_FRAME)
-                ok = hello.get("op") == "hello" and token_ok(hello.get("token"), self.config.token)
-                if not ok or hello.get("v") != WIRE_VERSION:
-                    await conn.send({"ok": False, "error": "AuthError", "message": "bad hello"})
-                    return
-                await conn.send({"ok": True, "role": self.role})
-                message = await conn.recv()
-            await self._dispatch(conn, message)
-        except ProtocolError as exc:
-            await refuse(conn, exc)
-        except (TransferError, TimeoutError, OSError):
-            pass  # control went away or spoke garbage
-        finally:
-            conn.close()
-
-    async def _dispatch(self, conn: Connection, message: dict) -> None:
-        op = message.get("op")
-        if op == "stats":
-            await conn.send({"ok": True, "stats": self._stats(await self.status())})
-        elif op == "flush":
+    # -- requests ------------------------------------------------------------------------
+    async def _handle(self, conn: rpc.Connection, request) -> rpc.Message | None:
+        if isinstance(request, WorkerStats):
+            return StatsReply(self._stats(await self.status()))
+        if isinstance(request, FlushPool):
             await self.ranks("clear_cache")
-            await conn.send({"ok": True})
-        elif op == "drain":
+            return rpc.Ok()
+        if isinstance(request, Drain):
             self.draining = True
-            await conn.send({"ok": True})
-        elif op == self.role:
-            self._inflight += 1
-            try:
-                await self.handle(conn, message)
-            except RequestError as exc:
-                await conn.send(error_reply(exc, message.get("rid")))
-            finally:
-                self._inflight -= 1
-        else:
-            await conn.send(error_reply(RequestError(f"unknown op {brief(op)} for a {self.role}")))
+            return rpc.Ok()
+        if not isinstance(request, self.request_type):
+            raise RequestError(f"a {self.role} worker does not serve {type(request).__name__}")
+        self._inflight += 1
+        try:
+            await self.handle(conn, request)
+        finally:
+            self._inflight -= 1
+        return None
 
     # -- the role ------------------------------------------------------------------------
-    async def handle(self, conn: Connection, message: dict) -> None:
+    async def handle(self, conn: rpc.Connection, request) -> None:
+        """Answers one request of the role on `conn` (a RequestError raised
+        here is sent as the error reply)."""
         raise NotImplementedError
 
     async def scheduler(self) -> None:

@@ -1,14 +1,18 @@
-"""The worker side of `docs/serving-protocol.md`: request validation, the
-`params` map, error replies, the worker counters."""
+"""The worker side of `kvrelay.rpc.worker_ops`: what the typed messages do
+not say by themselves (token ids inside this model's vocabulary, the
+sampling values `SamplingParams` refuses), the worker counters."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
+
+import msgspec
+import numpy as np
 
 from kvrelay.model.errors import RequestError
 from kvrelay.model.sampling import SamplingParams
-
-PARAM_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids")
+from kvrelay.rpc.worker_ops import Params
 
 
 class Busy(Exception):
@@ -20,7 +24,7 @@ def pages_of(num_tokens: int, page_size: int) -> int:
 
 
 def sampling(params: dict, **override) -> SamplingParams:
-    """The protocol's `params` map (validated by `check_params`) as SamplingParams.
+    """The protocol's params (as `params_of` gives them) as SamplingParams.
     A missing seed is 0, so prefill and decode draw the same tokens."""
     fields = {**params, **override}
     fields["seed"] = fields.get("seed") or 0
@@ -28,52 +32,26 @@ def sampling(params: dict, **override) -> SamplingParams:
     return SamplingParams(**fields)
 
 
-def is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_tokens(tokens, vocab: int, name: str = "tokens") -> list[int]:
-    if not isinstance(tokens, list) or not tokens:
-        raise RequestError(f"{name} must be a non-empty list of token ids")
-    if not all(is_int(t) and 0 <= t < vocab for t in tokens):
+def tokens_of(packed: bytes, vocab: int, name: str = "tokens") -> list[int]:
+    """Packed token ids (the message type checked their framing) as a list,
+    each inside the vocabulary."""
+    array = np.frombuffer(packed, dtype="<u4")
+    if array.size and int(array.max()) >= vocab:
         raise RequestError(f"{name} must be integers in [0, {vocab})")
-    return tokens
+    return array.tolist()
 
 
-def check_params(params, vocab: int) -> dict:
-    """The `params` map with defaults filled in; RequestError for bad values."""
-    if not isinstance(params, dict):
-        raise RequestError("params must be a map")
-    unknown = set(params) - set(PARAM_FIELDS)
-    if unknown:
-        raise RequestError(f"unknown params {sorted(map(repr, unknown))}")
-    out = {
-        "max_new_tokens": params.get("max_new_tokens", 16),
-        "temperature": params.get("temperature", 0.0),
-        "top_k": params.get("top_k", 0),
-        "top_p": params.get("top_p", 1.0),
-        "seed": params.get("seed"),
-        "stop_token_ids": params.get("stop_token_ids") or [],
-    }
-    if not is_int(out["max_new_tokens"]) or not is_int(out["top_k"]):
-        raise RequestError("max_new_tokens and top_k must be integers")
-    if not all(isinstance(out[k], int | float) for k in ("temperature", "top_p")):
-        raise RequestError("temperature and top_p must be numbers")
-    if out["seed"] is not None and not is_int(out["seed"]):
-        raise RequestError("seed must be an integer or null")
-    if not isinstance(out["stop_token_ids"], list) or not all(
-        is_int(t) and 0 <= t < vocab for t in out["stop_token_ids"]
-    ):
+def params_of(params: Params, vocab: int) -> dict:
+    """The request's params as the ranks take them; RequestError for values
+    this model cannot honour."""
+    # NaN passed every range check and then failed the whole batch.
+    if not (math.isfinite(params.temperature) and math.isfinite(params.top_p)):
+        raise RequestError("temperature and top_p must be finite numbers")
+    if any(t >= vocab for t in params.stop_token_ids):
         raise RequestError(f"stop_token_ids must be integers in [0, {vocab})")
+    out = msgspec.structs.asdict(params)
     sampling(out)  # SamplingParams' own range checks
     return out
-
-
-def error_reply(exc: BaseException, rid=None) -> dict:
-    reply = {"ok": False, "error": type(exc).__name__, "message": str(exc)[:2000]}
-    if rid is not None:
-        reply["rid"] = rid
-    return reply
 
 
 @dataclass(slots=True)

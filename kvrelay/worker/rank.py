@@ -24,13 +24,13 @@ class RankOptions:
     travels to spawned ranks)."""
 
     token: str
-    backend: str = "tcp"
-    cache: tuple[str, ...] = ()
-    staging_pages: int = 256
-    staging: str = "device"  # a GPU pool's staging: "device" (GPU memory) or "pinned" (host)
-    transfer_timeout_s: float = 10.0
-    local_cache: bool = True
-    write_back: bool = False
+    backend: str
+    cache: tuple[str, ...]
+    staging_pages: int
+    staging: str  # a GPU pool's staging: "pinned" (host) or "device" (GPU memory)
+    transfer_timeout_s: float
+    local_cache: bool
+    write_back: bool
 
 
 class PullFailed(RuntimeError):

@@ -4,8 +4,8 @@ import json
 
 from kvrelay.bench import cache as cache_bench
 from kvrelay.cache.l3.file import FileStore, FileStoreConfig
-from kvrelay.cache.ring import HashRing
 from kvrelay.cli import main
+from kvrelay.layout.ring import HashRing
 from kvrelay.transfer import create_agent
 
 

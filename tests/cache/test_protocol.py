@@ -1,14 +1,21 @@
-"""CacheServer's request checks, in process (loopback agent), and the token over tcp."""
+"""CacheServer's request checks, in process (loopback agent), and the hello over tcp."""
 
 import asyncio
 import hashlib
 
 import pytest
 
-from kvrelay.cache.server import CacheServer, CacheServerConfig, ProtocolViolation
-from kvrelay.transfer.wire import WIRE_VERSION, Connection
+from kvrelay.cache.server import CacheServer, CacheServerConfig
+from kvrelay.rpc import WIRE_VERSION, Connection, MalformedMessage
+from kvrelay.rpc.cache_ops import CacheRequest
+from kvrelay.rpc.framing import decode, encode
 
 KEY = hashlib.sha256(b"k").digest()
+
+
+def request(message: dict):
+    """A map as the server decodes it off the wire."""
+    return decode(encode(message), CacheRequest)
 
 
 def test_malformed_requests_are_refused():
@@ -22,48 +29,62 @@ def test_malformed_requests_are_refused():
             {"op": "lookup", "keys": "abc"},
             {"op": "lookup", "keys": [KEY], "lease_s": 0},
             {"op": "lookup", "keys": [KEY], "lease_s": 10_000},
+            {"op": "lookup", "keys": [KEY], "surprise": 1},
             {"op": "commit", "keys": [KEY], "runs": [[60, 8]]},
             {"op": "commit", "keys": [KEY], "runs": []},
             {"op": "handle", "lease": 12345, "count": 1, "runs": [[0, 64]], "ns": KEY},
             {"op": "reserve", "keys": [KEY], "ns": "not bytes"},
+            {"op": "flush", "ns": b"short"},
         ]
         for message in bad:
-            with pytest.raises(ProtocolViolation):
-                server.handle(message)
-        reply = server.handle({"op": "reserve", "keys": [KEY], "lease_s": 5})
-        lease = reply["lease"]
-        assert reply["slots"] == [0]
+            with pytest.raises(MalformedMessage):
+                server.handle(request(message))
+        reply = server.handle(request({"op": "reserve", "keys": [KEY], "lease_s": 5}))
+        lease = reply.lease
+        assert reply.slots == [0]
         for count in (0, 2):
-            with pytest.raises(ProtocolViolation):
-                server.handle({"op": "handle", "lease": lease, "count": count,
-                               "runs": [[0, 64]], "ns": KEY})  # fmt: skip
-        assert server.handle({"op": "commit", "keys": [KEY], "runs": [[0, 64]]})["sealed"] == [True]
-        assert server.handle({"op": "release", "lease": lease})["released"]
-        looked = server.handle({"op": "lookup", "keys": [KEY]})
-        assert looked["hits"] == 1
-        assert server.handle({"op": "stats"})["tier"]["sealed_pages"] == 1
-        with pytest.raises(ProtocolViolation):
-            server.handle({"op": "flush", "ns": b"short"})
-        assert server.handle({"op": "flush", "ns": hashlib.sha256(b"x").digest()})["dropped"] == 0
-        assert server.handle({"op": "flush"})["dropped"] == 0  # pinned by the lookup
-        server.handle({"op": "release", "lease": looked["lease"]})
-        assert server.handle({"op": "flush"})["dropped"] == 1
+            with pytest.raises(MalformedMessage):
+                server.handle(request({"op": "handle", "lease": lease, "count": count,
+                                       "runs": [[0, 64]], "ns": KEY}))  # fmt: skip
+        commit = request({"op": "commit", "keys": [KEY], "runs": [[0, 64]]})
+        assert server.handle(commit).sealed == [True]
+        assert server.handle(request({"op": "release", "lease": lease})).released
+        looked = server.handle(request({"op": "lookup", "keys": [KEY]}))
+        assert looked.hits == 1
+        assert server.handle(request({"op": "stats"})).tier["sealed_pages"] == 1
+        other = hashlib.sha256(b"x").digest()
+        assert server.handle(request({"op": "flush", "ns": other})).dropped == 0
+        assert server.handle(request({"op": "flush"})).dropped == 0  # pinned by the lookup
+        server.handle(request({"op": "release", "lease": looked.lease}))
+        assert server.handle(request({"op": "flush"})).dropped == 1
         await server.close()
 
     asyncio.run(main())
 
 
-def test_wrong_token_is_refused_over_tcp():
+async def _hello(server: CacheServer, hello: dict) -> dict:
+    host, port = server.address.rsplit(":", 1)
+    conn = await Connection.open(host, int(port))
+    try:
+        await conn.send(hello)
+        return await asyncio.wait_for(conn.recv(), 5)
+    finally:
+        conn.close()
+
+
+def test_wrong_token_and_old_wire_version_are_refused_over_tcp():
     async def main():
         server = await CacheServer(
             CacheServerConfig(token="t", page_bytes=64, arena_bytes=4 * 64)
         ).start()
-        host, port = server.address.rsplit(":", 1)
-        conn = await Connection.open(host, int(port))
-        await conn.send({"op": "hello", "v": WIRE_VERSION, "token": "wrong"})
-        reply = await asyncio.wait_for(conn.recv(), 5)
-        assert not reply["ok"] and reply["error"] == "AuthError"
-        conn.close()
+        reply = await _hello(server, {"op": "hello", "v": WIRE_VERSION, "token": "wrong"})
+        assert reply["op"] == "error" and reply["error"] == "AuthError"
+        # A peer of wire version 1 reads `ok` and `message`: it sees why.
+        reply = await _hello(server, {"op": "hello", "v": 1, "token": "t"})
+        assert reply["ok"] is False and reply["error"] == "WireVersionError"
+        assert f"wire version {WIRE_VERSION}" in reply["message"] and "says 1" in reply["message"]
+        reply = await _hello(server, {"op": "lookup", "keys": [KEY]})  # no hello first
+        assert reply["error"] == "AuthError"
         await server.close()
 
     asyncio.run(main())

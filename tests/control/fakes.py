@@ -2,15 +2,18 @@
 control endpoint's tests. Their "model" is trivial: the next token is the
 previous one plus one (mod the vocabulary), so every answer is predictable.
 
-Framing is written here independently of kvrelay.transfer.wire (4-byte
-big-endian length + msgpack map), so the tests also pin the wire format.
+Framing is written here independently of kvrelay.rpc (4-byte big-endian
+length + msgpack map tagged by `op`, token ids packed little-endian uint32),
+so the tests also pin the wire format (version 2).
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import struct
+import sys
 
 import httpx
 import msgpack
@@ -42,6 +45,24 @@ async def read_frame(reader: asyncio.StreamReader) -> dict:
 def write_frame(writer: asyncio.StreamWriter, message: dict) -> None:
     body = msgpack.packb(message, use_bin_type=True)
     writer.write(_LEN.pack(len(body)) + body)
+
+
+def unpack(tokens: bytes) -> list[int]:
+    ids = array.array("I", tokens)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return ids.tolist()
+
+
+def pack(tokens: list[int]) -> bytes:
+    ids = array.array("I", tokens)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return ids.tobytes()
+
+
+def error(name: str, message: str) -> dict:
+    return {"op": "error", "error": name, "message": message, "rid": None, "ok": False}
 
 
 class FakeWorker:
@@ -144,12 +165,13 @@ class FakeWorker:
                 self.cancelled.append("hello")
                 return
             if hello.get("op") != "hello" or hello.get("token") != self.token:
-                write_frame(writer, {"ok": False, "error": "AuthError", "message": "bad token"})
+                write_frame(writer, error("AuthError", "bad token"))
                 return
-            write_frame(writer, {"ok": True, "role": self.role})
+            write_frame(writer, {"op": "worker", "role": self.role})
             message = await read_frame(reader)
             op = message.get("op")
             if op in ("prefill", "decode"):
+                message["tokens"] = unpack(message["tokens"])
                 self.requests.append(message)
                 self.counters["requests"] += 1
                 if await self._failure(message, reader, writer):
@@ -164,7 +186,10 @@ class FakeWorker:
                     self.mode = "busy"
                 if op == "flush":
                     self.seen_pages.clear()
-                write_frame(writer, {"ok": True, "stats": dict(self.counters)})
+                reply = {"op": "ok"}
+                if op == "stats":
+                    reply = {"op": "stats_reply", "stats": dict(self.counters)}
+                write_frame(writer, reply)
             await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
@@ -177,19 +202,19 @@ class FakeWorker:
         errors = {"busy": "Busy", "fault": "RuntimeError", "request_error": "RequestError",
                   "pool_exhausted": "PoolExhausted"}  # fmt: skip
         if mode in errors:
-            write_frame(writer, {"ok": False, "error": errors[mode], "message": f"fake {mode}"})
+            write_frame(writer, error(errors[mode], f"fake {mode}"))
             return True
         if mode == "drop":
             return True
         if mode == "garbage":  # a well-framed answer without the fields control needs
-            write_frame(writer, {"ok": True, "rid": message["rid"], "tokens": "many"})
+            write_frame(writer, {"op": "prefill_reply", "rid": message["rid"], "tokens": "many"})
             return True
         if mode == "die":
             await self.die()
             return True
         if mode == "late_fault":
             await asyncio.sleep(self.delay)
-            write_frame(writer, {"ok": False, "error": "RuntimeError", "message": "late"})
+            write_frame(writer, error("RuntimeError", "late"))
             return True
         if (
             mode == "slow"
@@ -225,7 +250,7 @@ class FakeWorker:
         pages = -(-len(tokens) // ps)
         handles = [] if finish else [{"handle": b"H:" + message["rid"].encode(),
                                       "runs": [[0, 16]]}]  # fmt: skip
-        return {"ok": True, "rid": message["rid"], "first_token": first,
+        return {"op": "prefill_reply", "rid": message["rid"], "first_token": first,
                 "finish_reason": finish, "prompt_tokens": len(tokens),
                 "cached_tokens": {"local": local, "tier": 0}, "tier_pages": 0,
                 "pages": pages, "spec": {"tp": 1, "pp": 1}, "handles": handles,
@@ -250,12 +275,12 @@ class FakeWorker:
             if self.mode == "slow" and await self._wait_or_eof(reader, self.delay):
                 self.cancelled.append(message["rid"])
                 return
-            write_frame(writer, {"ok": True, "rid": message["rid"], "tokens": batch})
+            write_frame(writer, {"op": "tokens", "rid": message["rid"], "tokens": pack(batch)})
             await writer.drain()
             sent_batches += 1
             if self.mode == "drop_after":
                 return
-        write_frame(writer, {"ok": True, "rid": message["rid"], "done": True,
+        write_frame(writer, {"op": "done", "rid": message["rid"],
                              "finish_reason": finish, "written_back_pages": 0,
                              "pulled": {"local_pages": 0, "tier_pages": 0,
                                         "prefill_pages": message["pages"]}})  # fmt: skip

@@ -14,10 +14,10 @@ import time
 import httpx
 import pytest
 
-from kvrelay.cache.ring import HashRing
 from kvrelay.cli import build_parser
 from kvrelay.control.launch import bind, config_from_args
 from kvrelay.layout import ParallelConfig
+from kvrelay.layout.ring import HashRing
 from tests.cache.server_process import TOKEN as CACHE_TOKEN
 from tests.cache.server_process import ServerProcess
 from tests.cache.specs import SPEC

@@ -99,6 +99,23 @@ def test_generate_under_tp_and_pp_in_a_fresh_process(cli_model):
     assert len(json.loads(single.stdout)["tokens"]) == 8
 
 
+def test_generate_reads_long_prompts_from_a_file(cli_model, tmp_path, capsys):
+    """Ids from a file (@path or --prompt-ids-file; commas, whitespace or a JSON
+    list), chunked prefill on: the engine's tokens."""
+    prompt = prompt_tokens(300, vocab=300, seed=4)
+    (tmp_path / "ids.txt").write_text("\n".join(map(str, prompt)))
+    (tmp_path / "ids.json").write_text(json.dumps(prompt))
+    common = ["--model", str(cli_model), "--max-new-tokens", "6", "--dtype", "float64"]
+    common += ["--page-size", "16", "--max-prefill-tokens", "64"]
+    engine = load_engine(cli_model, dtype="float64", page_size=16, num_pages=64)
+    want = {"tokens": engine.generate([Request(prompt, SamplingParams(6))])[0].tokens}
+    assert generate(capsys, *common, "--prompt-ids", f"@{tmp_path / 'ids.txt'}") == want
+    assert generate(capsys, *common, "--prompt-ids-file", str(tmp_path / "ids.json")) == want
+    with pytest.raises(SystemExit):
+        main(["generate", *common, "--prompt-ids", f"@{tmp_path / 'missing'}"])
+    assert "cannot read token ids" in capsys.readouterr().err
+
+
 def test_generate_with_a_bad_model_dir_says_so(tmp_path):
     with pytest.raises(SystemExit, match="does not exist"):
         main(["generate", "--model", str(tmp_path / "none"), "--prompt-ids", "1,2"])

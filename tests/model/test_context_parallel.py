@@ -1,5 +1,5 @@
-"""Context parallelism against HF transformers (float64, SDPA): CP 2 and 4, alone
-and with TP=2 and PP=2, give the prefill logits and greedy tokens of HF and of
+"""Context parallelism against HF transformers (float64, SDPA): CP 2 and 4 alone,
+CP 2 with TP=2 and with PP=2, CP 4 with TP=2, give the prefill logits and greedy tokens of HF and of
 CP=1 (a cached prefix too); the pages a CP group writes are CP=1's pages, each
 written by one CP rank; a prefix written at CP=2 is a full hit for CP=1, CP=4,
 TP=2 and PP=2."""
@@ -10,8 +10,8 @@ import torch
 from kvrelay.layout import ParallelConfig
 from kvrelay.model import Request, SamplingParams, load_engine
 from kvrelay.model.context_parallel import zigzag_chunks
+from kvrelay.model.page_export import export_prefix, import_prefix
 from kvrelay.model.parallel import ParallelEngine
-from kvrelay.model.transfer import export_prefix, import_prefix
 from tests.model.conftest import prompt_tokens
 from tests.model.oracle import hf_greedy, hf_model
 
@@ -133,7 +133,24 @@ def test_each_page_is_exported_by_one_cp_rank(oracle):
         assert torch.equal(union, cp1_pages)
 
 
-@pytest.mark.parametrize(("tp", "pp", "cp"), [(1, 1, 4), (2, 1, 2), (1, 2, 2)])
+def test_a_cp_rank_without_its_group_says_so(oracle):
+    model_dir, prompt, _, _ = oracle
+    alone = load_engine(model_dir, dtype="float64", page_size=PAGE, parallel=ParallelConfig(cp=2))
+    with pytest.raises(RuntimeError, match="needs a group of that many CP ranks"):
+        alone.generate([Request(prompt, SamplingParams(2))])
+    assert alone.pool.free_pages == alone.pool.num_pages
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "cp"),
+    [
+        (1, 1, 4),
+        (2, 1, 2),
+        (1, 2, 2),
+        # 8 ranks: the one test of CP=4 with TP.
+        pytest.param(2, 1, 4, marks=pytest.mark.slow),
+    ],
+)
 def test_cp_with_tp_and_pp_matches_hf_and_reads_cp2_pages(oracle, cp2_pages, tp, pp, cp):
     model_dir, prompt, hf, cp1_pages = oracle
     with ParallelEngine(

@@ -16,7 +16,7 @@ from kvrelay.model.device import (
     parse_device,
     rank_device,
 )
-from kvrelay.model.transfer import export_prefix, import_prefix
+from kvrelay.model.page_export import export_prefix, import_prefix
 from tests.model.conftest import prompt_tokens
 from tests.model.oracle import hf_greedy, hf_model
 
@@ -146,28 +146,29 @@ def test_tp_and_pp_on_gpus_equal_one_gpu(model_dirs, tp, pp):
 
 @pytest.mark.gpu
 def test_gpu_pool_pages_through_gpu_and_pinned_staging_are_identical(model_dirs):
-    """Export from a GPU pool into a GPU arena (the kernel) and into a host
-    arena (kernel, then pinned bounce): same bytes; the host copy imported
-    into a CPU pool continues exactly as the GPU engine does."""
+    """The PD hand-off from a GPU prefill: its pages exported into a GPU arena
+    (the kernel) and into a pinned host arena (kernel, then bounce) are the
+    same bytes; imported into a CPU and a GPU decode engine they continue
+    prompt + first token without recomputing the prompt, equal to one run."""
     model_dir = model_dirs("llama-gqa")
     prompt = prompt_tokens(75, seed=24)  # 4 full pages of 16 and a partial one
-    gpu = load_engine(model_dir, dtype="float64", page_size=16, device="cuda:0")
-    gpu.generate([Request(prompt, SamplingParams(1))])
+    whole = load_engine(model_dir, dtype="float64", page_size=16, device="cuda:0")
+    want = whole.generate([Request(prompt, SamplingParams(10))])[0].tokens
+    prefill = load_engine(model_dir, dtype="float64", page_size=16, device="cuda:0")
+    first = prefill.generate([Request(prompt, SamplingParams(1))])[0].tokens
     rows = -(-len(prompt) // 16)
-    on_gpu = torch.zeros(rows + 2, gpu.spec.page_bytes, dtype=torch.uint8, device="cuda:0")
-    on_host = torch.zeros(rows + 2, gpu.spec.page_bytes, dtype=torch.uint8).pin_memory()
+    on_gpu = torch.zeros(rows + 2, prefill.spec.page_bytes, dtype=torch.uint8, device="cuda:0")
+    on_host = torch.zeros(rows + 2, prefill.spec.page_bytes, dtype=torch.uint8).pin_memory()
     order = list(range(rows + 1, 1, -1))  # reversed rows: row placement is honoured
-    assert export_prefix(gpu, prompt, on_gpu, order) == rows
-    assert export_prefix(gpu, prompt, on_host, order) == rows
+    assert export_prefix(prefill, prompt, on_gpu, order) == rows
+    assert export_prefix(prefill, prompt, on_host, order) == rows
     assert torch.equal(on_gpu.cpu(), on_host)
     assert on_host[:2].eq(0).all() and on_host[2:].ne(0).any()
 
-    cpu = load_engine(model_dir, dtype="float64", page_size=16)
-    assert import_prefix(cpu, prompt, on_host, order) == rows
-    back = load_engine(model_dir, dtype="float64", page_size=16, device="cuda:0")
-    assert import_prefix(back, prompt, on_host, order) == rows
-    request = [Request(prompt, SamplingParams(10))]
-    from_cpu, from_gpu = cpu.generate(request)[0], back.generate(request)[0]
-    assert from_cpu.cached_tokens == from_gpu.cached_tokens == len(prompt) - 1
-    assert from_gpu.tokens == gpu.generate(request)[0].tokens
-    assert from_cpu.tokens == from_gpu.tokens
+    continuation = [Request(prompt + first, SamplingParams(9))]
+    for device in ("cpu", "cuda:0"):
+        decode = load_engine(model_dir, dtype="float64", page_size=16, device=device)
+        assert import_prefix(decode, prompt, on_host, order) == rows
+        rest = decode.generate(continuation)[0]
+        assert rest.cached_tokens == len(prompt)
+        assert first + rest.tokens == want

@@ -7,8 +7,8 @@ import torch
 
 from kvrelay.layout import ParallelConfig, rank_rectangle
 from kvrelay.model import PoolExhausted, Request, SamplingParams, load_engine
+from kvrelay.model.page_export import export_prefix, import_prefix
 from kvrelay.model.parallel import ParallelEngine
-from kvrelay.model.transfer import export_prefix, import_prefix
 from tests.model.conftest import prompt_tokens
 
 PAGE = 16

@@ -10,7 +10,7 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from kvrelay.transfer.wire import WIRE_VERSION, Connection
+from kvrelay.rpc import WIRE_VERSION, Connection, pack_tokens, unpack_tokens
 
 TOKEN = "serving-test"
 
@@ -88,15 +88,43 @@ class FakeControl:
 
 
 # -- the msgpack side ---------------------------------------------------------------
-async def open_worker(address: str, token: str = TOKEN) -> Connection:
+class WorkerConn:
+    """A raw connection speaking the wire's maps, so tests can send what they
+    like: lists of token ids go out packed; replies come back as maps with
+    `ok` (not an error reply), `done` (decode's last frame) and the token
+    ids unpacked."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    async def send(self, message: dict) -> None:
+        message = dict(message)
+        if isinstance(message.get("tokens"), list):
+            message["tokens"] = pack_tokens(message["tokens"])
+        await self.conn.send(message)
+
+    async def recv(self) -> dict:
+        frame = await self.conn.recv()
+        frame["ok"] = frame.get("op") != "error"
+        if frame.get("op") == "done":
+            frame["done"] = True
+        if isinstance(frame.get("tokens"), bytes):
+            frame["tokens"] = unpack_tokens(frame["tokens"])
+        return frame
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+async def open_worker(address: str, token: str = TOKEN) -> WorkerConn:
     host, port = address.rsplit(":", 1)
     conn = await Connection.open(host, int(port))
     await conn.send({"op": "hello", "v": WIRE_VERSION, "token": token})
     reply = await conn.recv()
-    if not reply.get("ok"):
+    if reply.get("op") != "worker":
         conn.close()
         raise RuntimeError(f"hello refused: {reply}")
-    return conn
+    return WorkerConn(conn)
 
 
 async def call(address: str, message: dict, timeout: float = 60.0) -> dict:

@@ -114,10 +114,10 @@ def test_prefill_then_decode_equals_one_process(cluster, reference, sampling, se
     # decode released prefill's handle: its staging rows are free again
     assert run(stats(cluster["prefill"]))["staging_free"] == 128
     assert answer["pages"] == 4 and answer["tier_pages"] == 3
-    assert answer["spec"] == {"tp": 1, "pp": 1} and len(answer["handles"]) == 1
+    assert answer["spec"] == {"tp": 1, "pp": 1, "cp": 1} and len(answer["handles"]) == 1
     pulled = got["done"]["pulled"]
     # Three full pages sealed by prefill's write-through, the partial one from prefill.
-    assert pulled == {"local_pages": 0, "tier_pages": 3, "prefill_pages": 1}
+    assert pulled == {"local_pages": 0, "tier_pages": 3, "prefill_pages": 1, "recomputed_pages": 0}
 
 
 @pytest.mark.parametrize(
@@ -181,9 +181,34 @@ def test_flush_drops_the_pool_cache(cluster):
         return got["done"]["pulled"]
 
     assert pulled()["local_pages"] == 0
-    assert pulled() == {"local_pages": 3, "tier_pages": 0, "prefill_pages": 1}
-    assert run(fc.call(addr(decode), {"op": "flush"})) == {"ok": True}
-    assert pulled()["local_pages"] == 0
+    # prefill's pool holds the 3 full pages (written through to the tier), so
+    # it stages only the partial one; decode's pool has the others.
+    assert pulled() == {"local_pages": 3, "tier_pages": 0, "prefill_pages": 1,
+                        "recomputed_pages": 0}  # fmt: skip
+    assert run(fc.call(addr(decode), {"op": "flush"}))["op"] == "ok"
+    # Now decode (no tier) cannot get the 3 pages prefill did not stage: it
+    # recomputes the prompt instead of every prefill staging them.
+    assert pulled() == {"local_pages": 0, "tier_pages": 0, "prefill_pages": 0,
+                        "recomputed_pages": 4}  # fmt: skip
+
+
+def test_decode_recomputes_pages_it_cannot_get(cluster, reference):
+    """Prefill stages only what the tier does not hold; a decode that cannot
+    get the rest (its tier lost them, or it has none) computes them itself,
+    with the same tokens."""
+    prompt = prompt_tokens(3 * PAGE + 6, seed=95)
+    sampling = fc.params(8)
+    first = run(fc.serve(addr(cluster["prefill"]), addr(cluster["decode"]), "l1", prompt, sampling))
+    assert first["ok"], first
+    answer = run(fc.prefill(addr(cluster["prefill"]), "l2", prompt, sampling))
+    assert answer["ok"] and answer["cached_tokens"]["local"] == 3 * PAGE
+    assert answer["tier_pages"] == 3
+    # decode_tp2 has no tier and none of these pages: the 3 unstaged pages are recomputed.
+    got = run(fc.decode(addr(cluster["decode_tp2"]), "l3", prompt, sampling, answer))
+    assert got["ok"], got
+    assert got["done"]["pulled"] == {"local_pages": 0, "tier_pages": 0, "prefill_pages": 0,
+                                     "recomputed_pages": 4}  # fmt: skip
+    assert got["tokens"] == reference(prompt, sampling)
 
 
 def test_bad_requests_get_typed_errors(cluster):
@@ -193,9 +218,16 @@ def test_bad_requests_get_typed_errors(cluster):
     assert reply["error"] == "RequestError" and reply["rid"] == "x"
     reply = run(fc.call(address, {"op": "prefill", "rid": "y", "tokens": [1, 2],
                                   "params": fc.params(max_new_tokens=0)}))  # fmt: skip
-    assert reply["error"] == "RequestError"
-    reply = run(fc.call(address, {"op": "decode"}))
-    assert reply["error"] == "RequestError"
+    assert reply["error"] == "MalformedMessage"  # the params type bounds it
+    assert "max_new_tokens" in reply["message"]
+    reply = run(fc.call(address, {"op": "prefill", "rid": "v", "tokens": [1, 2],
+                                  "params": fc.params(stop=[999])}))  # fmt: skip
+    assert reply["error"] == "RequestError"  # outside this model's vocabulary
+    reply = run(fc.call(address, {"op": "decode"}))  # no fields: refused by its type
+    assert reply["error"] == "MalformedMessage"
+    reply = run(fc.call(address, {"op": "decode", "rid": "w", "tokens": [1], "first_token": 2,
+                                  "pages": 1}))  # fmt: skip
+    assert reply["error"] == "RequestError" and reply["rid"] == "w"  # not a decode worker
     huge = prompt_tokens(129 * PAGE, seed=1)  # more pages than the pool has
     reply = run(fc.prefill(address, "z", huge, fc.params()))
     assert reply["error"] == "PoolExhausted"
@@ -214,7 +246,7 @@ def test_prefill_abandoned_by_control_returns_its_staging_rows(cluster):
     async def send_and_close(rid, length):
         conn = await fc.open_worker(addr(prefill))
         await conn.send({"op": "prefill", "rid": rid, "tokens": prompt_tokens(length, seed=7),
-                         "params": fc.params(4), "lease_s": 600})  # fmt: skip
+                         "params": fc.params(4), "lease_s": 300})  # fmt: skip
         conn.close()
 
     async def abandon():
@@ -224,7 +256,7 @@ def test_prefill_abandoned_by_control_returns_its_staging_rows(cluster):
             while (await stats(prefill))["staging_free"] != 128:
                 await asyncio.sleep(0.1)
 
-    run(abandon())  # the 600 s leases ended at once, not by expiry
+    run(abandon())  # the 300 s leases ended at once, not by expiry
 
 
 @pytest.mark.parametrize("length", [1, 2 * PAGE], ids=["one-token", "whole-pages"])

@@ -10,6 +10,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from kvrelay.rpc import WIRE_VERSION, Connection
 from kvrelay.transfer import (
     AuthError,
     BlockHandle,
@@ -22,7 +23,6 @@ from kvrelay.transfer import (
     UnknownArena,
     create_agent,
 )
-from kvrelay.transfer.wire import Connection
 from tests.transfer.peer import NAMESPACE, TOKEN
 
 SIZE = 1 << 20
@@ -94,21 +94,23 @@ def test_tcp_server_checks_requests_itself(start_peer):
 
     async def raw_requests():
         conn = await Connection.open(host, int(port))
-        await conn.send({"op": "hello", "v": 1, "token": TOKEN})
-        assert (await conn.recv())["ok"]
+        await conn.send({"op": "hello", "v": WIRE_VERSION, "token": TOKEN})
+        assert (await conn.recv())["op"] == "agent"
         base = {"op": "read", "arena": handle.arena_id, "lease": handle.lease_id}
         for request, error in [
-            (base | {"runs": [[SIZE - 1, 2]]}, "RunOutOfBounds"),
-            (base | {"runs": [[0, 16]], "lease": 12345}, "LeaseExpired"),
-            (base | {"runs": [[0, 16]], "arena": 42}, "UnknownArena"),
-            (base | {"runs": "all"}, "MalformedHandle"),
+            (base | {"runs": np.array([SIZE - 1, 2], "<u8").tobytes()}, "RunOutOfBounds"),
+            (base | {"runs": np.array([0, 16], "<u8").tobytes(), "lease": 12345}, "LeaseExpired"),
+            (base | {"runs": np.array([0, 16], "<u8").tobytes(), "arena": 42}, "UnknownArena"),
+            (base | {"runs": "all"}, "MalformedMessage"),  # runs travel packed, nothing else
+            (base | {"runs": [[0, 16]]}, "MalformedMessage"),
+            (base | {"op": "nope"}, "MalformedMessage"),
             (base | {"runs": b"\x00" * 15}, "MalformedHandle"),  # not 16-byte records
             (base | {"runs": np.array([SIZE, 1], "<u8").tobytes()}, "RunOutOfBounds"),
             (base | {"runs": np.array([0, 0], "<u8").tobytes()}, "RunOutOfBounds"),  # empty
         ]:
             await conn.send(request)
             reply = await conn.recv()
-            assert reply["ok"] is False and reply["error"] == error
+            assert reply["op"] == "error" and reply["error"] == error, reply
         conn.close()
 
         async with await create_agent("tcp", token=TOKEN) as agent:

@@ -22,13 +22,13 @@ import concurrent.futures
 import contextlib
 import functools
 import socket
-from reprlib import repr as brief
 
 import numpy as np
 
+from kvrelay import rpc
+from kvrelay.rpc.agent_ops import Accepted, Read, Write
 from kvrelay.transfer.base import Transport
 from kvrelay.transfer.errors import (
-    HandleError,
     LeaseExpired,
     MalformedHandle,
     PeerError,
@@ -36,7 +36,7 @@ from kvrelay.transfer.errors import (
     UnknownArena,
 )
 from kvrelay.transfer.handle import MAX_RUNS, check_runs
-from kvrelay.transfer.wire import error_reply
+from kvrelay.transfer.lease import covers
 
 _REMOTE_ERRORS = {
     cls.__name__: cls for cls in (LeaseExpired, RunOutOfBounds, UnknownArena, MalformedHandle)
@@ -52,35 +52,25 @@ class TcpTransport(Transport):
         # in a handle: a list of 512 pairs cost the owner half a millisecond
         # to check item by item before the first byte moved.
         runs = np.ascontiguousarray(triples[:, [0, 2]], dtype="<u8").tobytes()
+        request = (Read if read else Write)(handle.arena_id, handle.lease_id, runs)
         async with conn.lock:
-            op = "read" if read else "write"
-            await conn.send(
-                {"op": op, "arena": handle.arena_id, "lease": handle.lease_id, "runs": runs}
-            )
-            reply = await conn.recv()
-            _raise_refusal(reply, peer.address)
+            # No deadline of its own: the caller's covers the whole move.
+            await _call(conn, request, Accepted, peer.address)
             views = [local.buffer(lo, n) for lo, n in triples[:, 1:].tolist()]
             await move_bytes(conn, views, receive=read)
             if not read:
-                _raise_refusal(await conn.recv(), peer.address)
+                await _call(conn, None, rpc.Ok, peer.address)
 
-    async def serve(self, agent, conn, message) -> bool:
-        op = message.get("op")
-        if op not in ("read", "write"):
-            return False
-        try:
-            arena, runs = _checked(agent, message)
-        except HandleError as exc:
-            await conn.send(error_reply(exc))
-            return True
-        await conn.send({"ok": True, "nbytes": int(runs[:, 1].sum())})
+    async def serve(self, agent, conn, request):
+        if not isinstance(request, Read | Write):
+            return await super().serve(agent, conn, request)
+        arena, runs = _checked(agent, request)  # refused with its HandleError's name
+        await conn.send(Accepted(int(runs[:, 1].sum())))
         views = [arena.buffer(offset, length) for offset, length in runs.tolist()]
         # A writer that announces bytes and stalls must not hold the connection.
         async with asyncio.timeout(agent.config.timeout):
-            await move_bytes(conn, views, receive=op == "write")
-        if op == "write":
-            await conn.send({"ok": True})
-        return True
+            await move_bytes(conn, views, receive=isinstance(request, Write))
+        return rpc.Ok() if isinstance(request, Write) else None
 
 
 _BULK_BYTES = 1 << 20
@@ -142,31 +132,36 @@ def _advance(views: list[memoryview], n: int) -> list[memoryview]:
     return []
 
 
-def _checked(agent, message):
-    arena_id = message.get("arena")
-    arena = agent.arenas.get(arena_id) if type(arena_id) is int else None
+def _checked(agent, request):
+    arena = agent.arenas.get(request.arena)
     if arena is None:
-        raise UnknownArena(f"no arena {brief(arena_id)}")
-    lease_id = message.get("lease")
-    lease = agent.leases.get(lease_id) if type(lease_id) is int else None
-    if lease is None or not agent.leases.is_active(lease_id) or lease.arena_id != arena.arena_id:
-        raise LeaseExpired(f"lease {brief(lease_id)} is not active on arena {arena.arena_id}")
-    runs = message.get("runs")
-    if isinstance(runs, bytes):  # packed uint64 pairs, what this backend sends
-        if len(runs) % 16 or len(runs) > 16 * MAX_RUNS:
-            raise MalformedHandle("packed runs must be 16-byte (offset, length) records")
-        runs = np.frombuffer(runs, dtype="<u8").astype(np.uint64).reshape(-1, 2)
-    elif not isinstance(runs, list) or not all(
-        isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r) for r in runs
+        raise UnknownArena(f"no arena {request.arena!r}")
+    lease = agent.leases.get(request.lease)
+    if (
+        lease is None
+        or not agent.leases.is_active(request.lease)
+        or lease.arena_id != arena.arena_id
     ):
-        raise MalformedHandle("runs must be packed uint64 pairs or [offset, length] int pairs")
-    if not len(runs):
-        raise MalformedHandle("a request names at least one run")
-    return arena, check_runs(runs, arena.size, "requested")
+        raise LeaseExpired(f"lease {request.lease!r} is not active on arena {arena.arena_id}")
+    runs = request.runs  # packed uint64 (offset, length) pairs
+    if not runs or len(runs) % 16 or len(runs) > 16 * MAX_RUNS:
+        raise MalformedHandle("packed runs must be 16-byte (offset, length) records, one or more")
+    runs = np.frombuffer(runs, dtype="<u8").astype(np.uint64).reshape(-1, 2)
+    runs = check_runs(runs, arena.size, "requested")
+    # The lease is the capability: a holder reads (or writes) the pages it
+    # was given, never the rest of the arena (another tenant's pages).
+    if not covers(lease, runs):
+        raise RunOutOfBounds(f"requested runs lie outside lease {request.lease!r}'s pages")
+    return arena, runs
 
 
-def _raise_refusal(reply: dict, address: str) -> None:
-    if reply.get("ok"):
-        return
-    cls = _REMOTE_ERRORS.get(reply.get("error"), PeerError)
-    raise cls(f"agent {address} refused: {reply.get('message')}")
+async def _call(conn, request, reply, address: str):
+    """Sends `request` (None: only reads the reply); a refusal raises the
+    owner's error class where the reader knows it."""
+    try:
+        if request is None:
+            return await rpc.answer(conn, reply)
+        return await rpc.call(conn, request, reply, None)
+    except rpc.RemoteError as exc:
+        cls = _REMOTE_ERRORS.get(exc.error, PeerError)
+        raise cls(f"agent {address} refused: {exc.remote_message}") from exc

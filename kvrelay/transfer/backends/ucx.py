@@ -23,6 +23,8 @@ from kvrelay.transfer.base import Peer, Transport
 from kvrelay.transfer.errors import BackendUnavailable, PeerError, TransferError
 
 try:
+    import torch  # noqa: F401  (loads libc10/libtorch, which _ucx links against)
+
     from kvrelay import _ucx
 except ImportError as exc:  # pragma: no cover - depends on the build
     raise BackendUnavailable(
@@ -83,8 +85,8 @@ class UcxTransport(Transport):
 
     def _state(self, peer: Peer) -> _PeerState:
         if peer.state is None:
-            address = peer.hello.get("ucx_address")
-            if not isinstance(address, bytes):
+            address = peer.hello.ucx_address
+            if address is None:
                 raise PeerError(f"agent {peer.address} is not a ucx agent")
             try:
                 # Error handling off on one host, or UCX drops the shm/cma lanes.

@@ -34,10 +34,12 @@ def _arena_rows(page_ids, count: int) -> torch.Tensor:
     return ids[:count].contiguous()
 
 
-def _page_keys(engine: Engine, tokens: list[int]) -> list[bytes]:
-    """Index keys of every page of `tokens`: the chain for full pages, then the
-    partial key of a trailing partial page."""
-    keys = engine.spec.page_keys(tokens)
+def _page_keys(engine: Engine, tokens: list[int], chain=None) -> list[bytes]:
+    """Index keys of every page of `tokens`: the chain for full pages (`chain`,
+    when the caller computed it already, at least as long), then the partial
+    key of a trailing partial page."""
+    full = len(tokens) // engine.spec.page_size
+    keys = list(chain[:full]) if chain is not None else engine.spec.page_keys(tokens)
     tail = len(tokens) % engine.spec.page_size
     if tail:
         parent = keys[-1] if keys else engine.namespace
@@ -56,13 +58,16 @@ def _slot_mapping(engine: Engine, pages: list[int], first: int, num_tokens: int)
     return slots.view(len(pages), ps)
 
 
-def export_prefix(engine: Engine, tokens, arena: torch.Tensor, page_ids=None) -> int:
-    """Write this rank's rectangle of every page of `tokens` (all cached in the
-    pool, a trailing partial page included) into `arena` rows `page_ids`
-    (default 0, 1, ...). Returns the number of pages."""
+def export_prefix(
+    engine: Engine, tokens, arena: torch.Tensor, page_ids=None, first_page: int = 0, chain=None
+) -> int:
+    """Write this rank's rectangle of pages [first_page, ...) of `tokens` (all
+    cached in the pool, a trailing partial page included) into `arena` rows
+    `page_ids` (default 0, 1, ...; one per exported page). Returns the number
+    of pages of `tokens`. `chain`: the full pages' keys, if already known."""
     tokens = [int(t) for t in tokens]
     spec, pool = engine.spec, engine.pool
-    keys = _page_keys(engine, tokens)
+    keys = _page_keys(engine, tokens, chain)
     pages = pool.match_prefix(keys)
     try:
         if len(pages) < len(keys):
@@ -71,10 +76,13 @@ def export_prefix(engine: Engine, tokens, arena: torch.Tensor, page_ids=None) ->
             )
         rect = rank_rectangle(spec, engine.parallel)
         # Under CP every rank holds every page; page i is written by CP rank i % cp only.
-        owned = [i for i in range(len(pages)) if engine.parallel.owns_page(i)]
+        count = len(pages) - first_page
+        owned = [
+            i - first_page for i in range(first_page, len(pages)) if engine.parallel.owns_page(i)
+        ]
         if rect.writer and owned:
-            ids = _arena_rows(range(len(pages)) if page_ids is None else page_ids, len(pages))
-            slots = _slot_mapping(engine, pages, 0, len(tokens))
+            ids = _arena_rows(range(count) if page_ids is None else page_ids, count)
+            slots = _slot_mapping(engine, pages[first_page:], first_page, len(tokens))
             ids, slots = ids[owned].contiguous(), slots[owned].contiguous()
             gather_rect(pool, arena, ids, slots, spec, rect)
     finally:
@@ -82,14 +90,15 @@ def export_prefix(engine: Engine, tokens, arena: torch.Tensor, page_ids=None) ->
     return len(keys)
 
 
-def import_prefix(engine: Engine, tokens, arena: torch.Tensor, page_ids=None) -> int:
+def import_prefix(engine: Engine, tokens, arena: torch.Tensor, page_ids=None, chain=None) -> int:
     """Read this rank's rectangle of the pages of `tokens` from `arena` into
     fresh pool pages and index them. Pages already cached are kept, not
     overwritten. Returns the number of pages now cached for `tokens`.
-    PoolExhausted (nothing taken) when the pool cannot hold them."""
+    PoolExhausted (nothing taken) when the pool cannot hold them. `chain`:
+    the full pages' keys, if already known (a windowed import reuses them)."""
     tokens = [int(t) for t in tokens]
     spec, pool = engine.spec, engine.pool
-    keys = _page_keys(engine, tokens)
+    keys = _page_keys(engine, tokens, chain)
     ids = _arena_rows(range(len(keys)) if page_ids is None else page_ids, len(keys))
     have = pool.match_prefix(keys)
     try:

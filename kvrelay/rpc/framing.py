@@ -1,32 +1,65 @@
-"""Control frames: 4-byte big-endian length + a msgpack map, over a raw socket.
+"""Frames: 4-byte big-endian length + one msgpack message, over a raw socket.
 
-The same connection carries raw page bytes for the tcp backend right after a
-frame that announces them, received straight into the destination arena.
-Frames are bounded (`MAX_FRAME`); anything malformed is a `ProtocolError`.
-No pickle: msgpack only, and only plain types.
+`send` takes a message struct (or, for tests and raw tools, a plain map);
+`recv(kind)` decodes and validates the next frame as `kind` (a message type
+or a union of them) in one place: a frame that is not msgpack or exceeds
+`MAX_FRAME` is a `ProtocolError` (the stream cannot be trusted: drop it),
+a well-framed message of the wrong shape a `MalformedMessage` (answer it,
+keep the connection). The tcp transfer backend moves raw page bytes on the
+same socket right after a frame that announces them (`send_bytes`,
+`recv_into`). No pickle: msgpack only.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
+import functools
 import socket
 import struct
+from typing import Any, TypeVar
 
-import msgpack
+import msgspec
 
-from kvrelay.transfer.errors import PeerError, ProtocolError, TransferError
+from kvrelay.rpc.errors import MalformedMessage, PeerError, ProtocolError
 
-WIRE_VERSION = 1
 MAX_FRAME = 16 << 20  # a read of 2**20 runs needs about 10 MiB of msgpack
 # Before the hello nobody is authenticated: a stranger's frame is small, so
 # it cannot make the server allocate (and unpack) megabytes.
 MAX_HELLO_FRAME = 64 << 10
 _LEN = struct.Struct(">I")
+_ENCODER = msgspec.msgpack.Encoder()
+T = TypeVar("T")
+
+
+@functools.cache
+def _decoder(kind) -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(kind)
+
+
+def decode(body: bytes, kind: type[T] | Any = Any) -> T:
+    """One message body as `kind`; the one place frames are validated."""
+    try:
+        return _decoder(kind).decode(body)
+    except msgspec.ValidationError as exc:
+        raise MalformedMessage(f"malformed message: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"frame is not valid msgpack: {exc}") from exc
+
+
+def encode(message) -> bytes:
+    return _ENCODER.encode(message)
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"address must be HOST:PORT, got {address!r}")
+    return host, int(port)
 
 
 class Connection:
-    """One control connection on a non-blocking socket, used by one task at a time."""
+    """One control connection on a non-blocking socket, used by one task at a
+    time (`lock` serialises callers that share it)."""
 
     def __init__(self, sock: socket.socket) -> None:
         sock.setblocking(False)
@@ -43,19 +76,19 @@ class Connection:
             await asyncio.get_running_loop().sock_connect(sock, (host, port))
         except OSError as exc:
             sock.close()
-            raise PeerError(f"cannot connect to agent {host}:{port}: {exc}") from None
+            raise PeerError(f"cannot connect to {host}:{port}: {exc}") from exc
         return cls(sock)
 
-    async def send(self, message: dict) -> None:
-        body = msgpack.packb(message, use_bin_type=True)
+    async def send(self, message) -> None:
+        body = encode(message)
         if len(body) > MAX_FRAME:
             raise ProtocolError(f"frame of {len(body)} bytes exceeds {MAX_FRAME}")
         await self.send_bytes(_LEN.pack(len(body)) + body)
 
-    async def recv(self, max_size: int = MAX_FRAME, stall_timeout: float | None = None) -> dict:
-        """The next frame. The wait for its first byte is the caller's; once it
-        started, the rest must arrive within `stall_timeout` (a peer sending a
-        byte a second must not hold the connection)."""
+    async def recv_body(self, max_size: int = MAX_FRAME, stall_timeout: float | None = None):
+        """The next frame's bytes. The wait for its first byte is the caller's;
+        once it started, the rest must arrive within `stall_timeout` (a peer
+        sending a byte a second must not hold the connection)."""
         header = bytearray(_LEN.size)
         await self.recv_into(memoryview(header)[:1])
         async with asyncio.timeout(stall_timeout):
@@ -65,19 +98,22 @@ class Connection:
                 raise ProtocolError(f"frame of {length} bytes exceeds {max_size}")
             body = bytearray(length)
             await self.recv_into(memoryview(body))
-        try:
-            message = msgpack.unpackb(bytes(body), raw=False, strict_map_key=True)
-        except Exception as exc:  # msgpack raises several unrelated types
-            raise ProtocolError(f"frame is not valid msgpack: {exc}") from None
-        if not isinstance(message, dict):
-            raise ProtocolError("frame is not a msgpack map")
-        return message
+        return bytes(body)
+
+    async def recv(
+        self,
+        kind: type[T] | Any = dict,
+        max_size: int = MAX_FRAME,
+        stall_timeout: float | None = None,
+    ) -> T:
+        """The next frame decoded as `kind` (default: a plain map, for raw tools)."""
+        return decode(await self.recv_body(max_size, stall_timeout), kind)
 
     async def send_bytes(self, data) -> None:
         try:
             await self.loop.sock_sendall(self.sock, data)
         except OSError as exc:
-            raise PeerError(f"connection lost while sending: {exc}") from None
+            raise PeerError(f"connection lost while sending: {exc}") from exc
 
     async def recv_into(self, view: memoryview) -> None:
         got = 0
@@ -85,7 +121,7 @@ class Connection:
             try:
                 n = await self.loop.sock_recv_into(self.sock, view[got:])
             except OSError as exc:
-                raise PeerError(f"connection lost while receiving: {exc}") from None
+                raise PeerError(f"connection lost while receiving: {exc}") from exc
             if n == 0:
                 raise PeerError("the peer closed the connection")
             got += n
@@ -103,7 +139,7 @@ class Connection:
         self.sock.close()
 
 
-def listen_socket(host: str, port: int, backlog: int = 64) -> tuple[socket.socket, str]:
+def listen_socket(host: str, port: int, backlog: int = 128) -> tuple[socket.socket, str]:
     """A non-blocking listening TCP socket and the "host:port" it is bound to
     (port 0 picks a free one)."""
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -117,20 +153,3 @@ def listen_socket(host: str, port: int, backlog: int = 64) -> tuple[socket.socke
         raise
     bound_host, bound_port = listener.getsockname()[:2]
     return listener, f"{bound_host}:{bound_port}"
-
-
-def token_ok(given, expected: str) -> bool:
-    return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())
-
-
-def error_reply(exc: Exception) -> dict:
-    return {"ok": False, "error": type(exc).__name__, "message": str(exc)[:2000]}
-
-
-async def refuse(conn: Connection, exc: Exception) -> None:
-    """Best effort: tell a peer that spoke garbage why it is dropped."""
-    try:
-        async with asyncio.timeout(1.0):
-            await conn.send(error_reply(exc))
-    except (TransferError, TimeoutError, OSError):
-        pass

@@ -3,7 +3,7 @@ from collections import Counter
 
 import pytest
 
-from kvrelay.cache.ring import HashRing
+from kvrelay.layout.ring import HashRing
 
 KEYS = [hashlib.sha256(i.to_bytes(8, "little")).digest() for i in range(20_000)]
 SERVERS = [f"10.0.0.{i}:7400" for i in range(1, 6)]

@@ -82,3 +82,20 @@ class HashRing:
         for position, key in enumerate(keys):
             groups.setdefault(self.server_for(key), []).append(position)
         return groups
+
+
+def ring_prefix(
+    ring: HashRing, keys: Sequence[bytes], hits: dict[str, int]
+) -> tuple[int, dict[str, int]]:
+    """The tier's prefix of `keys` when server s holds the first `hits[s]` of
+    its share: it ends at the first key its server missed. Returns its length
+    and how many of each server's keys it takes."""
+    taken = dict.fromkeys(hits, 0)
+    prefix = 0
+    for key in keys:
+        server = ring.server_for(key)
+        if taken[server] >= hits[server]:
+            break
+        taken[server] += 1
+        prefix += 1
+    return prefix, taken

@@ -10,7 +10,7 @@ import torch
 
 from kvrelay.model import PoolExhausted, Request, SamplingParams, load_engine
 from kvrelay.model.errors import PrefixNotCached
-from kvrelay.model.transfer import export_prefix, import_prefix
+from kvrelay.model.page_export import export_prefix, import_prefix
 from tests.model.conftest import prompt_tokens
 from tests.model.oracle import hf_greedy, hf_model
 

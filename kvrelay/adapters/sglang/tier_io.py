@@ -1,0 +1,211 @@
+"""One SGLang rank's rectangle on kvrelay's cache tier (async, on the adapter's loop).
+
+Pages move with `CacheClient`s of the rank's rectangle: straight into and out
+of the registered host pool when its bytes are unified pages (`PoolMover.zero_copy`),
+else through staging arenas of compact rectangles that `PoolMover` fills and
+empties. A client moves a page's rectangle runs to `page_offsets[i] + run
+offset`; local memory holds compact rectangles, so each page offset is shifted
+back by where the rectangle's runs sit in a full page. A rectangle that spans
+every layer is one run per page; one that does not (a PP stage) gets a client
+per head, each a single run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvrelay.adapters.sglang.config import AdapterConfig
+from kvrelay.adapters.sglang.pool_io import PoolMover
+from kvrelay.cache.client import CacheClient, CacheClientConfig
+from kvrelay.layout import ModelKVSpec, Rectangle
+from kvrelay.transfer import create_agent
+
+# A server call's share of an adapter call's time bound (lookup, handle, transfer).
+CALLS_PER_BATCH = 3
+
+
+@dataclass(slots=True)
+class AdapterStats:
+    get_pages: int = 0  # pages asked for by batch_get_v1 / batch_get / get
+    hit_pages: int = 0  # of those, read from the tier
+    miss_pages: int = 0
+    set_pages: int = 0  # pages offered by batch_set_v1 / batch_set / set
+    set_failed_pages: int = 0
+    bytes_read: int = 0  # rectangle bytes brought into the host pool
+    bytes_written: int = 0  # rectangle bytes pushed to the tier
+    exists_calls: int = 0
+    errors: int = 0  # server calls answered as misses or failed writes
+    timeouts: int = 0  # adapter calls cut at their time bound
+
+
+def client_groups(spec: ModelKVSpec, rect: Rectangle) -> list[tuple[Rectangle, int]]:
+    """(rectangle, shift) per client: local page offset = compact page start - shift."""
+    block = spec.block_bytes
+    if rect.num_layers == spec.num_layers:
+        return [(rect, rect.head_start * spec.num_layers * block)]
+    groups = []
+    for j in range(rect.num_heads):
+        head = rect.head_start + j
+        part = Rectangle(head, head + 1, rect.layer_start, rect.layer_end, rect.writer)
+        full = (head * spec.num_layers + rect.layer_start) * block
+        groups.append((part, full - j * rect.num_layers * block))
+    return groups
+
+
+def _shifted(bases: list[int], shift: int) -> list[int]:
+    return [b - shift for b in bases]
+
+
+class RankTier:
+    def __init__(
+        self, config: AdapterConfig, spec: ModelKVSpec, rect: Rectangle, mover: PoolMover
+    ) -> None:
+        self.config, self.spec, self.rect, self.mover = config, spec, rect, mover
+        self.rect_bytes = rect.num_bytes(spec)
+        self.stats = AdapterStats()
+        self.agent = None
+        self.clients: list[tuple[CacheClient, int]] = []
+        self._pool_arena = None
+        self._staging: dict[str, tuple[object, torch.Tensor, asyncio.Lock]] = {}
+
+    async def start(self) -> RankTier:
+        c = self.config
+        self.agent = await create_agent(c.backend, token=c.token)
+        client_config = CacheClientConfig(
+            servers=c.servers, token=c.token, timeout_s=c.timeout_s / CALLS_PER_BATCH
+        )
+        self.clients = [
+            (CacheClient(self.agent, self.spec, part, client_config), shift)
+            for part, shift in client_groups(self.spec, self.rect)
+        ]
+        if self.mover.zero_copy:
+            self._pool_arena = self.agent.register_tensor(self.mover.pool.kv_buffer)
+        for name in ("read", "write"):
+            arena = self.agent.allocate_arena(c.staging_pages * self.rect_bytes)
+            rows = arena.tensor.view(c.staging_pages, self.rect_bytes)
+            self._staging[name] = (arena, rows, asyncio.Lock())
+        return self
+
+    async def close(self) -> None:
+        """Close every client, then the agent, even when one of them fails."""
+        try:
+            for client, _ in self.clients:
+                with contextlib.suppress(Exception):
+                    await client.close()
+        finally:
+            if self.agent is not None:
+                await self.agent.close()
+
+    def _errors(self) -> int:
+        return sum(client.stats.errors for client, _ in self.clients)
+
+    # -- lookups ----------------------------------------------------------------
+    async def exists(self, keys: Sequence[bytes]) -> int:
+        """Sealed prefix: a page counts once every rectangle of it is in."""
+        self.stats.exists_calls += 1
+        before = self._errors()
+        prefix = await self.clients[0][0].count_prefix(keys)
+        self.stats.errors += self._errors() - before
+        return prefix
+
+    async def _lookup(self, keys, arena, bases: list[int]) -> int:
+        found = await asyncio.gather(
+            *(
+                client.lookup(keys, arena, [b - shift for b in bases])
+                for client, shift in self.clients
+            )
+        )
+        return min(found)
+
+    async def read_pool(self, keys: Sequence[bytes], host_indices: torch.Tensor) -> int:
+        """Bring the longest cached prefix of `keys` into the host pool; return its length."""
+        if self.mover.zero_copy:
+            pages = self.mover.page_numbers(host_indices, len(keys))
+            return await self._count_read(
+                keys, self._pool_arena, self.mover.zero_copy_offsets(pages)
+            )
+        page = self.mover.page_size
+
+        def scatter(rows: torch.Tensor, start: int, n: int) -> None:
+            self.mover.scatter(rows, host_indices[start * page : (start + n) * page], n)
+
+        return await self.read_staged(keys, scatter)
+
+    async def read_staged(
+        self, keys: Sequence[bytes], consume: Callable[[torch.Tensor, int, int], None]
+    ) -> int:
+        """Read through the staging arena; `consume(rows, start, n)` takes each chunk's hits."""
+        arena, rows, lock = self._staging["read"]
+        total = 0
+        async with lock:
+            for start in range(0, len(keys), len(rows)):
+                chunk = keys[start : start + len(rows)]
+                bases = [i * self.rect_bytes for i in range(len(chunk))]
+                found = await self._count_read(chunk, arena, bases)
+                if found:
+                    consume(rows, start, found)
+                total += found
+                if found < len(chunk):
+                    break
+        return total
+
+    async def _count_read(self, keys, arena, bases: list[int]) -> int:
+        before = self._errors()
+        found = await self._lookup(keys, arena, bases)
+        self.stats.errors += self._errors() - before
+        self.stats.bytes_read += found * self.rect_bytes
+        return found
+
+    # -- writes -------------------------------------------------------------------
+    async def write_pool(self, keys: Sequence[bytes], host_indices: torch.Tensor) -> bool:
+        """Write the rank's rectangle of each page; True when no server call failed."""
+        if not self.rect.writer or not keys:
+            return True  # a replica: the rank that writes these heads does it
+        if self.mover.zero_copy:
+            pages = self.mover.page_numbers(host_indices, len(keys))
+            return await self._push(keys, self._pool_arena, self.mover.zero_copy_offsets(pages))
+        page = self.mover.page_size
+
+        def gather(rows: torch.Tensor, start: int, n: int) -> None:
+            self.mover.gather(host_indices[start * page : (start + n) * page], rows, n)
+
+        return await self.write_staged(keys, gather)
+
+    async def write_staged(
+        self, keys: Sequence[bytes], produce: Callable[[torch.Tensor, int, int], None]
+    ) -> bool:
+        """Write through the staging arena; `produce(rows, start, n)` fills each chunk."""
+        if not self.rect.writer:
+            return True
+        arena, rows, lock = self._staging["write"]
+        ok = True
+        async with lock:
+            for start in range(0, len(keys), len(rows)):
+                chunk = keys[start : start + len(rows)]
+                produce(rows, start, len(chunk))
+                bases = [i * self.rect_bytes for i in range(len(chunk))]
+                ok = await self._push(chunk, arena, bases) and ok
+        return ok
+
+    async def _push(self, keys, arena, bases: list[int]) -> bool:
+        before = self._errors()
+        await asyncio.gather(
+            *(
+                client.write(keys, arena, [b - shift for b in bases])
+                for client, shift in self.clients
+            )
+        )
+        failed = self._errors() - before
+        self.stats.errors += failed
+        if not failed:
+            self.stats.bytes_written += len(keys) * self.rect_bytes
+        return not failed
+
+    async def clear(self) -> None:
+        """Drop this model namespace's pages from every server."""
+        await self.clients[0][0].admin_flush(self.spec.namespace())

@@ -1,0 +1,57 @@
+"""Control-plane RPC (DESIGN.md section 4): framing, the hello with the
+cluster token, the one accept loop, typed messages (msgspec), typed error
+replies, deadlines. Imports only the standard library, msgspec and numpy:
+control uses it without the data plane (no torch)."""
+
+from kvrelay.rpc.channel import Channel, Unavailable
+from kvrelay.rpc.client import answer, call, connect, hello
+from kvrelay.rpc.errors import (
+    AuthError,
+    MalformedMessage,
+    PeerError,
+    ProtocolError,
+    RemoteError,
+    RpcError,
+    RpcTimeout,
+    WireVersionError,
+)
+from kvrelay.rpc.framing import MAX_FRAME, Connection, listen_socket, split_address
+from kvrelay.rpc.messages import (
+    WIRE_VERSION,
+    Error,
+    Hello,
+    Message,
+    Ok,
+    pack_tokens,
+    unpack_tokens,
+)
+from kvrelay.rpc.server import Server
+
+__all__ = [
+    "MAX_FRAME",
+    "WIRE_VERSION",
+    "AuthError",
+    "Channel",
+    "Connection",
+    "Error",
+    "Hello",
+    "MalformedMessage",
+    "Message",
+    "Ok",
+    "PeerError",
+    "ProtocolError",
+    "RemoteError",
+    "RpcError",
+    "RpcTimeout",
+    "Server",
+    "Unavailable",
+    "WireVersionError",
+    "answer",
+    "call",
+    "connect",
+    "hello",
+    "listen_socket",
+    "pack_tokens",
+    "split_address",
+    "unpack_tokens",
+]

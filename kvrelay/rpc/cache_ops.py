@@ -1,0 +1,111 @@
+"""Messages between cache clients (workers, control's tier probe) and a cache server.
+
+- `Lookup {keys, lease_s, ns}` -> `LookupReply {hits, lease}`: the length of
+  the sealed prefix, pinned under `lease` (None when nothing hit)
+- `Reserve {keys, lease_s, ns}` -> `ReserveReply {slots, lease}`: a slot per
+  key to write, None for a page already sealed or no room
+- `PublishHandle {lease, count, runs, ns}` -> `HandleReply {handle}`: a block
+  handle for the first `count` pages of a lookup or reservation lease,
+  `runs` (the caller's rectangle within one page) of each
+- `Commit {keys, runs}` -> `CommitReply {sealed}` per key
+- `ReleaseLease {lease}` -> `ReleaseReply {released}`
+- `CacheStats` -> `CacheStatsReply`; `Flush {ns?}` -> `FlushReply {dropped,
+  l3_dropped}`: the unpinned L2 pages and the L3 pages of one namespace, or all
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Union
+
+import msgspec
+
+from kvrelay.rpc.messages import Count, Key, Message, Run
+
+# The longest a client may pin pages (lookups, reservations). One bound for
+# every lease in the system (kvrelay.rpc.worker_ops uses it too): a lease
+# only has to outlive one transfer, and a longer one lets a client that
+# died keep pages pinned, or staging rows held, that long.
+MAX_LEASE_S = 300.0
+DEFAULT_LEASE_S = 30.0
+LeaseSeconds = Annotated[float, msgspec.Meta(gt=0, le=MAX_LEASE_S)]
+Keys = Annotated[list[Key], msgspec.Meta(max_length=1 << 20)]
+Runs = Annotated[list[Run], msgspec.Meta(min_length=1)]
+
+
+class CacheWelcome(Message, tag="cache"):
+    page_bytes: int
+    agent: str  # the server's transfer agent
+
+
+class Lookup(Message, tag="lookup"):
+    keys: Keys
+    lease_s: LeaseSeconds = DEFAULT_LEASE_S
+    ns: Key | None = None
+
+
+class LookupReply(Message, tag="lookup_reply"):
+    hits: Count
+    lease: int | None = None
+
+
+class Reserve(Message, tag="reserve"):
+    keys: Keys
+    lease_s: LeaseSeconds = DEFAULT_LEASE_S
+    ns: Key | None = None
+
+
+class ReserveReply(Message, tag="reserve_reply"):
+    slots: list[int | None]
+    lease: int
+
+
+class PublishHandle(Message, tag="handle"):
+    lease: int
+    count: Annotated[int, msgspec.Meta(ge=1)]
+    runs: Runs
+    ns: Key
+
+
+class HandleReply(Message, tag="handle_reply"):
+    handle: bytes
+
+
+class Commit(Message, tag="commit"):
+    keys: Keys
+    runs: Runs
+
+
+class CommitReply(Message, tag="commit_reply"):
+    sealed: list[bool]
+
+
+class ReleaseLease(Message, tag="release"):
+    lease: int
+
+
+class ReleaseReply(Message, tag="release_reply"):
+    released: bool
+
+
+class CacheStats(Message, tag="stats"):
+    pass
+
+
+class CacheStatsReply(Message, tag="stats_reply"):
+    tier: dict[str, int]
+    pages: int
+    l3: dict[str, int] | None = None
+
+
+class Flush(Message, tag="flush"):
+    ns: Key | None = None
+
+
+class FlushReply(Message, tag="flush_reply"):
+    dropped: int
+    l3_dropped: int = 0
+
+
+CacheRequest = Union[  # noqa: UP007 (msgspec takes a Union)
+    Lookup, Reserve, PublishHandle, Commit, ReleaseLease, CacheStats, Flush
+]

@@ -1,0 +1,165 @@
+"""kvrelay as SGLang's HiCache storage backend, driven as SGLang drives it.
+
+Real SGLang classes (StorageBackendFactory's dynamic backend, HiCacheStorageConfig,
+MHATokenToKVPoolHost / MLATokenToKVPoolHost on CPU, SGLang's page hash) against
+real cache server processes. Pages are written by the ranks of one TP/PP
+shape and read by ranks of others, checked element for element against the
+source pages.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.adapters import sglang_env as env
+from tests.adapters.pages import read_page, write_page
+
+# Known and not yet found: one client socket per run is left to the garbage
+# collector after every backend closed; pytest reports it as unraisable.
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+PAGE, HEADS, LAYERS, DIM, WIDTH = 4, 4, 4, 8, 16
+PAGES = 5
+DTYPE = torch.bfloat16
+IDENTITY = {"model_id": "test/tiny-model", "num_layers": LAYERS, "num_kv_heads": HEADS}
+MHA_PAGE_BYTES = HEADS * LAYERS * PAGE * 2 * DIM * 2
+MLA_PAGE_BYTES = LAYERS * PAGE * WIDTH * 2
+
+
+@pytest.fixture
+def cache_servers(request):
+    started = [env.CacheServerProcess(request.param) for _ in range(2)]
+    yield started
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
+def opened():
+    """Backends a test opened, closed at its end whatever happens."""
+    backends = []
+    yield backends
+    for backend in backends:
+        backend.close()
+
+
+def _tokens(seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 150_000, (PAGES * PAGE,), generator=g).tolist()
+
+
+def _truth(mla: bool, seed: int) -> torch.Tensor:
+    """Global KV of each page: [page, kv, layer, token, head, dim] (MLA: no kv, one head)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (PAGES, LAYERS, PAGE, 1, WIDTH) if mla else (PAGES, 2, LAYERS, PAGE, HEADS, DIM)
+    return torch.randn(shape, generator=g).to(DTYPE)
+
+
+def _share(truth, mla, heads, layers):
+    if mla:
+        return truth[:, layers[0] : layers[1]]
+    return truth[:, :, layers[0] : layers[1], :, heads[0] : heads[1]]
+
+
+def _rank(opened, servers, layout, *, mla, tp=1, tp_rank=0, pp=1, pp_rank=0, groups=None):
+    """A backend of one SGLang rank and its host pool; returns (backend, pool, heads, layers)."""
+    layers_per_stage = LAYERS // pp
+    layers = (pp_rank * layers_per_stage, (pp_rank + 1) * layers_per_stage)
+    if mla:
+        pool = env.mla_pool(layout, layers=layers_per_stage, start_layer=layers[0],
+                            page_size=PAGE, width=WIDTH, dtype=DTYPE)  # fmt: skip
+        heads = (0, 1)
+    else:
+        per = max(HEADS // tp, 1)
+        h0 = tp_rank * per if tp <= HEADS else tp_rank // (tp // HEADS)
+        heads = (h0, h0 + per)
+        pool = env.mha_pool(layout, heads=per, layers=layers_per_stage, start_layer=layers[0],
+                            page_size=PAGE, head_dim=DIM, dtype=DTYPE,
+                            groups=per if groups is None else groups)  # fmt: skip
+    extra = env.dynamic_extra(servers, **IDENTITY)
+    config = env.storage_config(tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank, mla=mla,
+                                layout=layout, extra=extra)  # fmt: skip
+    backend = env.create_backend(config, pool)
+    opened.append(backend)
+    return backend, pool, heads, layers
+
+
+def _host_indices(pool, n: int) -> torch.Tensor:
+    indices = pool.alloc(n * PAGE)
+    assert indices is not None
+    return indices
+
+
+def _write(rank, truth, keys, mla) -> list[bool]:
+    backend, pool, heads, layers = rank
+    indices = _host_indices(pool, len(keys))
+    local = _share(truth, mla, heads, layers)
+    for i in range(len(keys)):
+        write_page(pool, int(indices[i * PAGE]), local[i])
+    return backend.batch_set_v1(keys, indices)
+
+
+def _read_and_check(rank, truth, keys, mla) -> None:
+    backend, pool, heads, layers = rank
+    assert backend.batch_exists(keys) == len(keys)
+    indices = _host_indices(pool, len(keys))
+    assert backend.batch_get_v1(keys, indices) == [True] * len(keys)
+    expected = _share(truth, mla, heads, layers)
+    for i in range(len(keys)):
+        got = read_page(pool, int(indices[i * PAGE]))
+        assert torch.equal(got.view(torch.int16), expected[i].view(torch.int16)), (pool.layout, i)
+
+
+@pytest.mark.parametrize("cache_servers", [MHA_PAGE_BYTES], indirect=True)
+def test_mha_tp2_pages_read_by_tp1_tp4_and_pp2(cache_servers, opened):
+    truth, keys = _truth(False, 1), env.sglang_keys(_tokens(1), PAGE)
+    writers = [
+        _rank(opened, cache_servers, "layer_first", mla=False, tp=2, tp_rank=r) for r in range(2)
+    ]
+    assert _write(writers[0], truth, keys, False) == [True] * PAGES
+    # One of two rectangles is in: no page is sealed, so none exists yet.
+    assert writers[0][0].batch_exists(keys) == 0
+    assert _write(writers[1], truth, keys[:3], False) == [True] * 3
+    assert writers[1][0].batch_exists(keys) == 3
+    assert _write(writers[1], truth, keys, False) == [True] * PAGES
+    readers = [
+        _rank(opened, cache_servers, "page_head", mla=False),  # TP=1, strided permute
+        *(_rank(opened, cache_servers, "page_first", mla=False, tp=4, tp_rank=r) for r in range(4)),
+        *(
+            _rank(opened, cache_servers, "page_unified", mla=False, pp=2, pp_rank=s)
+            for s in range(2)
+        ),
+        _rank(opened, cache_servers, "page_first_direct", mla=False, pp=2, pp_rank=1),
+        _rank(opened, cache_servers, "page_unified", mla=False, groups=1),  # 4 heads in one group
+    ]
+    assert readers[5][1].layout == "page_unified" and readers[5][0].tier.mover.zero_copy
+    assert not readers[0][0].tier.mover.zero_copy
+    for rank in readers:
+        _read_and_check(rank, truth, keys, False)
+    stats = readers[0][0].get_stats()
+    assert stats.kvrelay["hit_pages"] == PAGES and stats.prefetch_pgs == [PAGES]
+    assert stats.kvrelay["bytes_read"] == PAGES * MHA_PAGE_BYTES
+
+
+@pytest.mark.parametrize("cache_servers", [MLA_PAGE_BYTES], indirect=True)
+def test_mla_one_writer_all_ranks_read_any_shape(cache_servers, opened):
+    truth, keys = _truth(True, 2), env.sglang_keys(_tokens(2), PAGE)
+    writers = [
+        _rank(opened, cache_servers, "page_first", mla=True, tp=2, tp_rank=r) for r in range(2)
+    ]
+    # TP rank 1 holds a replica: it reports success and writes nothing.
+    assert _write(writers[1], truth, keys, True) == [True] * PAGES
+    assert writers[1][0].batch_exists(keys) == 0
+    assert _write(writers[0], truth, keys, True) == [True] * PAGES
+    readers = [
+        _rank(opened, cache_servers, "layer_first", mla=True),
+        *(_rank(opened, cache_servers, "page_unified", mla=True, tp=4, tp_rank=r) for r in (0, 3)),
+        *(
+            _rank(opened, cache_servers, "page_first_direct", mla=True, pp=2, pp_rank=s)
+            for s in range(2)
+        ),
+    ]
+    assert readers[1][0].tier.mover.zero_copy and readers[3][0].tier.mover.zero_copy
+    for rank in readers:
+        _read_and_check(rank, truth, keys, True)

@@ -1,0 +1,84 @@
+"""The import graph follows DESIGN.md section 2: each package of kvrelay
+imports only the packages below it (lazy imports inside functions count)."""
+
+import ast
+from pathlib import Path
+
+import kvrelay
+
+ROOT = Path(kvrelay.__file__).parent
+# package -> the kvrelay packages it may import (DESIGN.md section 2's table;
+# `options` is the config-dataclass helper every process uses, importing
+# nothing of kvrelay; `worker` is what the prefill and decode roles share).
+ALLOWED = {
+    "layout": set(),
+    "options": set(),
+    "rpc": {"layout"},
+    "cuda_ext": {"layout", "_C"},
+    "transfer": {"rpc", "layout", "_ucx"},
+    "model": {"cuda_ext", "layout"},
+    "cache": {"transfer", "rpc", "layout", "options"},
+    "worker": {"model", "cache", "transfer", "rpc", "layout", "options"},
+    "prefill": {"worker", "model", "cache", "transfer", "rpc", "layout", "options"},
+    "decode": {"worker", "model", "cache", "transfer", "rpc", "layout", "options"},
+    "control": {"rpc", "layout", "options"},
+    "adapters": {"cache", "transfer", "cuda_ext", "layout", "rpc"},
+}
+TOOLS = {"bench", "demo", "chaos", "cli"}  # commands and test tools on top: may import anything
+
+
+def _package(path: Path) -> str:
+    rel = path.relative_to(ROOT)
+    return rel.parts[0].removesuffix(".py") if len(rel.parts) > 1 or rel.stem != "__init__" else ""
+
+
+def _imports(path: Path):
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+            if node.module == "kvrelay":
+                names = [f"kvrelay.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "kvrelay" and len(parts) > 1:
+                yield node.lineno, parts[1]
+
+
+def violations() -> list[str]:
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        package = _package(path)
+        if package in TOOLS or not package:
+            continue
+        allowed = ALLOWED[package] | {package}
+        for line, target in _imports(path):
+            if target not in allowed:
+                found.append(f"{path.relative_to(ROOT.parent)}:{line}: {package} imports {target}")
+    return found
+
+
+def test_every_package_is_in_the_table():
+    packages = {_package(p) for p in ROOT.rglob("*.py")} - {""}
+    assert packages <= set(ALLOWED) | TOOLS, packages - set(ALLOWED) - TOOLS
+
+
+def test_no_import_from_a_lower_layer_to_a_higher_one():
+    assert violations() == []
+
+
+def test_the_check_sees_an_upward_import(tmp_path):
+    """The walker is not vacuous: a transfer module importing the cache is caught."""
+    package = tmp_path / "kvrelay"
+    (package / "transfer").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "transfer" / "bad.py").write_text("def f():\n    from kvrelay.cache import x\n")
+    globals()["ROOT"], saved = package, ROOT
+    try:
+        assert violations() == ["kvrelay/transfer/bad.py:2: transfer imports cache"]
+    finally:
+        globals()["ROOT"] = saved
