@@ -12,7 +12,7 @@ PIP := $(PY) -m pip -q --disable-pip-version-check
 EXT_SOURCES := $(wildcard kvrelay/cuda_ext/csrc/*) $(wildcard kvrelay/transfer/csrc/*)
 NVCC ?= nvcc
 
-.PHONY: setup sglang-deps test test-numba test-sglang test-gpu gpu-check lint cuda-check bench demo clean
+.PHONY: setup sglang-deps test test-fast test-numba test-sglang test-gpu gpu-check lint cuda-check bench demo clean
 
 setup: $(VENV)/.ext-stamp
 
@@ -50,6 +50,11 @@ test: setup lint
 	$(PY) -m pytest
 	$(MAKE) --no-print-directory test-numba
 	$(MAKE) --no-print-directory test-sglang
+
+# The edit-run loop: unit tests only (no servers, clusters or rank processes,
+# nothing marked slow or gpu).
+test-fast: setup
+	$(PY) -m pytest -q -m "not cluster and not slow and not gpu"
 
 # The same op tests through the numba fallback, as when the extension is absent.
 test-numba: setup
@@ -89,5 +94,11 @@ bench: setup
 demo: setup
 	$(VENV)/bin/kvrelay demo $(DEMO_ARGS)
 
+# Every built artefact: compiled modules, build trees, egg-info, caches, and
+# what the demo and the benches write.
 clean:
-	rm -rf build kvrelay/*.so .pytest_cache .hypothesis
+	rm -rf build dist *.egg-info kvrelay/*.so kvrelay/*/*.so .pytest_cache .hypothesis \
+	  .ruff_cache .kvrelay-demo demo-out kvrelay-logs gpu-check-out bench-*.json bench-*.png
+	rm -f $(VENV)/.ext-stamp  # the compiled modules are gone: `make setup` builds them again
+	find . -path ./$(VENV) -prune -o \( -name __pycache__ -o -name '*.o' \) -prune \
+	  -exec rm -rf {} +

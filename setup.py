@@ -127,6 +127,8 @@ setup(
         "uvicorn",
         "httpx",
         "prometheus-client",
+        "tokenizers",
+        "jinja2",
     ],
     ext_modules=extensions() + ucx_extension() + [run_copy_extension()],
     cmdclass={"build_ext": IncrementalBuildExt},

@@ -22,6 +22,7 @@ from kvrelay.control.dispatch import Dispatcher
 from kvrelay.control.openapi import (
     AUTH,
     BAD_REQUEST,
+    CHAT,
     COMPLETION,
     METRICS,
     UNKNOWN_NODE,
@@ -29,6 +30,7 @@ from kvrelay.control.openapi import (
 )
 from kvrelay.control.registry import MISSED_HEARTBEATS, Registry
 from kvrelay.control.schemas import (
+    ChatCompletionRequest,
     CompletionRequest,
     DrainRequest,
     FlushRequest,
@@ -91,7 +93,7 @@ def create_app(config: ControlConfig) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        if request.url.path == "/v1/completions":
+        if request.url.path in ("/v1/completions", "/v1/chat/completions"):
             stats.requests += 1
             stats.errors += 1
             stats.client_errors += 1
@@ -119,6 +121,10 @@ def create_app(config: ControlConfig) -> FastAPI:
 
     @app.post("/v1/completions", responses=COMPLETION)
     async def completions(body: CompletionRequest, request: Request):
+        return await runner.handle(body, request)
+
+    @app.post("/v1/chat/completions", responses=CHAT)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await runner.handle(body, request)
 
     @app.get("/v1/models")
@@ -165,7 +171,7 @@ def create_app(config: ControlConfig) -> FastAPI:
             role=body.role, address=body.address, model=body.model,
             namespace=bytes.fromhex(body.namespace), page_size=body.page_size,
             vocab_size=body.vocab_size, tp=body.tp, pp=body.pp, num_pages=body.num_pages,
-            cache=body.cache,
+            cache=body.cache, model_dir=body.model_dir,
         )  # fmt: skip
         return {"node_id": node.node_id, "heartbeat_s": config.heartbeat_s,
                 "missed_heartbeats_allowed": MISSED_HEARTBEATS}  # fmt: skip

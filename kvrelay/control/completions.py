@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvrelay.control import tokenizer
 from kvrelay.control.dispatch import Dispatcher, DispatchError, Job
 from kvrelay.control.registry import Registry
-from kvrelay.control.schemas import CompletionRequest
+from kvrelay.control.schemas import ChatCompletionRequest, CompletionRequest
 from kvrelay.control.stats import ControlStats
 from kvrelay.control.stops import StopMatcher
 
@@ -40,8 +40,8 @@ class Answer:
     character split over batches comes out whole) and cut before the first
     stop string (`stopped` then; the stop string is not part of the text)."""
 
-    def __init__(self, stops: list[str]) -> None:
-        self.decoder = tokenizer.StreamDecoder()
+    def __init__(self, stops: list[str], decoder) -> None:
+        self.decoder = decoder  # feed(tokens) -> text, flush() -> the rest
         self.stops = StopMatcher(stops)
         self.tokens: list[int] = []
 
@@ -59,6 +59,37 @@ class Answer:
         return self.stops.feed(self.decoder.flush()) + self.stops.flush()
 
 
+class TextShape:
+    """`/v1/completions` answers."""
+
+    object = chunk_object = "text_completion"
+
+    @staticmethod
+    def choice(text: str, tokens: list[int], finish: str | None) -> dict:
+        return {"index": 0, "text": text, "token_ids": tokens, "finish_reason": finish}
+
+    @staticmethod
+    def delta(text: str, tokens: list[int], finish: str | None, first: bool) -> dict:
+        return TextShape.choice(text, tokens, finish)
+
+
+class ChatShape:
+    """`/v1/chat/completions` answers: a message, or deltas when streaming."""
+
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
+
+    @staticmethod
+    def choice(text: str, tokens: list[int], finish: str | None) -> dict:
+        return {"index": 0, "message": {"role": "assistant", "content": text},
+                "token_ids": tokens, "finish_reason": finish}  # fmt: skip
+
+    @staticmethod
+    def delta(text: str, tokens: list[int], finish: str | None, first: bool) -> dict:
+        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        return {"index": 0, "delta": delta if text or first else {}, "token_ids": tokens,
+                "finish_reason": finish}  # fmt: skip
+
+
 def error_body(status: int, message: str) -> dict:
     kind = "invalid_request_error" if status < 500 else "server_error"
     return {"error": {"message": message, "type": kind, "code": status}, "detail": message}
@@ -69,8 +100,9 @@ class CompletionRunner:
         self.dispatcher = dispatcher
         self.registry = registry
         self.stats = stats
+        self.codecs = tokenizer.Codecs()
 
-    def _job(self, body: CompletionRequest) -> Job:
+    def _model(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[str, dict]:
         models = self.registry.models()
         if not models:
             raise DispatchError(503, "no workers are registered")
@@ -83,15 +115,29 @@ class CompletionRunner:
             raise DispatchError(
                 404, f"unknown model {model!r}; serving: {', '.join(sorted(models))}"
             )
-        vocab = models[model]["vocab_size"]
-        if isinstance(body.prompt, str):
-            if vocab < tokenizer.BYTE_VOCAB:
-                raise DispatchError(400, f"text prompts need a vocabulary of at least "
-                                         f"{tokenizer.BYTE_VOCAB} (byte tokens); {model} has "
-                                         f"{vocab}: send token ids")  # fmt: skip
-            tokens = tokenizer.encode(body.prompt)
-        else:
-            tokens = list(body.prompt)
+        return model, models[model]
+
+    def _job(self, body: CompletionRequest | ChatCompletionRequest):
+        """The job, and the decoder of its answer's text."""
+        model, served = self._model(body)
+        vocab = served["vocab_size"]
+        try:
+            codec = self.codecs.for_model(model, served["model_dir"], vocab)
+        except tokenizer.TokenizerError as exc:
+            if isinstance(body, ChatCompletionRequest) or isinstance(body.prompt, str):
+                raise DispatchError(400, str(exc)) from exc
+            codec = tokenizer.ByteCodec(vocab, model)  # ids in; text out as for no tokenizer
+        try:
+            if isinstance(body, ChatCompletionRequest):
+                tokens = codec.encode(self._chat_prompt(codec, model, body))
+            elif isinstance(body.prompt, str):
+                tokens = codec.encode(body.prompt)
+            else:
+                tokens = list(body.prompt)
+        except tokenizer.TokenizerError as exc:
+            raise DispatchError(400, str(exc)) from exc
+        if not tokens:
+            raise DispatchError(400, "the prompt encodes to no tokens")
         for name, ids in (("prompt", tokens), ("stop_token_ids", body.stop_token_ids)):
             outside = [t for t in ids if not 0 <= t < vocab]
             if outside:
@@ -104,17 +150,30 @@ class CompletionRunner:
             "top_k": body.top_k, "top_p": body.top_p, "seed": body.seed,
             "stop_token_ids": list(body.stop_token_ids),
         }  # fmt: skip
-        return Job(rid=f"cmpl-{secrets.token_hex(8)}", model=model, tokens=tokens, params=params)
+        prefix = "chatcmpl" if isinstance(body, ChatCompletionRequest) else "cmpl"
+        job = Job(rid=f"{prefix}-{secrets.token_hex(8)}", model=model, tokens=tokens,
+                  params=params)  # fmt: skip
+        return job, codec
+
+    @staticmethod
+    def _chat_prompt(codec, model: str, body: ChatCompletionRequest) -> str:
+        if codec.chat_template is None:
+            raise tokenizer.TokenizerError(
+                f"{model} has no chat template (no tokenizer_config.json with a chat_template "
+                f"in its directory): use /v1/completions with the prompt formatted by you"
+            )
+        return codec.render_chat([m.model_dump() for m in body.messages])
 
     def _failed(self, exc: DispatchError) -> JSONResponse:
         self.stats.errors += 1
         self.stats.client_errors += exc.status < 500
         return JSONResponse(error_body(exc.status, exc.message), status_code=exc.status)
 
-    async def handle(self, body: CompletionRequest, request: Request):
+    async def handle(self, body: CompletionRequest | ChatCompletionRequest, request: Request):
         self.stats.requests += 1
+        shape = ChatShape if isinstance(body, ChatCompletionRequest) else TextShape
         try:
-            job = self._job(body)
+            job, codec = self._job(body)
         except DispatchError as exc:
             return self._failed(exc)
         queue: asyncio.Queue = asyncio.Queue()
@@ -126,18 +185,18 @@ class CompletionRunner:
             return JSONResponse(error_body(499, "client went away"), status_code=499)
         if isinstance(first, DispatchError):
             return self._failed(first)
-        answer = Answer(body.stop_strings())
+        answer = Answer(body.stop_strings(), codec.stream())
         if body.stream:
-            return StreamingResponse(self._sse(job, first, queue, producer, answer),
+            return StreamingResponse(self._sse(job, first, queue, producer, answer, shape),
                                      media_type="text/event-stream")  # fmt: skip
         try:
-            return await self._collect(job, first, queue, request, producer, answer)
+            return await self._collect(job, first, queue, request, producer, answer, shape)
         except ClientGone:
             await self._cancel(producer)
             return JSONResponse(error_body(499, "client went away"), status_code=499)
 
     async def _collect(self, job: Job, first: dict, queue: asyncio.Queue, request: Request,
-                       producer: asyncio.Task, answer: Answer):  # fmt: skip
+                       producer: asyncio.Task, answer: Answer, shape):  # fmt: skip
         """A whole answer as one JSON document."""
         event, text = first, []
         while event["type"] != "done":
@@ -152,10 +211,9 @@ class CompletionRunner:
         text.append(answer.finish())
         self._finished(answer.tokens)
         return {
-            "id": job.rid, "object": "text_completion", "created": int(time.time()),
+            "id": job.rid, "object": shape.object, "created": int(time.time()),
             "model": job.model,
-            "choices": [{"index": 0, "text": "".join(text), "token_ids": answer.tokens,
-                         "finish_reason": event["finish_reason"]}],
+            "choices": [shape.choice("".join(text), answer.tokens, event["finish_reason"])],
             "usage": self._usage(job, answer.tokens), "kvrelay": self._info(first, event),
         }  # fmt: skip
 
@@ -208,13 +266,15 @@ class CompletionRunner:
                 "prefill_timings": first.get("prefill_timings", {})}  # fmt: skip
 
     async def _sse(self, job: Job, first: dict, queue: asyncio.Queue, producer: asyncio.Task,
-                   answer: Answer):  # fmt: skip
+                   answer: Answer, shape):  # fmt: skip
         created = int(time.time())
+        sent = [0]
 
         def chunk(text: str, batch: list[int], finish_reason=None, **extra) -> str:
-            data = {"id": job.rid, "object": "text_completion", "created": created,
-                    "model": job.model, "choices": [{"index": 0, "text": text,
-                    "token_ids": batch, "finish_reason": finish_reason}]} | extra  # fmt: skip
+            choice = shape.delta(text, batch, finish_reason, first=sent[0] == 0)
+            sent[0] += 1
+            data = {"id": job.rid, "object": shape.chunk_object, "created": created,
+                    "model": job.model, "choices": [choice]} | extra  # fmt: skip
             return f"data: {json.dumps(data)}\n\n"
 
         def last(event: dict) -> str:

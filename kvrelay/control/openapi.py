@@ -54,6 +54,7 @@ COMPLETION = {
     503: _error("No worker available, or every one stayed busy until the deadline"),
     504: _error("The request timed out"),
 }
+CHAT = COMPLETION | {400: _error("The body is invalid, or the model has no chat template")}
 METRICS = {
     200: {
         "description": "Prometheus text exposition format",

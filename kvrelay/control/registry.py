@@ -85,6 +85,7 @@ class Node:
     free_pages: int = 0
     inflight: int = 0  # requests control has open on this node right now
     counters: dict[str, float] = field(default_factory=dict)
+    model_dir: str = ""  # where the worker loads the model (tokenizer files), if sent
 
     @property
     def load(self) -> int:
@@ -129,7 +130,7 @@ class Registry:
 
     def register(self, *, role: str, address: str, model: str, namespace: bytes,
                  page_size: int, vocab_size: int, tp: int, pp: int, num_pages: int,
-                 cache: bool) -> Node:  # fmt: skip
+                 cache: bool, model_dir: str = "") -> Node:  # fmt: skip
         # A worker restarted on the same address replaces its old entry.
         for old in [n for n in self.nodes.values() if n.address == address and n.role == role]:
             self._remove(old.node_id, "deregistered")
@@ -140,6 +141,7 @@ class Registry:
             page_size=page_size, vocab_size=vocab_size, tp=tp, pp=pp, num_pages=num_pages,
             cache=cache, registered_at=now, last_heartbeat=now,
             estimate=PageEstimate(min(num_pages, MAX_ESTIMATE_PAGES)), free_pages=num_pages,
+            model_dir=model_dir,
         )  # fmt: skip
         self.nodes[node_id] = node
         self.capacity_changed()
@@ -201,7 +203,8 @@ class Registry:
         for node in self.nodes.values():
             entry = models.setdefault(
                 node.model, {"vocab_size": node.vocab_size, "prefill": 0, "decode": 0,
-                             "namespace": node.namespace, "page_size": node.page_size},
+                             "namespace": node.namespace, "page_size": node.page_size,
+                             "model_dir": node.model_dir},
             )  # fmt: skip
             entry["vocab_size"] = min(entry["vocab_size"], node.vocab_size)
             if node.state == "live":

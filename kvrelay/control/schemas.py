@@ -77,6 +77,9 @@ class NodeRegistration(_Lenient):
     pp: int_in(ge=1, le=1024) = 1
     num_pages: Positive
     cache: bool = False
+    # The worker's model directory: control reads its tokenizer files there
+    # (text prompts, chat); empty: the byte tokenizer.
+    model_dir: str = Field("", max_length=4096)
 
     @field_validator("address")
     @classmethod
@@ -102,26 +105,29 @@ TokenId = int_in(ge=0, le=MAX_TOKEN_ID)
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
+def _same(value, allowed) -> bool:
+    """JSON equality: True is not 1, 0 is 0.0."""
+    if allowed is None or isinstance(allowed, bool):
+        return value is allowed
+    if isinstance(allowed, int | float):
+        return isinstance(value, int | float) and not isinstance(value, bool) and value == allowed
+    return type(value) is type(allowed) and value == allowed
+
+
 def _only(value, allowed: tuple, message: str):
     """An OpenAI parameter kvrelay does not implement: accepted only at the
     value that means "off", refused with the reason otherwise."""
-    # True == 1 and False == 0 in Python: a boolean is only what a boolean allows.
-    is_bool = isinstance(value, bool)
-    if value not in allowed or is_bool != any(isinstance(a, bool) for a in allowed):
+    if not any(_same(value, a) for a in allowed):
         raise ValueError(f"{message} (got {value!r})")
     return _integral(value)
 
 
-class CompletionRequest(_Strict):
-    """OpenAI's completion fields: each one works, or (n, best_of, logprobs,
-    echo, suffix, penalties, logit_bias) is accepted only at its "off" value
-    and refused with the reason otherwise; an unknown field is refused."""
+class _Sampling(_Strict):
+    """The fields completions and chat share: each one works, or (n,
+    penalties, logit_bias) is accepted only at its "off" value and refused
+    with the reason otherwise; an unknown field is refused."""
 
     model: str | None = None
-    prompt: (
-        Annotated[str, Field(min_length=1)]
-        | Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
-    )
     max_tokens: Int = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float = Field(0.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -132,17 +138,47 @@ class CompletionRequest(_Strict):
     stream: bool = False
     user: str | None = Field(None, max_length=256)  # the client's own tag; not used
     n: Literal[1] = 1
-    best_of: Literal[1] | None = None
-    logprobs: None = None
-    echo: Literal[False] = False
-    suffix: None = None
     presence_penalty: Literal[0] = 0
     frequency_penalty: Literal[0] = 0
     logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
 
-    @field_validator("n", "best_of", mode="before")
+    @field_validator("n", mode="before")
     @classmethod
     def _one_choice(cls, value):
+        return _only(value, (1,), "only one choice per request is supported (n=1)")
+
+    @field_validator("presence_penalty", "frequency_penalty", mode="before")
+    @classmethod
+    def _penalty(cls, value):
+        return _only(value, (0, 0.0), "penalties are not supported; send 0 or leave it out")
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias(cls, value):
+        return _only(value, (None, {}), "logit_bias is not supported")
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(_Sampling):
+    """`/v1/completions`: a text or token-id prompt; best_of, logprobs, echo
+    and suffix only at their "off" value."""
+
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+    )
+    best_of: Literal[1] | None = None
+    logprobs: None = None
+    echo: Literal[False] = False
+    suffix: None = None
+
+    @field_validator("best_of", mode="before")
+    @classmethod
+    def _best_of(cls, value):
         return _only(value, (1, None), "only one choice per request is supported (n=1)")
 
     @field_validator("logprobs", "suffix", mode="before")
@@ -154,16 +190,6 @@ class CompletionRequest(_Strict):
     @classmethod
     def _echo(cls, value):
         return _only(value, (False,), "echo is not supported; send false or leave it out")
-
-    @field_validator("presence_penalty", "frequency_penalty", mode="before")
-    @classmethod
-    def _penalty(cls, value):
-        return _only(value, (0, 0.0), "penalties are not supported; send 0 or leave it out")
-
-    @field_validator("logit_bias", mode="before")
-    @classmethod
-    def _logit_bias(cls, value):
-        return _only(value, (None, {}), "logit_bias is not supported")
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -177,10 +203,29 @@ class CompletionRequest(_Strict):
             raise ValueError("prompt token ids must not be negative")
         return value
 
-    def stop_strings(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str = Field(max_length=1 << 22)
+
+
+class ChatCompletionRequest(_Sampling):
+    """`/v1/chat/completions`: messages through the model's chat template;
+    logprobs and top_logprobs only at their "off" value."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
+    logprobs: Literal[False] | None = None
+    top_logprobs: None = None
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs(cls, value):
+        return _only(value, (False, None), "logprobs are not supported; send false or null")
+
+    @field_validator("top_logprobs", mode="before")
+    @classmethod
+    def _top_logprobs(cls, value):
+        return _only(value, (None,), "top_logprobs are not supported; send null")
 
 
 class FlushRequest(_Strict):

@@ -1,10 +1,12 @@
 """`kvrelay make-model`: a random Llama or Qwen2 model in Hugging Face format.
 
-Writes `config.json` and the weights as safetensors (one file, or shards
-with a `model.safetensors.index.json`), loadable by this runner and by
-transformers alike. Weights are N(0, std) with std 0.05 by default, large
-enough that greedy decoding of a tiny model does not settle into a short loop
-that would hide errors; norm weights are 1 + N(0, 0.1) so they are exercised.
+Writes `config.json`, a byte-level `tokenizer.json` with a chat template
+(`tokenizer_files.py`; vocabularies of 256 or more) and the weights as
+safetensors (one file, or shards with a `model.safetensors.index.json`),
+loadable by this runner and by transformers alike. Weights are N(0, std)
+with std 0.05 by default, large enough that greedy decoding of a tiny model
+does not settle into a short loop that would hide errors; norm weights are
+1 + N(0, 0.1) so they are exercised.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvrelay.model.config import TORCH_DTYPES
+from kvrelay.model.tokenizer_files import write_tokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +153,7 @@ def write_model(directory: str | Path, spec: RandomModelSpec) -> Path:
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(spec.config_json(), indent=2) + "\n")
+    write_tokenizer(root, spec.vocab)  # byte-level; none below 256 tokens
     tensors = random_weights(spec)
     metadata = {"format": "pt"}
     if spec.shards == 1:

@@ -14,6 +14,7 @@ import contextlib
 import functools
 import json
 import logging
+from pathlib import Path
 
 from kvrelay import rpc
 from kvrelay.model.config import ModelConfig
@@ -107,6 +108,7 @@ class WorkerFront:
             "cp": c.cp,
             "num_pages": c.num_pages,
             "cache": bool(c.cache),
+            "model_dir": str(Path(c.model_dir).resolve()),  # control reads the tokenizer
         }
 
     def ready_line(self) -> str:

@@ -77,12 +77,14 @@ class FakeWorker:
     """
 
     def __init__(self, role: str, control_url: str, *, model="fake", vocab=512, page_size=4,
-                 num_pages=64, namespace=NAMESPACE, token=TOKEN, batch=2) -> None:  # fmt: skip
+                 num_pages=64, namespace=NAMESPACE, token=TOKEN, batch=2,
+                 model_dir="") -> None:  # fmt: skip
         self.role = role
         self.control_url = control_url
         self.model, self.vocab, self.page_size = model, vocab, page_size
         self.num_pages, self.namespace, self.token = num_pages, namespace, token
         self.batch = batch  # tokens per decode frame
+        self.model_dir = model_dir
         self.mode = "ok"
         self.delay = 0.0
         self.queued = 0
@@ -121,7 +123,7 @@ class FakeWorker:
             "role": self.role, "address": self.address, "model": self.model,
             "namespace": self.namespace.hex(), "page_size": self.page_size,
             "vocab_size": self.vocab, "tp": 1, "pp": 1, "num_pages": self.num_pages,
-            "cache": False,
+            "cache": False, "model_dir": self.model_dir,
         })  # fmt: skip
         reply.raise_for_status()
         self.node_id = reply.json()["node_id"]

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis.generation.modes import GenerationMode
 
 from kvrelay.control.app import ControlConfig, create_app
+from kvrelay.model.tokenizer_files import write_tokenizer
 from tests.control.conftest import AUTH
 
 OPERATIONS = [
@@ -25,19 +26,22 @@ def check(operation, mode: GenerationMode, headers: dict) -> None:
     @settings(max_examples=EXAMPLES, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))  # fmt: skip
     def run(case):
-        case.call_and_validate(headers=headers)
+        # A generous timeout: the shared machine runs at a load of 20 and more.
+        case.call_and_validate(headers=headers, timeout=60)
 
     run()
 
 
 @pytest.mark.parametrize(("method", "path", "has_inputs"), OPERATIONS)
-def test_openapi_tells_the_truth(cluster, method, path, has_inputs):
+def test_openapi_tells_the_truth(cluster, tmp_path, method, path, has_inputs):
     # Slow heartbeats: a node registered by a generated body stays registered
     # for the whole run; a vocabulary of 2^31 makes every token id in the
-    # schema's range valid for the served model.
-    control = cluster.control(heartbeat_s=30.0)
+    # schema's range valid for the served model; make-model's tokenizer and
+    # chat template serve text and chat.
+    write_tokenizer(tmp_path, 256)
+    control = cluster.control(heartbeat_s=30.0, request_timeout_s=120.0)
     for role in ("prefill", "decode"):
-        cluster.worker(role, vocab=1 << 31, batch=4096)
+        cluster.worker(role, vocab=1 << 31, batch=4096, model_dir=str(tmp_path))
     operation = schemathesis.openapi.from_url(f"{control.url}/openapi.json")[path][method]
     modes = [GenerationMode.POSITIVE] + [GenerationMode.NEGATIVE] * has_inputs
     for mode in modes:
