@@ -107,25 +107,32 @@ def test_another_tenants_salt_never_hits(small_cluster, chaos_model):
         config = CacheClientConfig(tuple(small_cluster.cache_addresses),
                                    small_cluster.config.token)  # fmt: skip
         local = agent.allocate_arena(4 * pb)
+        clients = []
         try:
             local.tensor.copy_(torch.randint(0, 255, (4 * pb,), dtype=torch.uint8))
-            written = await CacheClient(agent, spec_a, rect, config).write(
+            writer = CacheClient(agent, spec_a, rect, config)
+            clients.append(writer)
+            written = await writer.write(
                 spec_a.page_keys(tokens), local, [i * pb for i in range(4)]
             )
             assert written == 4
             mine = local.tensor.clone()
             local.tensor.zero_()
             other = CacheClient(agent, spec_b, rect, config)
+            clients.append(other)
             assert (
                 await other.lookup(spec_b.page_keys(tokens), local, [i * pb for i in range(4)]) == 0
             )
             assert int(local.tensor.count_nonzero()) == 0
             same = CacheClient(agent, spec_a, rect, config)
+            clients.append(same)
             assert (
                 await same.lookup(spec_a.page_keys(tokens), local, [i * pb for i in range(4)]) == 4
             )
             assert torch.equal(local.tensor, mine)
         finally:
+            for client in clients:  # their server connections, before the agent
+                await client.close()
             await agent.close()
 
     run(scenario())
