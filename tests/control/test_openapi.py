@@ -36,8 +36,7 @@ def check(operation, mode: GenerationMode, headers: dict) -> None:
 def test_openapi_tells_the_truth(cluster, tmp_path, method, path, has_inputs):
     # Slow heartbeats (expiry after 15 min): neither the fake workers (their
     # heartbeats can time out at a load of 20) nor a node registered by a
-    # generated body expire during the run
-    # for the whole run; a vocabulary of 2^31 makes every token id in the
+    # generated body expire during the run; a vocabulary of 2^31 makes every token id in the
     # schema's range valid for the served model; make-model's tokenizer and
     # chat template serve text and chat.
     write_tokenizer(tmp_path, 256)
