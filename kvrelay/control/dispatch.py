@@ -223,7 +223,7 @@ class Dispatcher:
             except WorkerRejected as exc:
                 job.waiting = False
                 if exc.error == "RequestError":
-                    raise DispatchError(400, f"rejected by {node.node_id}: {exc}") from None
+                    raise DispatchError(400, f"rejected by {node.node_id}: {exc}") from exc
                 rejected = exc  # PoolExhausted: another worker may have a bigger pool
                 continue
             except WorkerError as exc:
@@ -303,11 +303,11 @@ class Dispatcher:
                     raise DispatchError(
                         502, f"decode {node.node_id} failed after {streamed} tokens: {exc}",
                         streamed=True,
-                    ) from None  # fmt: skip
+                    ) from exc  # fmt: skip
                 if isinstance(exc, WorkerRejected):
                     if exc.error == "RequestError":
                         raise DispatchError(400, f"rejected by {node.node_id}: {exc}",
-                                            streamed=True) from None  # fmt: skip
+                                            streamed=True) from exc  # fmt: skip
                     last = str(exc)
                     continue
                 self._fault(node, exc, budget, "decode")

@@ -34,12 +34,13 @@ def check(operation, mode: GenerationMode, headers: dict) -> None:
 
 @pytest.mark.parametrize(("method", "path", "has_inputs"), OPERATIONS)
 def test_openapi_tells_the_truth(cluster, tmp_path, method, path, has_inputs):
-    # Slow heartbeats: a node registered by a generated body stays registered
-    # for the whole run; a vocabulary of 2^31 makes every token id in the
+    # Slow heartbeats (expiry after 15 min): neither the fake workers (their
+    # heartbeats can time out at a load of 20) nor a node registered by a
+    # generated body expire during the run; a vocabulary of 2^31 makes every token id in the
     # schema's range valid for the served model; make-model's tokenizer and
     # chat template serve text and chat.
     write_tokenizer(tmp_path, 256)
-    control = cluster.control(heartbeat_s=30.0, request_timeout_s=120.0)
+    control = cluster.control(heartbeat_s=300.0, request_timeout_s=120.0)
     for role in ("prefill", "decode"):
         cluster.worker(role, vocab=1 << 31, batch=4096, model_dir=str(tmp_path))
     operation = schemathesis.openapi.from_url(f"{control.url}/openapi.json")[path][method]
