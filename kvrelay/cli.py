@@ -72,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvrelay.bench import cp as cp_bench
     from kvrelay.bench import model as model_bench
     from kvrelay.bench import scale as scale_bench
+    from kvrelay.bench import sglang as sglang_bench
     from kvrelay.bench import spec as spec_bench
     from kvrelay.chaos import bench as chaos_bench
 
@@ -85,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("cp", cp_bench, "prefill time of a long prompt at CP=1 vs CP=2, in one run"),
         ("spec", spec_bench,
          "decode tokens/s with and without MTP speculation, acceptance; CP prefill"),
+        ("sglang", sglang_bench,
+         "pages/s and GB/s of kvrelay's SGLang HiCache backend vs SGLang's HiCacheFile"),
         ("scale", scale_bench,
          "per-phase time and memory of a request against its cached context, vs the floor"),
     ):  # fmt: skip

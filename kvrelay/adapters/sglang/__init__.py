@@ -9,5 +9,7 @@ SGLang loads it through its `dynamic` storage backend:
 `config` parses the extra config, `identity` maps SGLang's model, rank and page
 keys onto kvrelay's unified layout, `pool_io` moves a rank's rectangle between
 SGLang's host pool and unified pages, and `storage` is the `HiCacheStorage`
-subclass (the only module that imports SGLang).
+subclass (with `harness`, the real host pools and cache server processes that
+the tests and `kvrelay bench sglang` drive it with, the only modules that import
+SGLang).
 """

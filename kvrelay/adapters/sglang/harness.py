@@ -1,0 +1,167 @@
+"""Real SGLang pieces on a CPU-only torch, for the adapter tests and `kvrelay bench sglang`.
+
+Host pools built as SGLang's cache controller builds them, the backend created
+through SGLang's `StorageBackendFactory`, and `kvrelay launch cache` servers in
+processes of their own. Importing this module imports SGLang (ImportError when
+it is not installed: `make sglang-deps`).
+
+SGLang's storage and host-pool modules import `sglang.srt.configs`, which
+imports torchvision for multimodal preprocessing. The torchvision wheel on the
+package index is a CUDA build whose C++ ops cannot load beside CPU torch, and
+its Python side then registers fake kernels for two ops it never declared
+(`torchvision::nms`, `qnms`) and fails. Declaring those two schemas first lets
+the rest of torchvision import; nothing here calls them.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import signal
+import subprocess
+import sys
+import warnings
+
+import torch
+
+
+def _import_torchvision() -> None:
+    try:
+        import torchvision
+    except RuntimeError as exc:
+        if "torchvision::nms" not in str(exc):
+            raise
+        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[name]
+        schema = "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor"
+        for op in ("nms", "qnms"):
+            torch.library.define(f"torchvision::{op}", schema)
+        import torchvision  # noqa: F401
+
+
+# SGLang's import warns about CUDA-only quantizers and deprecated torch APIs;
+# the test suite turns warnings into errors, so they are silenced for the import only.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    _import_torchvision()
+    from sglang.srt.mem_cache.device_pool_info import (
+        KVBufferLayout,
+        KVBuffers,
+        MHABufferInfo,
+        MLABufferInfo,
+    )
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    import kvrelay.adapters.sglang.storage  # noqa: F401  (imports SGLang's observability)
+
+__all__ = ["HiCacheFile", "HiCacheStorageConfig"]
+
+TOKEN = "sglang-adapter-test"
+DEVICE_TOKENS = 64  # device pool size the host pool is sized against
+
+
+def _ptrs(tensors) -> torch.Tensor:
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64)
+
+
+def mha_pool(layout, *, heads, layers, start_layer, page_size, head_dim, dtype, groups=1,
+             device_tokens=DEVICE_TOKENS):  # fmt: skip
+    """A real MHATokenToKVPoolHost on CPU for one rank (its heads and layers),
+    of twice `device_tokens` tokens."""
+    k = tuple(torch.zeros(device_tokens, heads, head_dim, dtype=dtype) for _ in range(layers))
+    v = tuple(torch.zeros(device_tokens, heads, head_dim, dtype=dtype) for _ in range(layers))
+    info = MHABufferInfo(
+        buffers=KVBuffers(k=k, v=v, k_data_ptrs=_ptrs(k), v_data_ptrs=_ptrs(v),
+                          layout=KVBufferLayout.NHD),
+        page_size=page_size, head_num=heads, head_dim=head_dim, v_head_dim=head_dim,
+        dtype=dtype, device=torch.device("cpu"),
+    )  # fmt: skip
+    return MHATokenToKVPoolHost(
+        info, 2.0, 0, page_size, layout, pin_memory=False, device="cpu",
+        device_capacity_tokens=device_tokens, start_layer=start_layer,
+        end_layer=start_layer + layers, head_group_num=groups,
+    )  # fmt: skip
+
+
+def mla_pool(layout, *, layers, start_layer, page_size, width, dtype):
+    """A real MLATokenToKVPoolHost on CPU (latent rows of `width`, rope included)."""
+    rows = tuple(torch.zeros(DEVICE_TOKENS, 1, width, dtype=dtype) for _ in range(layers))
+    info = MLABufferInfo(
+        buffers=rows, data_ptrs=_ptrs(rows), layer_indices=tuple(range(layers)),
+        device_layer_num=layers, page_size=page_size, kv_lora_rank=width - 4,
+        qk_rope_head_dim=4, kv_cache_dim=width, dtype=dtype, device=torch.device("cpu"),
+    )  # fmt: skip
+    return MLATokenToKVPoolHost(
+        info, 2.0, 0, page_size, layout, pin_memory=False, device="cpu",
+        device_capacity_tokens=DEVICE_TOKENS, start_layer=start_layer,
+        end_layer=start_layer + layers, target_layer_num=layers,
+    )  # fmt: skip
+
+
+def storage_config(*, tp=1, tp_rank=0, pp=1, pp_rank=0, mla=False, layout="", extra=None,
+                   model_name="test/tiny-model"):  # fmt: skip
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp, pp_rank=pp_rank, pp_size=pp, attn_cp_rank=0,
+        attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=False,
+        is_page_first_layout=layout == "page_first", model_name=model_name,
+        extra_config=dict(extra or {}),
+    )  # fmt: skip
+
+
+def dynamic_extra(servers, **identity) -> dict:
+    """The extra config of the README's launch line, for these servers."""
+    return {
+        "backend_name": "kvrelay",
+        "module_path": "kvrelay.adapters.sglang.storage",
+        "class_name": "KvrelayHiCacheStorage",
+        "interface_v1": 1,
+        "servers": [s.address for s in servers],
+        "token": TOKEN,
+        "backend": "tcp",
+        "timeout_s": 3.0,
+        "staging_pages": 3,  # smaller than a call, so calls span several chunks
+        **identity,
+    }
+
+
+def create_backend(config, pool):
+    """As SGLang's cache controller does: the factory, then the host pool."""
+    backend = StorageBackendFactory.create_backend("dynamic", config, None)
+    backend.register_mem_pool_host(pool)
+    return backend
+
+
+def sglang_keys(tokens, page_size) -> list[str]:
+    return get_hash_str(tokens, None, page_size=page_size)
+
+
+class CacheServerProcess:
+    """`kvrelay launch cache` in a process of its own, for pages of `page_bytes`."""
+
+    def __init__(self, page_bytes: int, pages: int = 64) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "kvrelay.cli", "launch", "cache", "--token", TOKEN,
+             "--page-bytes", str(page_bytes), "--arena-gb", str(pages * page_bytes / (1 << 30)),
+             "--listen", "127.0.0.1:0", "--backend", "tcp"],
+            stdout=subprocess.PIPE,
+        )  # fmt: skip
+        ready, _, _ = select.select([self.process.stdout], [], [], 60)
+        if not ready:
+            self.process.kill()
+            raise RuntimeError("cache server did not start within 60 s")
+        self.address = json.loads(self.process.stdout.readline())["listen"]
+
+    def stop(self, sig=signal.SIGTERM) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        self.process.stdout.close()

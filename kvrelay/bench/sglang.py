@@ -1,0 +1,216 @@
+"""`kvrelay bench sglang`: pages/s and GB/s of kvrelay's SGLang HiCache backend
+against SGLang's own `HiCacheFile`, on the same pages in one run.
+
+Both are driven as SGLang's cache controller drives them, over real
+`MHATokenToKVPoolHost` pools on CPU holding identical pages: kvrelay through
+`batch_set_v1` / `batch_get_v1` (created by SGLang's `StorageBackendFactory`
+with the dynamic config, against `kvrelay launch cache` processes), HiCacheFile
+through its generic path (it has no v1 calls): `get_data_page` + `batch_set`,
+`batch_get` into flat pages + `set_from_flat_data_page`. Each run writes fresh
+keys (HiCacheFile skips a key already on disk); before each get the pool is
+zeroed and after it every byte must equal what was set. HiCacheFile's files sit
+in a temporary directory, so its gets are likely served from the page cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+
+import torch
+
+from kvrelay.bench.stats import Summary, format_table, machine_info, write_json
+
+ROWS = ("kvrelay set", "kvrelay get", "HiCacheFile set", "HiCacheFile get")
+MODEL = "bench/sglang-hicache"
+
+
+def _import_harness():
+    try:
+        from kvrelay.adapters.sglang import harness
+    except ImportError as exc:
+        raise SystemExit(
+            f"kvrelay bench sglang: SGLang cannot be imported ({exc}); install it with "
+            "`make sglang-deps` and run with PYTHONPATH=.venv-sglang"
+        ) from None
+    return harness
+
+
+def _pool(h, args):
+    pool = h.mha_pool(args.layout, heads=args.heads, layers=args.layers, start_layer=0,
+                      page_size=args.page_size, head_dim=args.head_dim, dtype=torch.bfloat16,
+                      device_tokens=args.pages * args.page_size)  # fmt: skip
+    if pool.size < args.pages * args.page_size:
+        raise SystemExit(f"kvrelay bench sglang: host pool of {pool.size} tokens is too small")
+    return pool
+
+
+class _Pages:
+    """The pages of one pool: the bytes written, zeroing and the check after a get."""
+
+    def __init__(self, pool, pages: int, seed: int = 0) -> None:
+        self.pool, self.pages, self.checked = pool, pages, 0
+        g = torch.Generator().manual_seed(seed)
+        pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=g))
+        self.truth = [self._page(i).clone() for i in range(pages)]
+
+    def _page(self, i: int) -> torch.Tensor:
+        return self.pool.get_data_page(i * self.pool.page_size).view(torch.uint8)
+
+    def zero(self) -> None:
+        self.pool.kv_buffer.view(torch.uint8).zero_()
+
+    def check(self, who: str) -> None:
+        """Every byte of every page as it was set (the pool was zeroed before the get)."""
+        for i, want in enumerate(self.truth):
+            if not torch.equal(self._page(i), want):
+                wrong = int((self._page(i) != want).sum())
+                raise RuntimeError(
+                    f"kvrelay bench sglang: {who} get: page {i} has {wrong} wrong bytes"
+                )
+        self.checked += self.pages
+
+
+def _batches(keys, page_size, batch):
+    for i in range(0, len(keys), batch):
+        chunk = keys[i : i + batch]
+        yield chunk, torch.arange(i * page_size, (i + len(chunk)) * page_size, dtype=torch.int64)
+
+
+def _kvrelay_set(backend, keys, args) -> None:
+    for chunk, idx in _batches(keys, args.page_size, args.batch):
+        if not all(backend.batch_set_v1(chunk, idx)):
+            raise RuntimeError(
+                f"kvrelay bench sglang: kvrelay batch_set_v1 failed ({backend.stats})"
+            )
+
+
+def _kvrelay_get(backend, keys, args) -> None:
+    for chunk, idx in _batches(keys, args.page_size, args.batch):
+        if not all(backend.batch_get_v1(chunk, idx)):
+            raise RuntimeError(
+                f"kvrelay bench sglang: kvrelay batch_get_v1 missed ({backend.stats})"
+            )
+
+
+def _file_set(backend, pool, keys, args) -> None:
+    for chunk, idx in _batches(keys, args.page_size, args.batch):
+        data = [pool.get_data_page(int(idx[i * args.page_size])) for i in range(len(chunk))]
+        if not backend.batch_set(chunk, data):
+            raise RuntimeError("kvrelay bench sglang: HiCacheFile batch_set failed")
+
+
+def _file_get(backend, pool, keys, args) -> None:
+    for chunk, idx in _batches(keys, args.page_size, args.batch):
+        pages = backend.batch_get(chunk, [pool.get_dummy_flat_data_page() for _ in chunk])
+        for i, page in enumerate(pages):
+            if page is None:
+                raise RuntimeError(f"kvrelay bench sglang: HiCacheFile missed {chunk[i]}")
+            pool.set_from_flat_data_page(int(idx[i * args.page_size]), page)
+
+
+def _timed(fn, *fn_args) -> float:
+    start = time.perf_counter()
+    fn(*fn_args)
+    return time.perf_counter() - start
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """`args.runs` runs of set then get of `args.pages` pages through both backends."""
+    h = _import_harness()
+    page_bytes = 2 * args.layers * args.page_size * args.heads * args.head_dim * 2
+    seconds: dict[str, list[float]] = {row: [] for row in ROWS}
+    load_before = os.getloadavg()
+    with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
+        servers = []
+        for _ in range(args.servers):  # each holds every run's pages: the hash spreads unevenly
+            server = h.CacheServerProcess(page_bytes, pages=args.pages * args.runs + 64)
+            stack.callback(server.stop)
+            servers.append(server)
+        identity = {"model_id": MODEL, "num_layers": args.layers, "num_kv_heads": args.heads}
+        extra = h.dynamic_extra(servers, **identity) | {
+            "timeout_s": args.timeout_s, "staging_pages": args.batch}  # fmt: skip
+        kv_pool, file_pool = _pool(h, args), _pool(h, args)
+        kv_pages, file_pages = _Pages(kv_pool, args.pages), _Pages(file_pool, args.pages)
+        config = h.storage_config(layout=args.layout, extra=extra, model_name=MODEL)
+        kv = h.create_backend(config, kv_pool)
+        stack.callback(kv.close)
+        file_config = h.storage_config(layout=args.layout, model_name=MODEL,
+                                       extra={"file_storage_path": tmp})  # fmt: skip
+        hicache_file = h.HiCacheFile(file_config, file_path=tmp)
+        for run in range(args.runs):
+            g = torch.Generator().manual_seed(1 + run)
+            tokens = torch.randint(0, 150_000, (args.pages * args.page_size,), generator=g)
+            keys = h.sglang_keys(tokens.tolist(), args.page_size)
+            seconds["kvrelay set"].append(_timed(_kvrelay_set, kv, keys, args))
+            seconds["HiCacheFile set"].append(
+                _timed(_file_set, hicache_file, file_pool, keys, args)
+            )
+            kv_pages.zero()
+            seconds["kvrelay get"].append(_timed(_kvrelay_get, kv, keys, args))
+            kv_pages.check("kvrelay")
+            file_pages.zero()
+            seconds["HiCacheFile get"].append(
+                _timed(_file_get, hicache_file, file_pool, keys, args)
+            )
+            file_pages.check("HiCacheFile")
+    rows = {}
+    for row, times in seconds.items():
+        base = seconds["HiCacheFile " + row.split()[-1]]
+        rows[row] = {
+            "seconds": Summary.of(times).to_json(),
+            "pages_per_s": Summary.of([args.pages / t for t in times]).to_json(),
+            "gb_per_s": Summary.of([args.pages * page_bytes / t / 1e9 for t in times]).to_json(),
+            "x_hicache_file": Summary.of([b / t for b, t in zip(base, times, strict=True)]),
+        }
+        rows[row]["x_hicache_file"] = rows[row]["x_hicache_file"].to_json()
+    return {
+        "page_bytes": page_bytes,
+        "load_average": {"before": load_before, "after": os.getloadavg()},
+        "byte_check": {"kvrelay_pages": kv_pages.checked, "hicache_file_pages": file_pages.checked},
+        "rows": rows,
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pages", type=int, default=256, help="pages per run")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per page")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=4, help="KV heads")
+    parser.add_argument("--head-dim", type=int, default=64)
+    layouts = ["layer_first", "page_first", "page_first_direct", "page_head"]
+    parser.add_argument("--layout", default="page_first", choices=layouts)
+    parser.add_argument("--batch", type=int, default=64, help="pages per backend call")
+    parser.add_argument("--servers", type=int, default=2, help="kvrelay cache server processes")
+    parser.add_argument("--timeout-s", type=float, default=60.0, help="kvrelay call bound")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--json", metavar="PATH", help="write the results here")
+
+
+def _cell(s: dict, fmt: str) -> str:
+    return f"{s['median']:{fmt}} [{s['min']:{fmt}}-{s['max']:{fmt}}]"
+
+
+def run(args: argparse.Namespace) -> dict:
+    sizes = (args.pages, args.page_size, args.layers, args.heads, args.head_dim, args.batch,
+             args.servers, args.runs)  # fmt: skip
+    if min(sizes) < 1:
+        raise SystemExit("kvrelay bench sglang: sizes, --batch, --servers and --runs must be >= 1")
+    result = measure(args)
+    table = [[row, _cell(r["pages_per_s"], ".0f"), _cell(r["gb_per_s"], ".3f"),
+              _cell(r["x_hicache_file"], ".2f")] for row, r in result["rows"].items()]  # fmt: skip
+    load = result["load_average"]
+    print(f"{args.pages} pages of {result['page_bytes']} B ({args.layout}, {args.batch} per call), "
+          f"{args.runs} runs, {args.servers} cache servers (load average "
+          f"{load['before'][0]:.1f} before, {load['after'][0]:.1f} after)")  # fmt: skip
+    print(format_table(["", "pages/s", "GB/s", "x HiCacheFile"], table))
+    if args.json:
+        payload = {"benchmark": "sglang", "machine": machine_info(), "args": vars(args)} | result
+        payload["args"] = {k: v for k, v in payload["args"].items() if k != "func"}
+        write_json(args.json, payload)
+    sys.stdout.flush()
+    return result
