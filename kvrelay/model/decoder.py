@@ -55,6 +55,40 @@ class ForwardBatch:
     # index the whole batch.
     split: ContextSplit | None = None
 
+    @classmethod
+    def build(cls, pool: PagedKVPool, spans, all_rows: bool) -> ForwardBatch:
+        """The batch of positions [begin, end) of each span's sequence, whose
+        KV lives in `pages` of `pool`. spans: (pages, token ids of the span,
+        begin, end). Built on the CPU, then moved to the pool's device in one
+        place; `all_rows` False keeps only each span's last row's logits."""
+        ps = pool.page_size
+        token_ids, positions, slots, starts, lens, contexts, tables, last = ([] for _ in range(8))
+        row = 0
+        for pages, span_tokens, begin, end in spans:
+            token_ids.extend(span_tokens)
+            positions.append(torch.arange(begin, end, dtype=torch.int64))
+            slots.append(pool.slots(pages, end, start=begin))
+            starts.append(row)
+            lens.append(end - begin)
+            contexts.append(end)
+            tables.append(torch.as_tensor(pages[: -(-end // ps)], dtype=torch.int64))
+            row += end - begin
+            last.append(row - 1)
+        dev = pool.device
+        return cls(
+            token_ids=torch.tensor(token_ids, dtype=torch.int64).to(dev),
+            positions=torch.cat(positions).to(dev),
+            write_slots=torch.cat(slots).to(dev),
+            attention=AttentionBatch(
+                tuple(starts),
+                tuple(lens),
+                tuple(contexts),
+                tuple(t.to(dev) for t in tables),
+                page_size=ps,
+            ),
+            last_rows=None if all_rows else torch.tensor(last, dtype=torch.int64).to(dev),
+        )
+
 
 class DecoderShard:
     def __init__(

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import torch
 
 from kvrelay.layout import ModelKVSpec, ParallelConfig, page_keys
-from kvrelay.model.attention import AttentionBatch
 from kvrelay.model.context_parallel import split_batch
 from kvrelay.model.decoder import DecoderShard, ForwardBatch
 from kvrelay.model.errors import PoolExhausted, RequestError
@@ -365,35 +364,8 @@ class Engine:
         """One forward over tokens [begin, end) of each sequence (end - 1 is the
         last token whose KV gets written). `split`: the new tokens are shared
         out over the CP ranks (prefill); decode steps run whole on every rank."""
-        token_ids, positions, write_slots, starts, lens, contexts, tables, last = (
-            [] for _ in range(8)
-        )
-        ps, row = self.page_size, 0
-        for seq, begin, end in spans:
-            table = torch.as_tensor(seq.pages[: -(-end // ps)], dtype=torch.int64)
-            token_ids.extend(seq.tokens[begin:end])
-            positions.append(torch.arange(begin, end, dtype=torch.int64))
-            write_slots.append(self.pool.slots(seq.pages, end, start=begin))
-            starts.append(row)
-            lens.append(end - begin)
-            contexts.append(end)
-            tables.append(table)
-            row += end - begin
-            last.append(row - 1)
-        # Built on the CPU, then moved to the pool's device in one place.
-        dev = self.pool.device
-        batch = ForwardBatch(
-            token_ids=torch.tensor(token_ids, dtype=torch.int64).to(dev),
-            positions=torch.cat(positions).to(dev),
-            write_slots=torch.cat(write_slots).to(dev),
-            attention=AttentionBatch(
-                tuple(starts),
-                tuple(lens),
-                tuple(contexts),
-                tuple(t.to(dev) for t in tables),
-                page_size=ps,
-            ),
-            last_rows=None if all_rows else torch.tensor(last, dtype=torch.int64).to(dev),
+        batch = ForwardBatch.build(
+            self.pool, ((s.pages, s.tokens[b:e], b, e) for s, b, e in spans), all_rows
         )
         if split:
             batch = split_batch(batch, self.comm, self.parallel.cp, self.parallel.cp_rank)

@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 import torch
 
 from kvrelay.layout import ModelKVSpec, draft_page_keys
-from kvrelay.model.attention import AttentionBatch
 from kvrelay.model.decoder import ForwardBatch
 from kvrelay.model.mtp import MtpLayer
 
@@ -243,35 +242,12 @@ class SpecDecoder:
         """One MTP forward over draft slots [begin, end) of each row's sequence.
         rows: (seq, begin, end, previous hidden [end - begin, hidden][, tokens]);
         the tokens default to the sequence's tokens begin + 1 .. end."""
-        ps = self.page_size
-        token_ids, positions, slots, starts, lens, contexts, tables, last = ([] for _ in range(8))
-        hiddens, at = [], 0
+        spans, hiddens = [], []
         for seq, begin, end, hidden, *given in rows:
-            pages = seq.draft.pages
-            token_ids.extend(given[0] if given else seq.tokens[begin + 1 : end + 1])
-            positions.append(torch.arange(begin, end, dtype=torch.int64))
-            slots.append(self.pool.slots(pages, end, start=begin))
-            starts.append(at)
-            lens.append(end - begin)
-            contexts.append(end)
-            tables.append(torch.as_tensor(pages[: -(-end // ps)], dtype=torch.int64))
+            tokens = given[0] if given else seq.tokens[begin + 1 : end + 1]
+            spans.append((seq.draft.pages, tokens, begin, end))
             hiddens.append(hidden)
-            at += end - begin
-            last.append(at - 1)
-        dev = self.pool.device  # built on the CPU, moved in one place
-        batch = ForwardBatch(
-            token_ids=torch.tensor(token_ids, dtype=torch.int64).to(dev),
-            positions=torch.cat(positions).to(dev),
-            write_slots=torch.cat(slots).to(dev),
-            attention=AttentionBatch(
-                tuple(starts),
-                tuple(lens),
-                tuple(contexts),
-                tuple(t.to(dev) for t in tables),
-                page_size=ps,
-            ),
-            last_rows=None if all_rows else torch.tensor(last, dtype=torch.int64).to(dev),
-        )
+        batch = ForwardBatch.build(self.pool, spans, all_rows)
         return self.mtp.forward(torch.cat(hiddens), batch)
 
 
