@@ -66,8 +66,9 @@ def test_staging_rows_held_by_handles_hold_back_the_queue(pair):
     assert len(served) >= 3
     # The third waited for the first two handles' leases to run out.
     assert max(r["timings"]["queue_s"] for r in served) > 0.5
+    # Nine new pages can never fit eight staging rows: refused up front.
     too_big = asyncio.run(fc.prefill(addr(prefill), "big", prompt_tokens(9 * PAGE), fc.params()))
-    assert too_big["error"] == "PoolExhausted"
+    assert too_big["error"] == "StagingTooSmall"
 
     async def staging_free():
         return (await fc.call(addr(prefill), {"op": "stats"}))["stats"]["staging_free"]
