@@ -227,7 +227,13 @@ class Agent:
             peer = None
         if peer is None:
             peer = await self._connect(handle.agent)
-            self._peers[handle.agent] = peer
+            # Concurrent pulls from one agent may each have connected while
+            # the other awaited: keep the first peer, close the extra socket.
+            first = self._peers.setdefault(handle.agent, peer)
+            if first is not peer:
+                if peer.conn is not None:
+                    peer.conn.close()
+                peer = first
         if peer.agent_id != handle.agent_id:
             raise UnknownArena(f"the handle names an earlier instance of agent {handle.agent}")
         return peer
