@@ -10,11 +10,14 @@ import sys
 def _info(_: argparse.Namespace) -> None:
     from kvrelay.bench.stats import machine_info
     from kvrelay.cuda_ext import compiled_module
+    from kvrelay.transfer.calibrate import copy_plan
 
     module = compiled_module()
     info = machine_info() | {
         "compiled_module": getattr(module, "__file__", None),
         "compiled_with_cuda": bool(getattr(module, "with_cuda", False)),
+        # The same-host fast path's copy as this host measured it (cached per boot).
+        "fast_path_copy": copy_plan().to_json(),
     }
     print(json.dumps(info, indent=2))
 
