@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from kvrelay.model.engine import Request
 from kvrelay.model.page_export import export_prefix, import_prefix
 from kvrelay.transfer import BlockHandle
@@ -187,15 +189,18 @@ class PrefillRanks:
             return 0
         rows = self.rt.rows.take(window)
         position = local
+        # A view to slice per window in O(1) (a list slice copies the context).
+        tokens = np.asarray(tokens)
         try:
             while position < usable:
                 count = min(window, usable - position)
                 hit = self.rt.tier_lookup(keys[position : position + count], rows[:count])
                 if hit:
-                    # Pages before `position` are cached: their row ids are not read.
-                    ids = [rows[0]] * position + rows[:hit]
+                    # Pages before `position` are cached (earlier windows): only
+                    # this window's pages are read, matched and imported.
                     end = (position + hit) * self.ps
-                    import_prefix(self.engine, tokens[:end], self.rt.staging, ids, chain=keys)
+                    import_prefix(self.engine, tokens[:end], self.rt.staging, rows[:hit],
+                                  chain=keys, first_page=position)  # fmt: skip
                 position += hit
                 if hit < count:
                     break
