@@ -84,8 +84,8 @@ def test_draft_pages_from_cp2_prefill_handles(cluster, mtp_model):
     got = serve(cluster, "prefill_cp2_no_tier", prompt, "h1")
     drafts = [h for h in got["prefill"]["handles"] if h.get("draft")]
     assert sorted(p for h in drafts for p in h["pages"]) == [0, 1, 2]
-    pulled = got["done"]["pulled"]
-    assert pulled["draft_prefill_pages"] == 3 and pulled["draft_tier_pages"] == 0, pulled
+    pulled = got["done"]["draft_pulled"]
+    assert pulled == {"local_pages": 0, "tier_pages": 0, "prefill_pages": 3}
     assert got["tokens"] == tokens
     assert got["done"]["spec"] == spec
 
@@ -94,8 +94,8 @@ def test_draft_pages_written_by_tp2_prefill_through_the_tier(cluster, mtp_model)
     prompt = prompt_tokens(2 * PAGE + 9, seed=72)
     tokens, spec = cold(mtp_model, prompt)
     got = serve(cluster, "prefill_tp2", prompt, "t1")
-    pulled = got["done"]["pulled"]
-    assert pulled["draft_tier_pages"] == 2 and pulled["draft_prefill_pages"] == 0, pulled
+    pulled = got["done"]["draft_pulled"]
+    assert pulled == {"local_pages": 0, "tier_pages": 2, "prefill_pages": 0}
     assert got["tokens"] == tokens
     assert got["done"]["spec"] == spec
 
@@ -139,7 +139,7 @@ def test_zeroed_draft_pages_in_the_tier_change_the_counts(cluster, mtp_model):
     asyncio.run(write_to_tier(cluster["cache"], mtp_model, prompt, 2, draft="zero"))
     got = serve(cluster, "prefill_tp2", prompt, "z1")
     assert got["prefill"]["cached_tokens"]["tier"] == 2 * PAGE
-    assert got["done"]["pulled"]["draft_tier_pages"] == 2
+    assert got["done"]["draft_pulled"]["tier_pages"] == 2
     assert got["tokens"] == tokens  # verification is exact whatever the draft says
     assert got["done"]["spec"] != spec
 
@@ -152,6 +152,6 @@ def test_target_hit_draft_miss_recomputes_from_the_first_missing_draft_page(clus
     # Prefill found the target pages but not the draft's: it computed the
     # whole prompt, then staged and wrote the draft pages decode took.
     assert got["prefill"]["cached_tokens"]["tier"] == 0
-    assert got["done"]["pulled"]["draft_tier_pages"] == 2
+    assert got["done"]["draft_pulled"]["tier_pages"] == 2
     assert got["tokens"] == tokens
     assert got["done"]["spec"] == spec
