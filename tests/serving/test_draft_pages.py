@@ -1,5 +1,5 @@
 """Draft (MTP) pages through real workers and a real cache server: a
-speculating decode restores the draft's KV that prefill staged (P->D), or
+speculating decode restores the draft's KV that a CP=2 prefill staged (P->D), or
 that a TP=2 prefill wrote to the tier, and its proposed and accepted counts
 equal a cold run's; zeroed draft pages in the tier change them (the test can
 fail); target pages in the tier without their draft pages are recomputed.
@@ -42,13 +42,13 @@ def cluster(launch, control, mtp_model):
     page_bytes = spec_engine(mtp_model).spec.page_bytes
     cache = launch(*cache_args(page_bytes)).info["listen"]
 
-    def worker(role, k, cache=(cache,), tp=1):
-        extra = ["--speculative", k]
+    def worker(role, k, cache=(cache,), tp=1, cp=1):
+        extra = ["--speculative", k, *(["--cp", cp] if cp > 1 else [])]
         return launch(*worker_args(role, mtp_model, control, tp=tp, cache=cache, extra=extra))
 
     return {
         "cache": cache,
-        "prefill_no_tier": worker("prefill", 1, cache=()),
+        "prefill_cp2_no_tier": worker("prefill", 1, cache=(), cp=2),
         "prefill_tp2": worker("prefill", 1, tp=2),
         "decode": worker("decode", 2),
     }
@@ -76,10 +76,14 @@ def serve(cluster, prefill: str, prompt: list[int], rid: str) -> dict:
     return got
 
 
-def test_draft_pages_from_prefill_handles(cluster, mtp_model):
+def test_draft_pages_from_cp2_prefill_handles(cluster, mtp_model):
+    """A CP=2 prefill without a tier: each CP rank publishes the draft pages
+    it owns (i % 2), decode reads them all from the two handles."""
     prompt = prompt_tokens(3 * PAGE + 5, seed=71)
     tokens, spec = cold(mtp_model, prompt)
-    got = serve(cluster, "prefill_no_tier", prompt, "h1")
+    got = serve(cluster, "prefill_cp2_no_tier", prompt, "h1")
+    drafts = [h for h in got["prefill"]["handles"] if h.get("draft")]
+    assert sorted(p for h in drafts for p in h["pages"]) == [0, 1, 2]
     pulled = got["done"]["pulled"]
     assert pulled["draft_prefill_pages"] == 3 and pulled["draft_tier_pages"] == 0, pulled
     assert got["tokens"] == tokens
