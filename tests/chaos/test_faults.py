@@ -58,7 +58,7 @@ def oracle(chaos_model):
 
 
 def one_round(cluster, oracle, name: str, seed: int) -> dict:
-    faults = Faults(cluster, random.Random(seed))
+    faults = Faults(cluster, random.Random(f"{seed}:{name}"))  # fresh prompts per fault
     assert name in faults.names(), (name, faults.names())
     workload = Workload(cluster.control_url, oracle, seed=seed, deadline_s=30)
     row = FaultRow(name)
