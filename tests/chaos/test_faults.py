@@ -37,6 +37,10 @@ ALL_FAULTS = [
 ]  # fmt: skip
 
 
+# Faults that only fill a resource: every request must wait and complete.
+WAIT_NOT_FAIL = ("burst", "fill_cache", "full_staging", "full_decode_pool")
+
+
 @pytest.fixture(scope="module")
 def cluster(chaos_model, tmp_path_factory):
     if server_binary() is None:
@@ -79,6 +83,8 @@ def check(row: dict, seed: int) -> None:
     assert row["not_serving_after"] == row["problems_after"] == 0, (seed, row)
     assert row["completed_correct"] + row["failed_clear_error"] == row["requests"], (seed, row)
     assert row["completed_correct"] > 0, (seed, row)
+    if row["fault"] in WAIT_NOT_FAIL:  # backpressure: requests wait, none fails
+        assert row["failed_clear_error"] == 0, (seed, row)
 
 
 def test_random_faults_lose_nothing(cluster, oracle):
