@@ -105,6 +105,8 @@ async def run_chaos(args) -> dict:
             jobs.append(fault_worker(cluster, workload, rng, queue, rows, args, end))
         await asyncio.gather(*jobs)
         workload = Workload(fault_clusters[0].control_url, oracle, seed=args.seed)
+        for process in fault_clusters[0].workers():  # replacements still starting
+            await asyncio.to_thread(process.wait_ready, fault_clusters[0].config.ready_timeout_s)
         load = await load_run(fault_clusters[0], workload, args.load_requests, args.load_sessions)
         crashes = sum(sum(c.unhandled_errors().values()) for c in clusters)
     finally:
@@ -121,7 +123,7 @@ async def hostile_families(cluster: ChaosCluster, count: int, seed: int, end: fl
     cache_address = cluster.cache_addresses[0]
     arena = int(cluster.config.cache_gb / cluster.config.cache_servers * (1 << 30))
     cache, agent = await setup.cache_targets(cache_address, token, pb, arena)
-    _, fields = await setup.reserved_handle(cache_address, token, pb, b"\x42" * 32, 3600)
+    _, fields = await setup.reserved_handle(cache_address, token, pb, b"\x42" * 32, 300)
     prefill, decode = await setup.worker_targets(
         cluster.named("prefill")[0].ready["address"], cluster.named("decode")[0].ready["address"],
         token, 256, PAGE, fields["raw"])  # fmt: skip
