@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     benches = bench.add_subparsers(dest="bench", required=True)
     from kvrelay.bench import cache, layout, transfer
     from kvrelay.bench import cp as cp_bench
+    from kvrelay.bench import long_request as long_request_bench
     from kvrelay.bench import model as model_bench
     from kvrelay.bench import scale as scale_bench
     from kvrelay.bench import sglang as sglang_bench
@@ -90,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
          "pages/s and GB/s of kvrelay's SGLang HiCache backend vs SGLang's HiCacheFile"),
         ("scale", scale_bench,
          "per-phase time and memory of a request against its cached context, vs the floor"),
+        ("long-request", long_request_bench,
+         "one 1M-token request through a local cluster (context from the tier) vs one process"),
     ):  # fmt: skip
         _subcommand(benches, name, help_text, module.add_arguments, module.run)
     return parser
