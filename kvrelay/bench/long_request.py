@@ -37,7 +37,9 @@ WINDOW = 256  # pages per write and per import of the synthetic context
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--context", type=int, default=1 << 20, help="cached tokens")
+    parser.add_argument("--context", type=int, default=(1 << 20) - 2048,
+                        help="cached tokens (default: with --new-tokens 2048, a prompt of "
+                        "2**20 tokens, control's most)")  # fmt: skip
     parser.add_argument("--new-tokens", type=int, default=2048)
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated")
     parser.add_argument("--page-size", type=int, default=64)
