@@ -73,9 +73,11 @@ class DecodeWorker(WorkerFront):
             | ({"pages": h.pages} if h.pages is not None else {})
             for h in request.handles
         ]
+        kinds = [h.draft for h in request.handles]
         item = {"tokens": tokens, "first_token": first, "params": params,
                 "tier_pages": request.tier_pages, "pages": request.pages,
-                "handles": handles}  # fmt: skip
+                "handles": [h for h, d in zip(handles, kinds, strict=True) if not d],
+                "draft_handles": [h for h, d in zip(handles, kinds, strict=True) if d]}  # fmt: skip
         job = _Job(rid, item)
         self._waiting.append(job)
         self._wake.set()
@@ -178,6 +180,8 @@ class DecodeWorker(WorkerFront):
                 continue
             job.seq_id = answer["seq_id"]
             job.pulled |= {k: answer[k] for k in ("tier_pages", "prefill_pages")}
+            # The draft's counts come from a rank of the last PP stage.
+            job.pulled |= next((r[i]["draft"] for r in per_rank if r[i].get("draft")), {})
             recomputed = answer.get("recomputed_pages", 0)
             if recomputed:  # neither the tier nor prefill had them: computed here
                 job.pulled["recomputed_pages"] = recomputed

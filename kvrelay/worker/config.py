@@ -83,7 +83,10 @@ class WorkerConfig:
         30.0, help="on SIGTERM, how long in-flight requests may finish", positive=True
     )
     speculative: int = option(
-        0, help="decode: draft K tokens per step with the model's MTP layer (0: off)", minimum=0
+        0,
+        help="decode: draft K tokens per step with the model's MTP layer (0: off); "
+        "prefill: any K > 0 computes, stages and writes the MTP layer's draft pages too",
+        minimum=0,
     )
 
     def checked(self, role: str) -> WorkerConfig:
