@@ -63,6 +63,9 @@ _COMMANDS = (
     (("bench", "scale"),
      "per-phase time and memory of a request against its cached context, vs the floor",
      "kvrelay.bench.scale", "add_arguments", "run"),
+    (("bench", "long-request"),
+     "one 1M-token request through a local cluster (context from the tier) vs one process",
+     "kvrelay.bench.long_request", "add_arguments", "run"),
 )  # fmt: skip
 _GROUPS = {"launch": "run a kvrelay server process",
            "bench": "benchmarks: print a table, write JSON"}  # fmt: skip
