@@ -11,11 +11,14 @@ import sys
 def _info(_: argparse.Namespace) -> None:
     from kvrelay.bench.stats import machine_info
     from kvrelay.cuda_ext import compiled_module
+    from kvrelay.transfer.calibrate import copy_plan
 
     module = compiled_module()
     info = machine_info() | {
         "compiled_module": getattr(module, "__file__", None),
         "compiled_with_cuda": bool(getattr(module, "with_cuda", False)),
+        # The same-host fast path's copy as this host measured it (cached per boot).
+        "fast_path_copy": copy_plan().to_json(),
     }
     print(json.dumps(info, indent=2))
 
@@ -60,6 +63,9 @@ _COMMANDS = (
     (("bench", "scale"),
      "per-phase time and memory of a request against its cached context, vs the floor",
      "kvrelay.bench.scale", "add_arguments", "run"),
+    (("bench", "long-request"),
+     "one 1M-token request through a local cluster (context from the tier) vs one process",
+     "kvrelay.bench.long_request", "add_arguments", "run"),
 )  # fmt: skip
 _GROUPS = {"launch": "run a kvrelay server process",
            "bench": "benchmarks: print a table, write JSON"}  # fmt: skip

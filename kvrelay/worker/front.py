@@ -70,6 +70,9 @@ class WorkerFront:
             num_pages=c.num_pages,
             device=c.device,
             speculative=c.speculative,
+            max_prefill_tokens=c.max_prefill_tokens,
+            timeout_s=c.rank_timeout_s,
+            attention_chunk_tokens=c.attention_chunk_tokens,
             rank_setup=functools.partial(self._rank_setup, c.rank_options()),
         )
         self.spec = self.engine.spec

@@ -38,6 +38,11 @@ def test_generate_speculative_json_and_reuse_across_configs(mtp_model, capsys):
     carried = generate(capsys, *common, "--speculative", "2", "--reuse-prefix", "33",
                        "--prefix-parallel", "tp=2,pp=1")  # fmt: skip
     assert carried == spec
+    # CP=2 prefill, then speculation; and a prefix (target and draft) written at CP=2.
+    assert generate(capsys, *common, "--speculative", "2", "--cp", "2") == spec
+    carried = generate(capsys, *common, "--speculative", "2", "--reuse-prefix", "33",
+                       "--prefix-parallel", "cp=2")  # fmt: skip
+    assert carried == spec
 
 
 def test_speculation_needs_an_mtp_layer(tmp_path, capsys):
