@@ -30,11 +30,16 @@ setup: $(VENV)/.ext-stamp
 
 $(PY):
 	$(PYTHON) -m venv --without-pip $(VENV)
+
+# (Also for a venv made before uv was used here.)
+$(VENV)/bin/uv: | $(PY)
 	$(PYTHON) -m pip -q --disable-pip-version-check --python $(PY) install --no-compile \
 	  uv==$(UV_VERSION)
+
+$(VENV)/bin/pip: | $(VENV)/bin/uv
 	$(UV_PIP) pip==$(PIP_VERSION)
 
-$(VENV)/.deps-stamp: requirements-dev.txt | $(PY)
+$(VENV)/.deps-stamp: requirements-dev.txt | $(VENV)/bin/pip $(VENV)/bin/uv
 	$(PIP) install --no-compile $(TORCH_SPEC)
 	@# uv knows neither pip's config nor its torch cap: the installed torch is
 	@# pinned, so that a requirement asking for another one fails instead of
