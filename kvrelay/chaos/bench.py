@@ -97,7 +97,8 @@ async def run_chaos(args) -> dict:
         fault_clusters = clusters[: args.parallel]
         hostile_rows, jobs = [], []
         if args.hostile:
-            jobs.append(hostile_families(clusters[-1], args.hostile, args.seed, end, hostile_rows))
+            jobs.append(shown(hostile_families(clusters[-1], args.hostile, args.seed, end,
+                                               hostile_rows), "hostile input"))  # fmt: skip
         rows = fault_rows(fault_clusters[0], args)
         queue = fault_queue(rows, args, random.Random(args.seed))
         for k, cluster in enumerate(fault_clusters):
@@ -153,6 +154,14 @@ async def hostile_families(cluster: ChaosCluster, count: int, seed: int, end: fl
                 progress(rows[-1])
 
     await asyncio.gather(*(families(t) for t in (cache, agent, prefill, decode)))
+
+
+async def shown(job, what: str) -> None:
+    """Runs `job`; a failure of the harness itself is printed, not fatal to the other jobs."""
+    try:
+        await job
+    except Exception as exc:
+        print(f"{what}: the harness failed: {exc!r}", file=sys.stderr, flush=True)
 
 
 def fault_rows(cluster: ChaosCluster, args) -> dict[str, FaultRow]:
