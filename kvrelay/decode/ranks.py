@@ -184,9 +184,8 @@ class DecodeRanks:
         keys, first, rows, handles = draft
         if self.draft.active:
             counts = await self.draft.pull(keys, first, rows, handles)
-            pulled["draft"] = {"draft_local_pages": first,
-                               "draft_tier_pages": counts["tier"],
-                               "draft_prefill_pages": counts["prefill"]}  # fmt: skip
+            pulled["draft"] = {"local_pages": first, "tier_pages": counts["tier"],
+                               "prefill_pages": counts["prefill"]}  # fmt: skip
         return pulled
 
     def _finish_loads(self) -> list[dict]:
@@ -242,8 +241,8 @@ class DecodeRanks:
     def _import_draft(self, load: _Load, counts: dict, answer: dict) -> None:
         """Index the draft pages pulled; the engine's admission restores them
         with the target's (and recomputes from the first one missing)."""
-        local = counts["draft_local_pages"]
-        have = local + counts["draft_tier_pages"] + counts["draft_prefill_pages"]
+        local = counts["local_pages"]
+        have = local + counts["tier_pages"] + counts["prefill_pages"]
         self.draft.import_rows(load.request.prompt, have, local, load.draft_rows)
         answer["draft"] = counts
 
