@@ -68,11 +68,25 @@ class FileL3Faults:
         self.cluster.restart_cache(self._server)
         return spoiled > 0
 
+    async def _writes_settled(self, timeout_s: float = 10.0) -> None:
+        """Until the server's L3 puts stop changing: the round's write-backs
+        (pushed after their requests ended) are on disk before the kill."""
+        address = self.cluster.cache_addresses[self._server]
+        last, deadline = None, asyncio.get_running_loop().time() + timeout_s
+        while asyncio.get_running_loop().time() < deadline:
+            stats = await self.cluster.cache_stats(address)
+            puts = ((stats or {}).get("l3") or {}).get("puts")
+            if puts is not None and puts == last:
+                return
+            last = puts
+            await asyncio.sleep(1.0)
+
     async def after(self, name: str, workload: Workload, sessions: int, turns: int) -> int:
         """The round's prompts from empty pools against a server just
         restarted (its files spoiled again for `corrupt_file_l3`) with no
         request running: 1 when its L3 gave nothing back (or caught no
         spoiled record)."""
+        await self._writes_settled()
         if not await asyncio.to_thread(self.restart, name):
             return 0  # nothing on disk yet: nothing to check
         for worker in self.cluster.ready("prefill") + self.cluster.ready("decode"):
