@@ -66,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     _subcommand(servers, "control", "the control endpoint (HTTP: completions, registry, admin)",
                 control_launch.add_arguments, control_launch.run)  # fmt: skip
 
+    _add_benches(commands)
+    return parser
+
+
+def _add_benches(commands) -> None:
     bench = commands.add_parser("bench", help="benchmarks: print a table, write JSON")
     benches = bench.add_subparsers(dest="bench", required=True)
     from kvrelay.bench import cache, layout, transfer
@@ -92,7 +97,6 @@ def build_parser() -> argparse.ArgumentParser:
          "per-phase time and memory of a request against its cached context, vs the floor"),
     ):  # fmt: skip
         _subcommand(benches, name, help_text, module.add_arguments, module.run)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

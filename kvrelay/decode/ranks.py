@@ -18,9 +18,23 @@ from kvrelay.layout import rank_rectangle
 from kvrelay.model.engine import Request
 from kvrelay.model.errors import PoolExhausted, RequestError
 from kvrelay.model.page_export import export_prefix, import_prefix
+from kvrelay.rpc import pack_tokens, unpack_tokens
+from kvrelay.rpc.worker_ops import HandleRef
 from kvrelay.transfer import BlockHandle, TransferError
 from kvrelay.worker.protocol import pages_of, sampling
-from kvrelay.worker.rank import PullFailed, RankOptions, RankRuntime
+from kvrelay.worker.rank import PullFailed, RankOptions, RoleRanks
+from kvrelay.worker.rank_ops import (
+    Cancel,
+    Counters,
+    LoadDone,
+    LoadStart,
+    LoadStarted,
+    RankCounters,
+    Refusal,
+    SeqOutput,
+    Step,
+    Stepped,
+)
 
 log = logging.getLogger("kvrelay.decode")
 
@@ -37,16 +51,14 @@ def intersect(mine, theirs) -> list[tuple[int, int, int]]:
     return out
 
 
-def held_pages(entry: dict, pages: int) -> list[int]:
+def held_pages(entry: HandleRef, pages: int) -> list[int]:
     """The prompt pages a prefill handle holds, in its order: its entry's
     `pages` (prefill sends them when it staged only some pages: those after
     its cached prefix, or a CP rank's share), else every page."""
-    handle = BlockHandle.from_bytes(entry["handle"])
-    theirs = entry["runs"]
-    held = entry.get("pages", list(range(pages)))
-    if not isinstance(held, list) or not all(
-        isinstance(p, int) and not isinstance(p, bool) and 0 <= p < pages for p in held
-    ):
+    handle = BlockHandle.from_bytes(entry.handle)
+    theirs = entry.runs
+    held = entry.pages if entry.pages is not None else list(range(pages))
+    if not all(p < pages for p in held):  # the message type checked p >= 0
         raise RequestError(f"a prefill handle's pages must be page indices in [0, {pages})")
     if not theirs or len(handle.runs) != len(held) * len(theirs):
         raise RequestError("a prefill handle's runs do not match its pages")
@@ -62,7 +74,8 @@ def staged_from(handles, pages: int) -> int:
 
 @dataclass(slots=True)
 class _Load:
-    item: dict
+    item: LoadStart
+    tokens: list[int]  # the prompt
     request: Request
     hit: list[int]  # pool pages of the prompt, referenced until the load ends
     local: int
@@ -71,11 +84,8 @@ class _Load:
     pulls: concurrent.futures.Future
 
 
-class DecodeRanks:
+class DecodeRanks(RoleRanks):
     def __init__(self, engine, options: RankOptions) -> None:
-        self.rt = RankRuntime(engine, options)
-        self.engine = engine
-        self.ps = engine.spec.page_size
         self.loads: dict[int, _Load] = {}  # in start order
         self.reserved = 0  # pool pages promised to loads in flight
         # seq_id -> (tier write running on the loop, its staging rows)
@@ -83,34 +93,30 @@ class DecodeRanks:
         # Full pages a write-back left out because staging had no free row
         # for them (reported in the worker's stats, never skipped silently).
         self.writeback_skipped_pages = 0
+        super().__init__(engine, options, {
+            LoadStart: self.load_start,
+            Step: self.step,
+            Cancel: lambda message: self.engine.cancel(message.seq_id),
+        })  # fmt: skip
 
-    def handlers(self) -> dict:
-        return {
-            "load_start": self.load_start,
-            "step": self.step,
-            "cancel": self.engine.cancel,
-            "counters": self.counters,
-            "close": self.rt.close,
-        }
-
-    def counters(self) -> dict:
-        return self.rt.counters() | {"writeback_skipped_pages": self.writeback_skipped_pages}
+    def counters(self, _: Counters) -> RankCounters:
+        return self.rt.counters(writeback_skipped_pages=self.writeback_skipped_pages)
 
     # -- bringing the prompt's KV in ---------------------------------------------
-    def load_start(self, load_id: int, item: dict) -> dict:
+    def load_start(self, item: LoadStart) -> LoadStarted:
         """Reserves room for a request and starts pulling its pages on the
         agent's loop (the tier, then the prefill handles); the running batch
         keeps stepping meanwhile. `step` finishes the load once every rank's
         pulls are done. PoolExhausted (agreed) when the room is not there now."""
-        tokens, first = item["tokens"], item["first_token"]
+        tokens = unpack_tokens(item.tokens)
         keys = self.engine.spec.page_keys(tokens)
         pages = pages_of(len(tokens), self.ps)
-        if item["pages"] != pages:
-            raise RequestError(f"pages={item['pages']} but the prompt has {pages} pages")
-        params = sampling(item["params"])
+        if item.pages != pages:
+            raise RequestError(f"pages={item.pages} but the prompt has {pages} pages")
+        params = sampling(item.params)
         request = Request(
-            [*tokens, first],
-            sampling(item["params"], max_new_tokens=params.max_new_tokens - 1),
+            [*tokens, item.first_token],
+            sampling(item.params, max_new_tokens=params.max_new_tokens - 1),
             skip_draws=1,
         )
         pool = self.engine.pool
@@ -130,8 +136,8 @@ class DecodeRanks:
         pulls = asyncio.run_coroutine_threadsafe(
             self._pull(item, keys, local, pages, rows), self.rt.loop
         )
-        self.loads[load_id] = _Load(item, request, hit, local, rows, need, pulls)
-        return {"local_pages": local}
+        self.loads[item.load_id] = _Load(item, tokens, request, hit, local, rows, need, pulls)
+        return LoadStarted(local)
 
     async def _pull(self, item, keys, local, pages, rows) -> dict:
         """This rank's pages [local, pages): what the tier has of
@@ -140,17 +146,17 @@ class DecodeRanks:
         neither gives (the tier lost some, or this worker has no tier) are
         recomputed by the engine at admission: `have` says where that starts."""
         tier = 0
-        tier_end = max(local, min(int(item["tier_pages"]), len(keys)))
+        tier_end = max(local, min(item.tier_pages, len(keys)))
         if self.rt.cache is not None and tier_end > local:
             tier = await self.rt.cache.lookup(
                 keys[local:tier_end], self.rt.arena, self.rt.offsets(rows[: tier_end - local])
             )
         start, nbytes = local + tier, 0
-        staged = staged_from(item["handles"], pages)
+        staged = staged_from(item.handles, pages)
         if start < staged:  # a gap before what prefill staged: recompute from it
             return {"tier_pages": tier, "prefill_pages": 0, "bytes_from_prefill": 0, "have": start}
         if start < pages:
-            nbytes = await self._from_prefill(item["handles"], start, pages, rows, local)
+            nbytes = await self._from_prefill(item.handles, start, pages, rows, local)
         return {
             "tier_pages": tier,
             "prefill_pages": pages - start,
@@ -158,7 +164,7 @@ class DecodeRanks:
             "have": pages,
         }
 
-    def _finish_loads(self) -> list[dict]:
+    def _finish_loads(self) -> list[LoadDone]:
         """Loads whose pulls are done on every rank: scatter into the pool and
         admit, or fail (PullFailed on every rank). Answers per load."""
         answers = []
@@ -174,25 +180,14 @@ class DecodeRanks:
             ok = self.rt.agree(not why)
             if self.engine.parallel.rank == 0:
                 # In the background: a slow or dead prefill must not hold the batch.
-                asyncio.run_coroutine_threadsafe(self._release(load.item["handles"]), self.rt.loop)
-            answer = {"load_id": load_id, "local_pages": load.local}
+                asyncio.run_coroutine_threadsafe(self._release(load.item.handles), self.rt.loop)
+            answer = LoadDone(load_id, load.local)
             try:
                 if not ok:
                     raise PullFailed(why or "another rank failed to pull its pages")
-                tokens = load.item["tokens"]
-                have = self.rt.agree(pulled["have"])
-                if have < pages_of(len(tokens), self.ps):
-                    tokens = tokens[: have * self.ps]  # the engine computes the rest
-                    answer["recomputed_pages"] = pages_of(len(load.item["tokens"]), self.ps) - have
-                if load.rows and have > load.local:
-                    ids = [load.rows[0]] * load.local + load.rows
-                    import_prefix(self.engine, tokens, self.rt.staging, ids)
-                answer["seq_id"] = self.engine.admit(load.request)
-                answer["tier_pages"] = self.rt.agree(pulled["tier_pages"])
-                answer["prefill_pages"] = pulled["prefill_pages"]
-                answer["bytes_from_prefill"] = pulled["bytes_from_prefill"]
+                self._admit(load, pulled, answer)
             except (PullFailed, PoolExhausted, RequestError) as exc:
-                answer["error"] = [type(exc).__name__, str(exc)]
+                answer.error = Refusal(type(exc).__name__, str(exc))
             finally:
                 del self.loads[load_id]
                 self.rt.rows.give_back(load.rows)
@@ -203,6 +198,23 @@ class DecodeRanks:
             self.rt.clear_cache()
         return answers
 
+    def _admit(self, load: _Load, pulled: dict, answer: LoadDone) -> None:
+        """Imports a finished load's pulled pages into the pool and admits its
+        sequence (the engine computes the pages neither source had)."""
+        tokens = load.tokens
+        pages = pages_of(len(tokens), self.ps)
+        have = self.rt.agree(pulled["have"])
+        if have < pages:
+            tokens = tokens[: have * self.ps]  # the engine computes the rest
+            answer.recomputed_pages = pages - have
+        if load.rows and have > load.local:
+            ids = [load.rows[0]] * load.local + load.rows
+            import_prefix(self.engine, tokens, self.rt.staging, ids)
+        answer.seq_id = self.engine.admit(load.request)
+        answer.tier_pages = self.rt.agree(pulled["tier_pages"])
+        answer.prefill_pages = pulled["prefill_pages"]
+        answer.bytes_from_prefill = pulled["bytes_from_prefill"]
+
     async def _from_prefill(self, handles, start, pages, rows, local) -> int:
         """Each prefill writer's handle, narrowed to the overlap of its
         rectangle with this rank's, for pages [start, pages). A handle of a
@@ -210,8 +222,8 @@ class DecodeRanks:
         pb = self.rt.page_bytes
         reads, covered = [], [0] * (pages - start)
         for entry in handles:
-            handle = BlockHandle.from_bytes(entry["handle"])
-            theirs = [tuple(r) for r in entry["runs"]]
+            handle = BlockHandle.from_bytes(entry.handle)
+            theirs = entry.runs
             held = held_pages(entry, pages)
             overlap = intersect(self.rt.runs, theirs)
             if not overlap:
@@ -238,7 +250,7 @@ class DecodeRanks:
     async def _release(self, handles) -> None:
         async def one(entry) -> None:
             try:
-                handle = BlockHandle.from_bytes(entry["handle"])
+                handle = BlockHandle.from_bytes(entry.handle)
                 await self.rt.agent.release_remote(handle, timeout=2.0)
             except (TransferError, TimeoutError, OSError, ValueError):
                 pass  # the lease expires on its own
@@ -246,7 +258,7 @@ class DecodeRanks:
         await asyncio.gather(*(one(entry) for entry in handles))
 
     # -- generation ----------------------------------------------------------------
-    def step(self) -> dict:
+    def step(self, _: Step) -> Stepped:
         """Finish the loads that are done (their sequences join the batch),
         then one step of the batch; report write-backs that completed."""
         loads = self._finish_loads()
@@ -255,17 +267,9 @@ class DecodeRanks:
             written, writing = None, False
             if output.finish_reason is not None and self.rt.options.write_back:
                 written, writing = self._write_back(output.seq_id, output.all_tokens)
-            out.append(
-                {
-                    "seq_id": output.seq_id,
-                    "tokens": output.tokens,
-                    "finish_reason": output.finish_reason,
-                    "spec": output.spec,
-                    "written": written,
-                    "writing": writing,
-                }
-            )
-        return {"loads": loads, "outputs": out, "writes_done": self._writes_done()}
+            out.append(SeqOutput(output.seq_id, pack_tokens(output.tokens), output.finish_reason,
+                                 output.spec, written, writing))  # fmt: skip
+        return Stepped(loads, out, self._writes_done())
 
     def _write_back(self, seq_id: int, tokens: list[int]) -> tuple[int | None, bool]:
         """Exports a finished sequence's full pages (prompt and answer) into
@@ -298,7 +302,7 @@ class DecodeRanks:
         self.writes[seq_id] = (asyncio.run_coroutine_threadsafe(write, self.rt.loop), rows)
         return None, True
 
-    def _writes_done(self) -> list[list[int]]:
+    def _writes_done(self) -> list[tuple[int, int]]:
         """[seq_id, pages written] of background write-backs that finished;
         their rows go back here, on the rank's thread."""
         done = []
@@ -307,12 +311,12 @@ class DecodeRanks:
                 del self.writes[seq_id]
                 self.rt.rows.give_back(rows)
                 try:
-                    done.append([seq_id, future.result()])
+                    done.append((seq_id, future.result()))
                 except Exception:
-                    done.append([seq_id, 0])
+                    done.append((seq_id, 0))
         return done
 
 
-def decode_rank_setup(options: RankOptions, engine) -> dict:
+def decode_rank_setup(options: RankOptions, engine) -> DecodeRanks:
     """`ParallelEngine(rank_setup=partial(decode_rank_setup, options))`."""
-    return DecodeRanks(engine, options).handlers()
+    return DecodeRanks(engine, options)
