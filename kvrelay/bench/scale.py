@@ -36,6 +36,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvrelay.bench.stats import format_table, machine_info, write_json
@@ -113,12 +114,12 @@ def _model(args, root: Path) -> Path:
 def _window_import(engine, tokens, keys, pages: int, window: torch.Tensor) -> None:
     """The first `pages` pages of `tokens` into the pool, TIER_WINDOW rows at a time."""
     rows = list(range(window.size(0)))
+    tokens = np.asarray(tokens)  # sliced per window in O(1), as the prefill ranks do
     position = 0
     while position < pages:
         count = min(len(rows), pages - position)
-        ids = [0] * position + rows[:count]
         end = (position + count) * engine.spec.page_size
-        import_prefix(engine, tokens[:end], window, ids, chain=keys)
+        import_prefix(engine, tokens[:end], window, rows[:count], chain=keys, first_page=position)
         position += count
 
 
@@ -162,7 +163,7 @@ def measure(model_dir: Path, context: int, args) -> dict:
 
     def decode_pull():
         _window_import(decode, tokens, keys, context_pages, window)
-        import_prefix(decode, tokens, staging, [0] * context_pages + rows, chain=keys)
+        import_prefix(decode, tokens, staging, rows, chain=keys, first_page=context_pages)
 
     phase("decode_pull", decode_pull)
     floor_tokens = tokens[:context] + other

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from kvrelay.control.config import ControlConfig
 from kvrelay.control.registry import Node, Registry
-from kvrelay.control.stats import ControlStats
+from kvrelay.control.stats import ControlStats, ttft_phases
 from kvrelay.control.tier import TierProbe
 from kvrelay.control.worker_client import (
     WorkerBusy,
@@ -65,6 +65,7 @@ class Job:
     current: Node | None = None  # the worker of the latest attempt (blamed for a timeout)
     tier_hit: int | None = None  # pages, probed once per request
     waiting: bool = False  # every prefill worker answered Busy; waiting for one
+    decode_first_s: float | None = None  # decode request sent -> its first token batch
 
     def page_keys(self, node: Node, tokens: list[int] | None = None) -> list[bytes]:
         if tokens is not None:
@@ -156,6 +157,9 @@ class Dispatcher:
                         event["prefill_timings"] = dict(reply.timings)
                         self.stats.record_ttft(event["ttft_s"])
                         self.stats.record_prefill_phases(event["prefill_timings"])
+                        self.stats.record_ttft_phases(
+                            len(job.tokens), ttft_phases(event["ttft_s"], event["prefill_timings"])
+                        )
                         self.stats.record_prefill(len(job.tokens), **event["cached"])
                     emitted.append(first)
                     yield event
@@ -254,7 +258,8 @@ class Dispatcher:
             if tokens:
                 now = time.monotonic()
                 if not streamed:
-                    self.stats.record_transfer(now - last_at)
+                    job.decode_first_s = now - last_at
+                    self.stats.record_transfer(now - last_at, len(job.tokens))
                 self.stats.record_gap(now - last_at, len(tokens))
                 last_at = now
                 streamed += len(tokens)
@@ -263,7 +268,7 @@ class Dispatcher:
             if isinstance(frame, DecodeDone):
                 node.estimate.add(job.page_keys(node, job.tokens + emitted))
                 yield {"type": "done", "finish_reason": frame.finish_reason,
-                       "decode": node.node_id}  # fmt: skip
+                       "decode": node.node_id, "decode_first_s": job.decode_first_s}  # fmt: skip
                 return
 
     async def _wait_for_capacity(self, job: Job) -> None:

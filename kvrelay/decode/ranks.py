@@ -26,6 +26,7 @@ from kvrelay.worker.rank import PullFailed, RankOptions, RoleRanks
 from kvrelay.worker.rank_ops import (
     Cancel,
     Counters,
+    DraftPulled,
     LoadDone,
     LoadStart,
     LoadStarted,
@@ -82,6 +83,8 @@ class _Load:
     rows: list[int]
     need: int
     pulls: concurrent.futures.Future
+    draft_hit: list[int]  # draft pool pages of the prompt, referenced until the load ends
+    draft_rows: list[int]
 
 
 class DecodeRanks(RoleRanks):
@@ -127,16 +130,26 @@ class DecodeRanks(RoleRanks):
         # page the admission makes; loads in flight have reserved theirs.
         need = pages_of(len(tokens) + params.max_new_tokens - 1, self.ps) + 1 - local
         room = pool.free_pages - self.reserved
-        fits = room >= need and self.rt.rows.free >= pages - local
+        # Draft pages of prompt + first token (with the MTP layer): the pool's, then rows.
+        draft_keys = self.draft.keys(request.prompt)
+        draft_hit = self.draft.pool_hits(draft_keys)
+        draft_need = len(draft_keys) - len(draft_hit)
+        fits = room >= need and self.rt.rows.free >= pages - local + draft_need
         if not self.rt.agree(fits):
             pool.release(hit)
+            if draft_hit:
+                self.engine.draft.pool.release(draft_hit)
             raise PoolExhausted(need, max(room, 0))
         rows = self.rt.rows.take(pages - local)
+        draft_rows = self.rt.rows.take(draft_need)
         self.reserved += need
+        draft = (draft_keys, len(draft_hit), draft_rows, [h for h in item.handles if h.draft])
         pulls = asyncio.run_coroutine_threadsafe(
-            self._pull(item, keys, local, pages, rows), self.rt.loop
+            self._pull_both(item, keys, local, pages, rows, draft), self.rt.loop
         )
-        self.loads[item.load_id] = _Load(item, tokens, request, hit, local, rows, need, pulls)
+        self.loads[item.load_id] = _Load(
+            item, tokens, request, hit, local, rows, need, pulls, draft_hit, draft_rows
+        )
         return LoadStarted(local)
 
     async def _pull(self, item, keys, local, pages, rows) -> dict:
@@ -152,17 +165,27 @@ class DecodeRanks(RoleRanks):
                 keys[local:tier_end], self.rt.arena, self.rt.offsets(rows[: tier_end - local])
             )
         start, nbytes = local + tier, 0
-        staged = staged_from(item.handles, pages)
+        handles = [h for h in item.handles if not h.draft]
+        staged = staged_from(handles, pages)
         if start < staged:  # a gap before what prefill staged: recompute from it
             return {"tier_pages": tier, "prefill_pages": 0, "bytes_from_prefill": 0, "have": start}
         if start < pages:
-            nbytes = await self._from_prefill(item.handles, start, pages, rows, local)
+            nbytes = await self._from_prefill(handles, start, pages, rows, local)
         return {
             "tier_pages": tier,
             "prefill_pages": pages - start,
             "bytes_from_prefill": nbytes,
             "have": pages,
         }
+
+    async def _pull_both(self, item, keys, local, pages, rows, draft) -> dict:
+        """The target's pulls, then the draft's (best effort, never failing the load)."""
+        pulled = await self._pull(item, keys, local, pages, rows)
+        keys, first, rows, handles = draft
+        if self.draft.active:
+            counts = await self.draft.pull(keys, first, rows, handles)
+            pulled["draft"] = DraftPulled(first, counts["tier"], counts["prefill"])
+        return pulled
 
     def _finish_loads(self) -> list[LoadDone]:
         """Loads whose pulls are done on every rank: scatter into the pool and
@@ -180,6 +203,7 @@ class DecodeRanks(RoleRanks):
             ok = self.rt.agree(not why)
             if self.engine.parallel.rank == 0:
                 # In the background: a slow or dead prefill must not hold the batch.
+                # (target and draft handles alike).
                 asyncio.run_coroutine_threadsafe(self._release(load.item.handles), self.rt.loop)
             answer = LoadDone(load_id, load.local)
             try:
@@ -190,8 +214,10 @@ class DecodeRanks(RoleRanks):
                 answer.error = Refusal(type(exc).__name__, str(exc))
             finally:
                 del self.loads[load_id]
-                self.rt.rows.give_back(load.rows)
+                self.rt.rows.give_back(load.rows + load.draft_rows)
                 self.engine.pool.release(load.hit)
+                if load.draft_hit:
+                    self.engine.draft.pool.release(load.draft_hit)
                 self.reserved -= load.need
             answers.append(answer)
         if answers and not self.rt.options.local_cache:
@@ -210,10 +236,20 @@ class DecodeRanks(RoleRanks):
         if load.rows and have > load.local:
             ids = [load.rows[0]] * load.local + load.rows
             import_prefix(self.engine, tokens, self.rt.staging, ids)
+        if pulled.get("draft"):
+            self._import_draft(load, pulled["draft"], answer)
         answer.seq_id = self.engine.admit(load.request)
         answer.tier_pages = self.rt.agree(pulled["tier_pages"])
         answer.prefill_pages = pulled["prefill_pages"]
         answer.bytes_from_prefill = pulled["bytes_from_prefill"]
+
+    def _import_draft(self, load: _Load, counts: DraftPulled, answer: LoadDone) -> None:
+        """Index the draft pages pulled; the engine's admission restores them
+        with the target's (and recomputes from the first one missing)."""
+        local = counts.draft_local_pages
+        have = local + counts.draft_tier_pages + counts.draft_prefill_pages
+        self.draft.import_rows(load.request.prompt, have, local, load.draft_rows)
+        answer.draft = counts
 
     async def _from_prefill(self, handles, start, pages, rows, local) -> int:
         """Each prefill writer's handle, narrowed to the overlap of its

@@ -10,6 +10,8 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgspec
+
 from kvrelay.decode.ranks import decode_rank_setup
 from kvrelay.model.errors import PoolExhausted, RequestError
 from kvrelay.rpc import Connection, Error, PeerError
@@ -173,6 +175,10 @@ class DecodeWorker(WorkerFront):
                 continue
             job.seq_id = answer.seq_id
             job.pulled |= {"tier_pages": answer.tier_pages, "prefill_pages": answer.prefill_pages}
+            # The draft's counts come from a rank of the last PP stage.
+            draft = next((r[i].draft for r in per_rank if r[i].draft is not None), None)
+            if draft is not None:
+                job.pulled |= msgspec.structs.asdict(draft)
             recomputed = answer.recomputed_pages
             if recomputed:  # neither the tier nor prefill had them: computed here
                 job.pulled["recomputed_pages"] = recomputed

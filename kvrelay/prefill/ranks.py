@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from kvrelay.model.engine import Request
 from kvrelay.model.page_export import export_prefix, import_prefix
 from kvrelay.rpc import unpack_tokens
@@ -94,9 +96,10 @@ class PrefillRanks(RoleRanks):
                     if not taken:  # answered; the front dequeues it
                         return PrefillRan(refused=state["error"])
                     break
-                if not self.rt.agree(rows.free >= state["stage"]):
+                if not self.rt.agree(rows.free >= state["stage"] + state["draft_stage"]):
                     break  # the tier pages it imported stay cached for next time
                 state["rows"] = rows.take(state["stage"])
+                state["draft_rows"] = rows.take(state["draft_stage"])
                 taken.append((item, tokens))
                 states.append(state)
                 pool_need += pages
@@ -108,7 +111,7 @@ class PrefillRanks(RoleRanks):
             results = self.engine.generate(requests)
         except BaseException:
             for state in states:
-                rows.give_back(state["rows"])
+                rows.give_back(state["rows"] + state["draft_rows"])
             raise
         computed = time.perf_counter()
         answers = [
@@ -146,11 +149,26 @@ class PrefillRanks(RoleRanks):
         start = local + tier if self.rt.cache is not None else 0
         stage = pages - start
         state = {"keys": keys, "local": local, "tier": tier, "start": start, "stage": stage}
-        state |= {"rows": [], "timings": timings}
-        if stage > self.rt.rows.count:
+        state |= {"rows": [], "draft_rows": [], "timings": timings}
+        self._lookup_draft(tokens, state)
+        if stage + state["draft_stage"] > self.rt.rows.count:
             state["error"] = Refusal("PoolExhausted", f"{stage} new pages to stage, "
                                      f"the staging arena holds {self.rt.rows.count}")  # fmt: skip
         return state
+
+    def _lookup_draft(self, tokens, state: dict) -> None:
+        """With speculation: the draft pages restored ahead of the target's
+        cached prefix (pool, tier; the engine recomputes target pages past
+        them), and the draft pages to stage: those of prompt + first token,
+        (len(tokens) // page_size), from the first one the tier lacks."""
+        state["draft_first"] = state["draft_stage"] = 0
+        if not self.draft.enabled:
+            return
+        have = self.draft.lookup(tokens, state["local"] + state["tier"], TIER_WINDOW)
+        first = have if self.rt.cache is not None else 0
+        state["draft_first"] = first
+        if self.draft.active:
+            state["draft_stage"] = max(0, len(tokens) // self.ps - first)
 
     def _pull_tier(self, tokens, keys, local: int, usable: int) -> int:
         """Tier pages after `local`, through at most TIER_WINDOW staging rows
@@ -162,15 +180,18 @@ class PrefillRanks(RoleRanks):
             return 0
         rows = self.rt.rows.take(window)
         position = local
+        # A view to slice per window in O(1) (a list slice copies the context).
+        tokens = np.asarray(tokens)
         try:
             while position < usable:
                 count = min(window, usable - position)
                 hit = self.rt.tier_lookup(keys[position : position + count], rows[:count])
                 if hit:
-                    # Pages before `position` are cached: their row ids are not read.
-                    ids = [rows[0]] * position + rows[:hit]
+                    # Pages before `position` are cached (earlier windows): only
+                    # this window's pages are read, matched and imported.
                     end = (position + hit) * self.ps
-                    import_prefix(self.engine, tokens[:end], self.rt.staging, ids, chain=keys)
+                    import_prefix(self.engine, tokens[:end], self.rt.staging, rows[:hit],
+                                  chain=keys, first_page=position)  # fmt: skip
                 position += hit
                 if hit < count:
                     break
@@ -217,6 +238,12 @@ class PrefillRanks(RoleRanks):
         else:  # a replica (or a CP rank owning no page) publishes nothing;
             # a finished request needs no decode
             self.rt.rows.give_back(rows)
+        draft, lease = self.draft.publish(
+            [*tokens, first], state["draft_first"], state["draft_rows"],
+            item.lease_s, finished=finish is not None,
+        )  # fmt: skip
+        if lease is not None:
+            self.outstanding[lease] = state["draft_rows"]
         tier_tokens = min(tier * self.ps, result.cached_tokens)
         state["timings"] |= {"stage_s": staged - started, "publish_s": time.perf_counter() - staged}
         return RankPrefill(
@@ -227,6 +254,7 @@ class PrefillRanks(RoleRanks):
             tier_pages=tier_pages,
             pages=pages,
             handle=handle,
+            draft=draft,
             timings=state["timings"],
         )
 

@@ -169,8 +169,9 @@ class PrefillWorker(WorkerFront):
             tier_pages=first.tier_pages,
             pages=first.pages,
             spec=ParallelShape(self.config.tp, self.config.pp, self.config.cp),
-            # none when finished: decode is not needed
-            handles=[r.handle for r in per_rank if r.handle is not None],
+            # none when finished (decode is not needed); the draft's last
+            handles=[r.handle for r in per_rank if r.handle is not None]
+            + [r.draft for r in per_rank if r.draft is not None],
             timings=timings,
         )
 

@@ -54,6 +54,9 @@ class HandleRef(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     # Only under context parallelism: the page indices the handle holds, in
     # its runs' order (CP rank r of C: pages i with i % C == r).
     pages: list[Count] | None = None
+    # A handle over draft (MTP) pages (`runs` within a draft page object;
+    # `pages` set): a decode without the MTP layer releases it unread.
+    draft: bool = False
 
 
 class WorkerWelcome(Message, tag="worker"):
@@ -126,6 +129,10 @@ class Pulled(msgspec.Struct):
     tier_pages: Count = 0
     prefill_pages: Count = 0
     recomputed_pages: Count = 0  # neither the tier nor prefill had them: decode computed them
+    # With speculation: draft pages restored from decode's pool, the tier, prefill.
+    draft_local_pages: Count = 0
+    draft_tier_pages: Count = 0
+    draft_prefill_pages: Count = 0
 
 
 class DecodeDone(Message, tag="done"):

@@ -47,6 +47,17 @@ class WorkerConfig:
         help="GPU pools: staging in host memory via pinned buffers (pinned) or in GPU "
         "memory (device; ucx only)",
     )
+    # The defaults are kvrelay.model.engine's and paged_attention's (not
+    # imported: parsing the command line must not load torch).
+    max_prefill_tokens: int = option(
+        4096,
+        help="tokens per prefill forward (chunked prefill): bounds activations and "
+        "attention state per layer, whatever the prompt's length",
+        minimum=1,
+    )
+    attention_chunk_tokens: int = option(
+        8192, help="cached-context tokens attended per block (paged attention)", minimum=1
+    )
     local_cache: bool = option(True, help="prefix reuse from the worker's own pool")
     max_batch: int = option(8, help="requests per batch (decode: running sequences)", minimum=1)
     max_queue: int = option(64, help="queued requests before Busy", minimum=1)
@@ -64,7 +75,10 @@ class WorkerConfig:
         30.0, help="on SIGTERM, how long in-flight requests may finish", positive=True
     )
     speculative: int = option(
-        0, help="decode: draft K tokens per step with the model's MTP layer (0: off)", minimum=0
+        0,
+        help="decode: draft K tokens per step with the model's MTP layer (0: off); "
+        "prefill: any K > 0 computes, stages and writes the MTP layer's draft pages too",
+        minimum=0,
     )
 
     def checked(self, role: Role) -> WorkerConfig:

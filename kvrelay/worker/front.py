@@ -71,6 +71,8 @@ class WorkerFront:
             num_pages=c.num_pages,
             device=c.device,
             speculative=c.speculative,
+            max_prefill_tokens=c.max_prefill_tokens,
+            attention_chunk_tokens=c.attention_chunk_tokens,
             rank_setup=functools.partial(self._rank_setup, c.rank_options()),
         )
         self.spec = self.engine.spec

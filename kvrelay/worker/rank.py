@@ -169,11 +169,14 @@ class RankRuntime:
 
 
 class RoleRanks(RankService):
-    """A role's commands in one rank, over the rank's `RankRuntime`; every
-    role answers `Counters` and `ClearCache`."""
+    """A role's commands in one rank, over the rank's `RankRuntime` and its
+    draft pages (`DraftPages`); every role answers `Counters` and `ClearCache`."""
 
     def __init__(self, engine, options: RankOptions, handlers: dict) -> None:
+        from kvrelay.worker.draft_pages import DraftPages  # it imports this module
+
         self.rt = RankRuntime(engine, options)
+        self.draft = DraftPages(self.rt)
         self.engine = engine
         self.ps = engine.spec.page_size
         super().__init__({Counters: self.counters, ClearCache: self.rt.clear_cache, **handlers})
@@ -182,4 +185,7 @@ class RoleRanks(RankService):
         return self.rt.counters()
 
     def close(self) -> None:
-        self.rt.close()
+        try:
+            self.rt.run(self.draft.close(), timeout=10)
+        finally:
+            self.rt.close()

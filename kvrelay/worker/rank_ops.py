@@ -70,6 +70,7 @@ class RankPrefill(msgspec.Struct, forbid_unknown_fields=True):
     pages: Count
     handle: HandleRef | None  # None: a replica, a CP rank owning no page, or finished
     timings: dict[str, float]
+    draft: HandleRef | None = None  # over its draft (MTP) pages, with speculation
 
 
 class PrefillRan(msgspec.Struct, forbid_unknown_fields=True):
@@ -112,6 +113,14 @@ class LoadStart(RankMessage, tag="load_start"):
     handles: list[HandleRef]
 
 
+class DraftPulled(msgspec.Struct, forbid_unknown_fields=True):
+    """With speculation: draft pages restored from decode's pool, the tier, prefill."""
+
+    draft_local_pages: Count = 0
+    draft_tier_pages: Count = 0
+    draft_prefill_pages: Count = 0
+
+
 class LoadDone(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """A load whose pulls finished on every rank: admitted as `seq_id`, or failed."""
 
@@ -123,6 +132,7 @@ class LoadDone(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     prefill_pages: Count = 0
     bytes_from_prefill: Count = 0
     recomputed_pages: Count = 0  # neither the tier nor prefill had them
+    draft: DraftPulled | None = None  # from a rank holding the MTP layer
 
 
 class SeqOutput(msgspec.Struct, forbid_unknown_fields=True):
