@@ -42,9 +42,6 @@ class PageEntry:
     # are opaque digests, so this is what lets admin flush one tenant.
     namespace: bytes = b""
 
-    def filled_bytes(self) -> int:
-        return sum(end - start for start, end in self.filled)
-
 
 @dataclass(slots=True)
 class PinLease:
@@ -115,10 +112,6 @@ class PageIndex:
         self._leases: dict[int, PinLease] = {}
         self._expiries: list[tuple[float, int]] = []
         self._lease_ids = itertools.count(1)
-
-    @classmethod
-    def for_spec(cls, spec: ModelKVSpec, clock: Callable[[], float] = time.monotonic) -> PageIndex:
-        return cls(spec.page_bytes, clock)
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -389,20 +389,3 @@ def test_a_stalled_pull_does_not_stall_the_running_batch(cluster, control):
     assert "TransferTimeout" in stalled["message"] and 4 < waited < 15
     assert during >= 20  # tokens streamed while the pull waited
     assert run(stats(decode))["free_pages"] == start
-
-
-def test_write_back_without_free_staging_rows_is_counted(launch, control, model_dir, page_bytes):
-    """Staging of 3 rows, a 4-page conversation: the first 3 pages are written
-    back and the 4th is counted in the decode's stats, not skipped silently."""
-    cache = launch(*cache_args(page_bytes)).info["listen"]
-    prefill = launch(*worker_args("prefill", model_dir, control))  # writes nothing through
-    decode = launch(*worker_args("decode", model_dir, control, cache=[cache],
-                                 extra=["--write-back", "--staging-pages", 3]))  # fmt: skip
-    prompt = prompt_tokens(2 * PAGE + 3, seed=123)  # 3 pages: the load takes all 3 rows
-    got = run(fc.serve(addr(prefill), addr(decode), "wb", prompt, fc.params(40)))
-    assert got["ok"], got
-    full = (len(prompt) + len(got["tokens"]) - 1) // PAGE
-    assert full == 4
-    assert got["done"]["written_back_pages"] == 3
-    assert run(stats(decode))["writeback_skipped_pages"] == 1
-    assert run(stats(decode))["staging_free"] == 3
