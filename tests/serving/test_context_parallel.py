@@ -65,7 +65,8 @@ def test_cp2_prefill_serves_decode_and_writes_each_page_once(cluster, model_dir,
     # Three full pages through to the tier, each by one CP rank: written once.
     assert asyncio.run(bytes_to_tier(cluster["prefill_cp2"])) - before == 3 * page_bytes
     assert got["done"]["pulled"] == {"local_pages": 0, "tier_pages": 3, "prefill_pages": 1,
-                                     "recomputed_pages": 0}  # fmt: skip
+                                     "recomputed_pages": 0, "draft_local_pages": 0,
+                                     "draft_tier_pages": 0, "draft_prefill_pages": 0}  # fmt: skip
 
     # Written at CP=2, a full hit for a CP=1 prefill worker (no CP in any key).
     again = asyncio.run(

@@ -117,7 +117,15 @@ def test_prefill_then_decode_equals_one_process(cluster, reference, sampling, se
     assert answer["spec"] == {"tp": 1, "pp": 1, "cp": 1} and len(answer["handles"]) == 1
     pulled = got["done"]["pulled"]
     # Three full pages sealed by prefill's write-through, the partial one from prefill.
-    assert pulled == {"local_pages": 0, "tier_pages": 3, "prefill_pages": 1, "recomputed_pages": 0}
+    assert pulled == {
+        "local_pages": 0,
+        "tier_pages": 3,
+        "prefill_pages": 1,
+        "recomputed_pages": 0,
+        "draft_local_pages": 0,
+        "draft_tier_pages": 0,
+        "draft_prefill_pages": 0,
+    }
 
 
 @pytest.mark.parametrize(
