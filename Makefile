@@ -8,7 +8,19 @@ VENV ?= .venv
 # (README: GPUs); the CUDA kernel is then compiled when nvcc is found.
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
+# Setup time (a clean clone in CI) goes to unpacking wheels and compiling the
+# C++ extension, so: pip gets torch (its config finds the CPU wheel on this
+# machine's disk, and TORCH_SPEC may name another index), without compiling
+# every module to bytecode at install (torch and sympy alone are thousands of
+# files; Python compiles what it imports, once); uv, a pinned wheel from PyPI,
+# installs the pinned requirements in parallel, in seconds where pip takes
+# minutes. The venv is made without pip (ensurepip compiles pip's own modules:
+# half a minute on 2 cores) and gets pip from uv.
+UV_VERSION ?= 0.13.9
+PIP_VERSION ?= 23.2.1
 PIP := $(PY) -m pip -q --disable-pip-version-check
+UV := UV_LINK_MODE=copy $(VENV)/bin/uv
+UV_PIP := $(UV) pip install --quiet --python $(PY)
 EXT_SOURCES := $(wildcard kvrelay/cuda_ext/csrc/*) $(wildcard kvrelay/transfer/csrc/*)
 NVCC ?= nvcc
 
@@ -17,17 +29,25 @@ NVCC ?= nvcc
 setup: $(VENV)/.ext-stamp
 
 $(PY):
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -m venv --without-pip $(VENV)
+	$(PYTHON) -m pip -q --disable-pip-version-check --python $(PY) install --no-compile \
+	  uv==$(UV_VERSION)
+	$(UV_PIP) pip==$(PIP_VERSION)
 
 $(VENV)/.deps-stamp: requirements-dev.txt | $(PY)
-	$(PIP) install $(TORCH_SPEC)
-	$(PIP) install -r requirements-dev.txt
+	$(PIP) install --no-compile $(TORCH_SPEC)
+	@# uv knows neither pip's config nor its torch cap: the installed torch is
+	@# pinned, so that a requirement asking for another one fails instead of
+	@# replacing it with a CUDA build of several GB.
+	$(PY) -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" \
+	  > $(VENV)/torch-constraint.txt
+	$(UV_PIP) -c $(VENV)/torch-constraint.txt -r requirements-dev.txt
 	touch $@
 
 # pip's editable install compiles kvrelay._C; setup.py keeps ninja's objects in
 # build/temp, so only changed sources are recompiled.
 $(VENV)/.ext-stamp: $(VENV)/.deps-stamp setup.py pyproject.toml $(EXT_SOURCES)
-	$(PIP) install --no-build-isolation -e .
+	$(PIP) install --no-compile --no-build-isolation -e .
 	touch $@
 
 # SGLang beside kvrelay's CPU torch, without its dependency pins (which name a
@@ -39,7 +59,7 @@ sglang-deps: $(VENV_SGLANG)/.stamp
 
 $(VENV_SGLANG)/.stamp: requirements-sglang.txt $(VENV)/.deps-stamp
 	rm -rf $(VENV_SGLANG)
-	$(PIP) install --no-deps --target $(VENV_SGLANG) -r requirements-sglang.txt
+	$(UV_PIP) --no-deps --target $(VENV_SGLANG) -r requirements-sglang.txt
 	touch $@
 
 lint: $(VENV)/.deps-stamp

@@ -68,12 +68,21 @@ class Job:
     decode_first_s: float | None = None  # decode request sent -> its first token batch
 
     def page_keys(self, node: Node, tokens: list[int] | None = None) -> list[bytes]:
-        if tokens is not None:
-            return page_keys(node.namespace, tokens, node.page_size)
+        """Keys of the job's prompt (computed once per namespace and page
+        size), or of `tokens`, the prompt and what was generated after it:
+        the prompt's chain extended by the pages that follow (a request's
+        keys are hashed once, not once per hop)."""
         cache_key = (node.namespace, node.page_size)
         if cache_key not in self.keys:
             self.keys[cache_key] = page_keys(node.namespace, self.tokens, node.page_size)
-        return self.keys[cache_key]
+        keys = self.keys[cache_key]
+        if tokens is None:
+            return keys
+        ps, full = node.page_size, len(keys)
+        if len(tokens) < len(self.tokens) or tokens[: full * ps] != self.tokens[: full * ps]:
+            return page_keys(node.namespace, tokens, ps)  # not an extension of the prompt
+        parent = keys[-1] if keys else node.namespace
+        return keys + page_keys(parent, tokens[full * ps :], ps)
 
 
 def rank(nodes: list[Node], scores: dict[str, int]) -> list[Node]:

@@ -58,6 +58,12 @@ class WorkerConfig:
     attention_chunk_tokens: int = option(
         8192, help="cached-context tokens attended per block (paged attention)", minimum=1
     )
+    rank_timeout_s: float = option(
+        300.0,
+        help="deadline of one engine command on the ranks (a batch's prefill: raise it "
+        "for long cold prompts on slow devices) and of their collectives",
+        positive=True,
+    )
     local_cache: bool = option(True, help="prefix reuse from the worker's own pool")
     max_batch: int = option(8, help="requests per batch (decode: running sequences)", minimum=1)
     max_queue: int = option(64, help="queued requests before Busy", minimum=1)

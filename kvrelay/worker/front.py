@@ -72,6 +72,7 @@ class WorkerFront:
             device=c.device,
             speculative=c.speculative,
             max_prefill_tokens=c.max_prefill_tokens,
+            timeout_s=c.rank_timeout_s,
             attention_chunk_tokens=c.attention_chunk_tokens,
             rank_setup=functools.partial(self._rank_setup, c.rank_options()),
         )

@@ -1,8 +1,11 @@
 """Draft (MTP) pages through real workers and a real cache server: a
-speculating decode restores the draft's KV that prefill staged (P->D), wrote
-to the tier (under TP=2), or that the tier held, and its proposed and
-accepted counts equal a cold run's; draft pages corrupted in the tier change
-them (the test can fail); target pages without draft pages are recomputed."""
+speculating decode restores the draft's KV that prefill staged (P->D), or
+that a TP=2 prefill wrote to the tier, and its proposed and accepted counts
+equal a cold run's; zeroed draft pages in the tier change them (the test can
+fail); target pages in the tier without their draft pages are recomputed.
+
+The model has one layer and an MTP layer copied from it (`mtp_init="copy"`),
+so the draft agrees with the target often and the counts say something."""
 
 from __future__ import annotations
 
@@ -11,7 +14,12 @@ from dataclasses import replace
 
 import pytest
 
+from kvrelay.cache.client import CacheClient, CacheClientConfig
+from kvrelay.layout import ParallelConfig, draft_rectangle, rank_rectangle
 from kvrelay.model import Request, SamplingParams, load_engine, write_model
+from kvrelay.model.draft_transfer import draft_keys, export_draft_prefix
+from kvrelay.model.page_export import export_prefix
+from kvrelay.transfer import create_agent
 from tests.model.conftest import prompt_tokens
 from tests.serving import fake_control as fc
 from tests.serving.conftest import DTYPE, MODEL, PAGE, cache_args, worker_args
@@ -21,11 +29,17 @@ NEW = 12  # tokens per request (first token included)
 
 @pytest.fixture(scope="module")
 def mtp_model(tmp_path_factory):
-    return write_model(tmp_path_factory.mktemp("draft") / "llama-mtp", replace(MODEL, mtp=1))
+    spec = replace(MODEL, layers=1, mtp=1, mtp_init="copy")
+    return write_model(tmp_path_factory.mktemp("draft") / "llama-mtp", spec)
+
+
+def spec_engine(mtp_model):
+    return load_engine(mtp_model, dtype=DTYPE, page_size=PAGE, num_pages=32, speculative=2)
 
 
 @pytest.fixture(scope="module")
-def cluster(launch, control, mtp_model, page_bytes):
+def cluster(launch, control, mtp_model):
+    page_bytes = spec_engine(mtp_model).spec.page_bytes
     cache = launch(*cache_args(page_bytes)).info["listen"]
 
     def worker(role, k, cache=(cache,), tp=1):
@@ -45,8 +59,9 @@ def cold(mtp_model, prompt: list[int]) -> tuple[list[int], dict]:
     speculated from scratch (the steps a decode worker takes)."""
     plain = load_engine(mtp_model, dtype=DTYPE, page_size=PAGE, num_pages=32)
     first = plain.generate([Request(prompt, SamplingParams(1))])[0].tokens[0]
-    spec = load_engine(mtp_model, dtype=DTYPE, page_size=PAGE, num_pages=32, speculative=2)
-    result = spec.generate([Request([*prompt, first], SamplingParams(NEW - 1), skip_draws=1)])[0]
+    result = spec_engine(mtp_model).generate(
+        [Request([*prompt, first], SamplingParams(NEW - 1), skip_draws=1)]
+    )[0]
     greedy = plain.generate([Request(prompt, SamplingParams(NEW))])[0].tokens
     assert [first, *result.tokens] == greedy
     return greedy, result.spec
@@ -77,5 +92,62 @@ def test_draft_pages_written_by_tp2_prefill_through_the_tier(cluster, mtp_model)
     got = serve(cluster, "prefill_tp2", prompt, "t1")
     pulled = got["done"]["pulled"]
     assert pulled["draft_tier_pages"] == 2 and pulled["draft_prefill_pages"] == 0, pulled
+    assert got["tokens"] == tokens
+    assert got["done"]["spec"] == spec
+
+
+async def write_to_tier(cache: str, mtp_model, prompt: list[int], pages: int, draft: str) -> None:
+    """Writes the prompt's first `pages` target pages to the tier as a worker
+    would, and their draft pages as computed ("true"), zeroed ("zero") or not
+    at all ("none")."""
+    engine = spec_engine(mtp_model)
+    engine.generate([Request(prompt, SamplingParams(1))])
+    flat = ParallelConfig()
+    pb, dspec = engine.spec.page_bytes, engine.draft.spec
+    agent = await create_agent("tcp", token=fc.TOKEN)
+    arena = agent.allocate_arena(2 * pages * pb)
+    rows = arena.tensor.view(2 * pages, pb)
+    export_prefix(engine, prompt[: pages * PAGE], rows, list(range(pages)))
+    config = CacheClientConfig((cache,), fc.TOKEN)
+    target = CacheClient(agent, engine.spec, rank_rectangle(engine.spec, flat), config)
+    offsets = [i * pb for i in range(2 * pages)]
+    await target.write(engine.spec.page_keys(prompt)[:pages], arena, offsets[:pages])
+    if draft != "none":
+        stride = pb // dspec.page_bytes
+        ids = [(pages + i) * stride for i in range(pages)]
+        export_draft_prefix(
+            engine, prompt[: pages * PAGE + 1], arena.tensor.view(-1, dspec.page_bytes), ids
+        )
+        if draft == "zero":
+            rows[pages:].zero_()
+        client = CacheClient(agent, dspec, draft_rectangle(dspec, flat), config, slot_bytes=pb)
+        keys = draft_keys(engine, prompt[: pages * PAGE + 1])
+        await client.write(keys, arena, offsets[pages:])
+        await client.close()
+    await target.close()
+    await agent.close()
+
+
+def test_zeroed_draft_pages_in_the_tier_change_the_counts(cluster, mtp_model):
+    """The negative control: the same path with the draft pages' bytes zeroed."""
+    prompt = prompt_tokens(2 * PAGE + 9, seed=73)
+    tokens, spec = cold(mtp_model, prompt)
+    asyncio.run(write_to_tier(cluster["cache"], mtp_model, prompt, 2, draft="zero"))
+    got = serve(cluster, "prefill_tp2", prompt, "z1")
+    assert got["prefill"]["cached_tokens"]["tier"] == 2 * PAGE
+    assert got["done"]["pulled"]["draft_tier_pages"] == 2
+    assert got["tokens"] == tokens  # verification is exact whatever the draft says
+    assert got["done"]["spec"] != spec
+
+
+def test_target_hit_draft_miss_recomputes_from_the_first_missing_draft_page(cluster, mtp_model):
+    prompt = prompt_tokens(2 * PAGE + 9, seed=74)
+    tokens, spec = cold(mtp_model, prompt)
+    asyncio.run(write_to_tier(cluster["cache"], mtp_model, prompt, 2, draft="none"))
+    got = serve(cluster, "prefill_tp2", prompt, "m1")
+    # Prefill found the target pages but not the draft's: it computed the
+    # whole prompt, then staged and wrote the draft pages decode took.
+    assert got["prefill"]["cached_tokens"]["tier"] == 0
+    assert got["done"]["pulled"]["draft_tier_pages"] == 2
     assert got["tokens"] == tokens
     assert got["done"]["spec"] == spec
