@@ -85,12 +85,8 @@ def test_the_check_sees_an_upward_import(tmp_path):
 
 
 # (importing module, imported module) pairs still reaching for a private
-# name of another package, with why they stay for now.
-PRIVATE_IMPORTS = {
-    # issue 14's engineer owns both files and is changing the fast path's
-    # constants now; they become public names when that change lands.
-    ("kvrelay/bench/transfer.py", "kvrelay.transfer.fastpath"),
-}
+# name of another package, each with why it stays for now (none today).
+PRIVATE_IMPORTS: set[tuple[str, str]] = set()
 
 
 def private_imports() -> set[tuple[str, str]]:
