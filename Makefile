@@ -24,17 +24,22 @@ UV_PIP := $(UV) pip install --quiet --python $(PY)
 EXT_SOURCES := $(wildcard kvrelay/cuda_ext/csrc/*) $(wildcard kvrelay/transfer/csrc/*)
 NVCC ?= nvcc
 
-.PHONY: setup sglang-deps test test-fast test-numba test-sglang test-gpu gpu-check lint cuda-check bench demo clean
+.PHONY: setup sglang-deps test test-slow test-all test-fast test-numba test-sglang test-gpu gpu-check lint cuda-check bench demo clean
 
 setup: $(VENV)/.ext-stamp
 
 $(PY):
 	$(PYTHON) -m venv --without-pip $(VENV)
+
+# (Also for a venv made before uv was used here.)
+$(VENV)/bin/uv: | $(PY)
 	$(PYTHON) -m pip -q --disable-pip-version-check --python $(PY) install --no-compile \
 	  uv==$(UV_VERSION)
+
+$(VENV)/bin/pip: | $(VENV)/bin/uv
 	$(UV_PIP) pip==$(PIP_VERSION)
 
-$(VENV)/.deps-stamp: requirements-dev.txt | $(PY)
+$(VENV)/.deps-stamp: requirements-dev.txt | $(VENV)/bin/pip $(VENV)/bin/uv
 	$(PIP) install --no-compile $(TORCH_SPEC)
 	@# uv knows neither pip's config nor its torch cap: the installed torch is
 	@# pinned, so that a requirement asking for another one fails instead of
@@ -66,15 +71,33 @@ lint: $(VENV)/.deps-stamp
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The suite on PYTEST_JOBS pytest-xdist workers (0: one process), a whole file
+# to a worker (--dist loadfile), so that a file's module-scoped cluster or
+# model is built once. Most tests wait on processes they started, so two
+# workers keep both cores busy where one process left one idle.
+PYTEST_JOBS ?= 2
+PYTEST_XDIST := $(if $(filter 0,$(PYTEST_JOBS)),,-n $(PYTEST_JOBS) --dist loadfile)
+
+# What CI runs (.ci/run): everything but the tests marked slow (heavier
+# variants of features that a fast test in this run also covers).
 test: setup lint
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_XDIST) -m "not slow"
+	$(MAKE) --no-print-directory test-numba
+	$(MAKE) --no-print-directory test-sglang
+
+# Only the slow ones; test-all: the whole suite, slow included.
+test-slow: setup
+	$(PY) -m pytest $(PYTEST_XDIST) -m slow
+
+test-all: setup lint
+	$(PY) -m pytest $(PYTEST_XDIST)
 	$(MAKE) --no-print-directory test-numba
 	$(MAKE) --no-print-directory test-sglang
 
 # The edit-run loop: unit tests only (no servers, clusters or rank processes,
-# nothing marked slow or gpu).
+# nothing marked slow or gpu), under two minutes.
 test-fast: setup
-	$(PY) -m pytest -q -m "not cluster and not slow and not gpu"
+	$(PY) -m pytest -q $(PYTEST_XDIST) -m "not cluster and not slow and not gpu"
 
 # The same op tests through the numba fallback, as when the extension is absent.
 test-numba: setup

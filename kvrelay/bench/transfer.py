@@ -232,6 +232,7 @@ def run(args: argparse.Namespace) -> dict:
     from kvrelay.transfer.calibrate import calibrate
 
     # Measured afresh and cached: the agents the bench starts use this plan.
+    plan_load = os.getloadavg()
     plan = calibrate(fresh=True)
     host = transfer_host.host_lines(plan)
     print("\n".join(host), flush=True)
@@ -361,13 +362,18 @@ def run(args: argparse.Namespace) -> dict:
     for line in nixl_lines:
         print(line)
     summary = transfer_host.goals(results)
-    print("\n".join([*transfer_host.goal_lines(summary), *host]))
+    end_load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(
+        "\n".join(
+            [*transfer_host.goal_lines(summary), *host, f"load average at the end: {end_load}"]
+        )
+    )
     payload = {
         "benchmark": "transfer",
         "config": {k: v for k, v in vars(args).items() if not callable(v)},
         "machine": machine_info(),
         "host": plan.host,
-        "load_average": os.getloadavg(),
+        "load_average": {"start": plan_load, "end": os.getloadavg()},
         "copy_plan": plan.to_json(),
         "results": results,
         "goals": summary,

@@ -22,6 +22,7 @@ from kvrelay.chaos.load import load_run
 from kvrelay.chaos.workload import Oracle, Workload
 
 PAGE, DTYPE = 16, "float64"
+CHUNK = 500  # hostile cases of one family before the next family's turn
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -96,7 +97,8 @@ async def run_chaos(args) -> dict:
         fault_clusters = clusters[: args.parallel]
         hostile_rows, jobs = [], []
         if args.hostile:
-            jobs.append(hostile_families(clusters[-1], args.hostile, args.seed, end, hostile_rows))
+            jobs.append(shown(hostile_families(clusters[-1], args.hostile, args.seed, end,
+                                               hostile_rows), "hostile input"))  # fmt: skip
         rows = fault_rows(fault_clusters[0], args)
         queue = fault_queue(rows, args, random.Random(args.seed))
         for k, cluster in enumerate(fault_clusters):
@@ -105,6 +107,8 @@ async def run_chaos(args) -> dict:
             jobs.append(fault_worker(cluster, workload, rng, queue, rows, args, end))
         await asyncio.gather(*jobs)
         workload = Workload(fault_clusters[0].control_url, oracle, seed=args.seed)
+        for process in fault_clusters[0].workers():  # replacements still starting
+            await asyncio.to_thread(process.wait_ready, fault_clusters[0].config.ready_timeout_s)
         load = await load_run(fault_clusters[0], workload, args.load_requests, args.load_sessions)
         crashes = sum(sum(c.unhandled_errors().values()) for c in clusters)
     finally:
@@ -121,7 +125,7 @@ async def hostile_families(cluster: ChaosCluster, count: int, seed: int, end: fl
     cache_address = cluster.cache_addresses[0]
     arena = int(cluster.config.cache_gb / cluster.config.cache_servers * (1 << 30))
     cache, agent = await setup.cache_targets(cache_address, token, pb, arena)
-    _, fields = await setup.reserved_handle(cache_address, token, pb, b"\x42" * 32, 3600)
+    _, fields = await setup.reserved_handle(cache_address, token, pb, b"\x42" * 32, 300)
     prefill, decode = await setup.worker_targets(
         cluster.named("prefill")[0].ready["address"], cluster.named("decode")[0].ready["address"],
         token, 256, PAGE, fields["raw"])  # fmt: skip
@@ -129,18 +133,35 @@ async def hostile_families(cluster: ChaosCluster, count: int, seed: int, end: fl
                  "decode": cluster.named("decode")[0].name}  # fmt: skip
 
     async def families(target) -> None:
+        """The families in turn, `CHUNK` cases at a time, so that a time
+        budget too short for `count` of each still tries every family."""
         process = cluster.find(processes[target.name])
-        for family in hostile.FAMILIES:
-            before = cluster.unhandled_errors().get(process.name, 0)
-            alive = lambda p=process: p.popen.poll() is None  # noqa: E731
-            result = await hostile.run_family(target, family, count, seed=seed, alive=alive,
-                                              deadline=end)  # fmt: skip
-            result.crashes += cluster.unhandled_errors().get(process.name, 0) - before
-            if result.tried:
-                rows.append(result.as_dict())
+        alive = lambda p=process: p.popen.poll() is None  # noqa: E731
+        totals = {f: hostile.FamilyResult(f, target.name) for f in hostile.FAMILIES}
+        for chunk in range(-(-count // CHUNK)):
+            for family, total in totals.items():
+                n = min(CHUNK, count - chunk * CHUNK)
+                if time.monotonic() > end or n <= 0:
+                    continue
+                before = cluster.unhandled_errors().get(process.name, 0)
+                result = await hostile.run_family(target, family, n, seed=seed * 100_000 + chunk,
+                                                  alive=alive, deadline=end)  # fmt: skip
+                result.crashes += cluster.unhandled_errors().get(process.name, 0) - before
+                total.add(result)
+        for total in totals.values():
+            if total.tried:
+                rows.append(total.as_dict())
                 progress(rows[-1])
 
     await asyncio.gather(*(families(t) for t in (cache, agent, prefill, decode)))
+
+
+async def shown(job, what: str) -> None:
+    """Runs `job`; a failure of the harness itself is printed, not fatal to the other jobs."""
+    try:
+        await job
+    except Exception as exc:
+        print(f"{what}: the harness failed: {exc!r}", file=sys.stderr, flush=True)
 
 
 def fault_rows(cluster: ChaosCluster, args) -> dict[str, FaultRow]:

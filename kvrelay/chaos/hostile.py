@@ -49,6 +49,14 @@ class FamilyResult:
     errors: Counter = field(default_factory=Counter)  # refusal type names
     samples: list = field(default_factory=list)  # a few cases not rejected correctly
 
+    def add(self, other: FamilyResult) -> None:
+        self.tried += other.tried
+        self.rejected += other.rejected
+        self.crashes += other.crashes
+        self.outcomes += other.outcomes
+        self.errors += other.errors
+        self.samples = (self.samples + other.samples)[:5]
+
     def as_dict(self) -> dict:
         return {
             "family": self.family, "target": self.target, "tried": self.tried,

@@ -106,11 +106,14 @@ class Moments:
         await self._client.aclose()
 
     async def _inflight(self, process: Process) -> int:
+        """Requests control has open on the worker (found by address: a worker
+        that missed heartbeats registered again under a new node id)."""
         try:
-            queues = (await self._client.get("/stats")).json()["queues"]
+            nodes = (await self._client.get("/stats")).json()["nodes"]
         except (httpx.HTTPError, ValueError, KeyError):
             return 0
-        return queues.get(process.ready.get("node_id"), {}).get("inflight", 0)
+        address = process.ready["address"]
+        return sum(n.get("inflight", 0) for n in nodes if n.get("address") == address)
 
     async def _prefill(self, queued: bool) -> tuple[Process, bool]:
         victim = self.rng.choice(self.cluster.ready("prefill"))

@@ -87,7 +87,7 @@ class Pressure:
                 reply = await self._call(address, {"op": "reserve", "keys": keys,
                                                    "lease_s": 60.0, "ns": setup.NS})  # fmt: skip
                 if not frames.accepted(reply):
-                    break
+                    continue  # not answering (a restart still starting?): ask again
                 self._leases.append((address, reply["lease"]))
                 if None in reply["slots"]:
                     full += 1

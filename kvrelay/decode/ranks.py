@@ -246,8 +246,8 @@ class DecodeRanks(RoleRanks):
     def _import_draft(self, load: _Load, counts: DraftPulled, answer: LoadDone) -> None:
         """Index the draft pages pulled; the engine's admission restores them
         with the target's (and recomputes from the first one missing)."""
-        local = counts.draft_local_pages
-        have = local + counts.draft_tier_pages + counts.draft_prefill_pages
+        local = counts.local_pages
+        have = local + counts.tier_pages + counts.prefill_pages
         self.draft.import_rows(load.request.prompt, have, local, load.draft_rows)
         answer.draft = counts
 

@@ -10,12 +10,10 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-import msgspec
-
 from kvrelay.decode.ranks import decode_rank_setup
 from kvrelay.model.errors import PoolExhausted, RequestError
 from kvrelay.rpc import Connection, Error, PeerError
-from kvrelay.rpc.worker_ops import Decode, DecodeDone, Pulled, Role, TokenBatch
+from kvrelay.rpc.worker_ops import Decode, DecodeDone, DraftPulled, Pulled, Role, TokenBatch
 from kvrelay.worker.front import WorkerConfig, WorkerFront, log
 from kvrelay.worker.protocol import Busy, check_params, check_tokens
 from kvrelay.worker.rank_ops import Cancel, LoadDone, LoadStart, Step, Stepped
@@ -37,6 +35,7 @@ class _Job:
     written: list[int] = field(default_factory=list)  # pages each writer rank wrote back
     writing: set[int] = field(default_factory=set)  # ranks whose write-back still runs
     spec: dict | None = None  # speculation counts of the request (--speculative)
+    draft_pulled: DraftPulled | None = None  # draft pages restored, by source (--speculative)
 
 
 class DecodeWorker(WorkerFront):
@@ -176,9 +175,7 @@ class DecodeWorker(WorkerFront):
             job.seq_id = answer.seq_id
             job.pulled |= {"tier_pages": answer.tier_pages, "prefill_pages": answer.prefill_pages}
             # The draft's counts come from a rank of the last PP stage.
-            draft = next((r[i].draft for r in per_rank if r[i].draft is not None), None)
-            if draft is not None:
-                job.pulled |= msgspec.structs.asdict(draft)
+            job.draft_pulled = next((r[i].draft for r in per_rank if r[i].draft is not None), None)
             recomputed = answer.recomputed_pages
             if recomputed:  # neither the tier nor prefill had them: computed here
                 job.pulled["recomputed_pages"] = recomputed
@@ -248,5 +245,6 @@ class DecodeWorker(WorkerFront):
                 Pulled(**job.pulled),
                 min(job.written) if job.written else 0,
                 job.spec,
+                job.draft_pulled,
             )
         )

@@ -140,7 +140,7 @@ class ClusterConfig:
     control_port: int = 0  # 0: a free port
     ready_timeout_s: float = 120.0
     extra_env: dict = field(default_factory=dict)
-    speculative: int = 0  # decode: MTP draft tokens per step (the model needs an MTP layer)
+    speculative: int = 0  # MTP draft tokens per step (decode); prefill moves draft pages
     max_prefill_tokens: int = 0  # workers' tokens per prefill forward (0: their default)
     # A long cold prompt's prefill on a CPU takes minutes: control's attempt
     # and request deadlines and the workers' rank deadline (0: their defaults).
@@ -242,7 +242,7 @@ class LocalCluster:
                 args.append("--write-back")
         elif c.cache == "none":
             args.append("--no-local-cache")
-        if role == "decode" and c.speculative:
+        if c.speculative:  # prefill: computes, stages and writes the draft pages too
             args += ["--speculative", str(c.speculative)]
         return args
 

@@ -46,11 +46,17 @@ def export_draft_prefix(
             raise PrefixNotCached(f"{len(pages)} of {len(keys)} draft pages are cached")
         rect = draft_rectangle(draft.spec, engine.parallel)
         count = len(pages) - first_page
-        if rect.writer and count > 0:
+        # Under CP every rank holds every draft page (the draft runs whole on
+        # each); draft page i is written by CP rank i % cp, as target page i.
+        owned = [
+            i - first_page for i in range(first_page, len(pages)) if engine.parallel.owns_page(i)
+        ]
+        if rect.writer and owned:
             ids = _arena_rows(range(count) if page_ids is None else page_ids, count)
             slots = _slot_mapping(
                 engine, pages[first_page:], first_page, len(pages) * draft.page_size
             )
+            ids, slots = ids[owned].contiguous(), slots[owned].contiguous()
             geometry = rect_geometry(draft.spec, rect)
             gather_pages(pool.k_layers, pool.v_layers, arena, ids, slots, **geometry)
     finally:

@@ -151,7 +151,10 @@ class PrefillRanks(RoleRanks):
         state = {"keys": keys, "local": local, "tier": tier, "start": start, "stage": stage}
         state |= {"rows": [], "draft_rows": [], "timings": timings}
         self._lookup_draft(tokens, state)
-        if stage + state["draft_stage"] > self.rt.rows.count:
+        fits = stage + state["draft_stage"] <= self.rt.rows.count
+        if self.draft.enabled:  # only last-stage ranks stage draft pages: agree
+            fits = self.rt.agree(fits)
+        if not fits:
             state["error"] = Refusal("PoolExhausted", f"{stage} new pages to stage, "
                                      f"the staging arena holds {self.rt.rows.count}")  # fmt: skip
         return state

@@ -129,10 +129,15 @@ class Pulled(msgspec.Struct):
     tier_pages: Count = 0
     prefill_pages: Count = 0
     recomputed_pages: Count = 0  # neither the tier nor prefill had them: decode computed them
-    # With speculation: draft pages restored from decode's pool, the tier, prefill.
-    draft_local_pages: Count = 0
-    draft_tier_pages: Count = 0
-    draft_prefill_pages: Count = 0
+
+
+class DraftPulled(msgspec.Struct):
+    """With `--speculative`: the draft pages of prompt + first token that decode
+    restored, by source (the engine recomputes the rest)."""
+
+    local_pages: Count = 0
+    tier_pages: Count = 0
+    prefill_pages: Count = 0
 
 
 class DecodeDone(Message, tag="done"):
@@ -142,6 +147,7 @@ class DecodeDone(Message, tag="done"):
     written_back_pages: Count = 0
     # With `--speculative`: {"proposed", "accepted", "steps"} of the request.
     spec: dict[str, int] | None = None
+    draft_pulled: DraftPulled | None = None  # with `--speculative`
 
 
 class WorkerStats(Message, tag="stats"):

@@ -129,19 +129,25 @@ class DraftPages:
         if not rows:
             return None, None
         export_draft_prefix(self.engine, tokens, self.view, self._ids(rows), first_page=first)
-        keys = self.keys(tokens)[first : first + len(rows)]
-        if self.cache is not None and self.rect.writer:
-            self.rt.run(self.cache.write(keys, self.rt.arena, self.rt.offsets(rows)))
-        if finished or not self.rect.writer:
+        # Under CP, draft page i is this rank's to write and publish if i % cp
+        # is its CP rank (`export_draft_prefix` exported only those).
+        mine = [i for i in range(len(rows)) if self.engine.parallel.owns_page(first + i)]
+        keys = self.keys(tokens)
+        if self.cache is not None and self.rect.writer and mine:
+            offsets = self.rt.offsets([rows[i] for i in mine])
+            written = [keys[first + i] for i in mine]
+            self.rt.run(self.cache.write(written, self.rt.arena, offsets))
+        if finished or not self.rect.writer or not mine:
             self.rt.rows.give_back(rows)
             return None, None
 
         async def grant():  # the lease table is touched on the loop thread
-            runs = [(o + off, n) for o in self.rt.offsets(rows) for off, n in self.runs]
+            offsets = self.rt.offsets([rows[i] for i in mine])
+            runs = [(o + off, n) for o in offsets for off, n in self.runs]
             return self.rt.agent.publish(self.rt.arena, runs, self.namespace, lease_s)
 
         handle = self.rt.run(grant())
-        pages = list(range(first, first + len(rows)))
+        pages = [first + i for i in mine]
         return HandleRef(handle.to_bytes(), list(self.runs), pages, draft=True), handle.lease_id
 
     # -- decode ---------------------------------------------------------------------

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Union
 import msgspec
 
 from kvrelay.rpc.messages import Count, Ok, Tokens
-from kvrelay.rpc.worker_ops import FinishReason, HandleRef, Params, TokenId
+from kvrelay.rpc.worker_ops import DraftPulled, FinishReason, HandleRef, Params, TokenId
 
 
 class RankMessage(msgspec.Struct, tag_field="op", forbid_unknown_fields=True):
@@ -111,14 +111,6 @@ class LoadStart(RankMessage, tag="load_start"):
     pages: Count
     tier_pages: Count
     handles: list[HandleRef]
-
-
-class DraftPulled(msgspec.Struct, forbid_unknown_fields=True):
-    """With speculation: draft pages restored from decode's pool, the tier, prefill."""
-
-    draft_local_pages: Count = 0
-    draft_tier_pages: Count = 0
-    draft_prefill_pages: Count = 0
 
 
 class LoadDone(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):

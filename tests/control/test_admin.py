@@ -1,7 +1,6 @@
 """Registry liveness, drain, /stats and /metrics, flush through a real cache
 server, and the `kvrelay launch control` process."""
 
-import asyncio
 import json
 import os
 import select
@@ -138,12 +137,13 @@ def test_stats_and_metrics(cluster):
     assert "kvrelay_requests_total 0.0" in other.http.get("/metrics").text
 
 
-def test_tier_probe_and_flush_through_real_cache_servers(cluster):
+@pytest.mark.asyncio
+async def test_tier_probe_and_flush_through_real_cache_servers(cluster):
     servers = [ServerProcess(), ServerProcess()]
     addresses = sorted(s.address for s in servers)
     pages = 6
     try:
-        assert asyncio.run(write_pages(addresses, ParallelConfig(tp=1), range(pages))) == pages
+        assert await write_pages(addresses, ParallelConfig(tp=1), range(pages)) == pages
         # One cluster token opens control, the workers and the cache servers.
         control = cluster.control(cache=tuple(addresses), token=CACHE_TOKEN)
         auth = {"Authorization": f"Bearer {CACHE_TOKEN}"}
@@ -175,7 +175,7 @@ def test_tier_probe_and_flush_through_real_cache_servers(cluster):
         assert prefill.ops == ["flush"] and decode.ops == ["flush"]
         assert probed_pages() == pages  # nothing more found after the flush
         # Pages back, then one server dies: the hit ends at its first key.
-        assert asyncio.run(write_pages(addresses, ParallelConfig(tp=1), range(pages))) == pages
+        assert await write_pages(addresses, ParallelConfig(tp=1), range(pages)) == pages
         dead = next(s for s in servers if s.address == ring.server_for(KEYS[2]))
         dead.stop(signal.SIGKILL)
         expected = next(i for i, k in enumerate(KEYS) if ring.server_for(k) == dead.address)

@@ -1,5 +1,5 @@
 """Draft (MTP) pages through real workers and a real cache server: a
-speculating decode restores the draft's KV that prefill staged (P->D), or
+speculating decode restores the draft's KV that a CP=2 prefill staged (P->D), or
 that a TP=2 prefill wrote to the tier, and its proposed and accepted counts
 equal a cold run's; zeroed draft pages in the tier change them (the test can
 fail); target pages in the tier without their draft pages are recomputed.
@@ -9,7 +9,6 @@ so the draft agrees with the target often and the counts say something."""
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import replace
 
 import pytest
@@ -42,13 +41,13 @@ def cluster(launch, control, mtp_model):
     page_bytes = spec_engine(mtp_model).spec.page_bytes
     cache = launch(*cache_args(page_bytes)).info["listen"]
 
-    def worker(role, k, cache=(cache,), tp=1):
-        extra = ["--speculative", k]
+    def worker(role, k, cache=(cache,), tp=1, cp=1):
+        extra = ["--speculative", k, *(["--cp", cp] if cp > 1 else [])]
         return launch(*worker_args(role, mtp_model, control, tp=tp, cache=cache, extra=extra))
 
     return {
         "cache": cache,
-        "prefill_no_tier": worker("prefill", 1, cache=()),
+        "prefill_cp2_no_tier": worker("prefill", 1, cache=(), cp=2),
         "prefill_tp2": worker("prefill", 1, tp=2),
         "decode": worker("decode", 2),
     }
@@ -67,31 +66,35 @@ def cold(mtp_model, prompt: list[int]) -> tuple[list[int], dict]:
     return greedy, result.spec
 
 
-def serve(cluster, prefill: str, prompt: list[int], rid: str) -> dict:
-    got = asyncio.run(
-        fc.serve(cluster[prefill].info["address"], cluster["decode"].info["address"], rid,
-                 prompt, fc.params(NEW))
-    )  # fmt: skip
+async def serve(cluster, prefill: str, prompt: list[int], rid: str) -> dict:
+    got = await fc.serve(cluster[prefill].info["address"], cluster["decode"].info["address"],
+                         rid, prompt, fc.params(NEW))  # fmt: skip
     assert got["ok"], got
     return got
 
 
-def test_draft_pages_from_prefill_handles(cluster, mtp_model):
+@pytest.mark.asyncio
+async def test_draft_pages_from_cp2_prefill_handles(cluster, mtp_model):
+    """A CP=2 prefill without a tier: each CP rank publishes the draft pages
+    it owns (i % 2), decode reads them all from the two handles."""
     prompt = prompt_tokens(3 * PAGE + 5, seed=71)
     tokens, spec = cold(mtp_model, prompt)
-    got = serve(cluster, "prefill_no_tier", prompt, "h1")
-    pulled = got["done"]["pulled"]
-    assert pulled["draft_prefill_pages"] == 3 and pulled["draft_tier_pages"] == 0, pulled
+    got = await serve(cluster, "prefill_cp2_no_tier", prompt, "h1")
+    drafts = [h for h in got["prefill"]["handles"] if h.get("draft")]
+    assert sorted(p for h in drafts for p in h["pages"]) == [0, 1, 2]
+    pulled = got["done"]["draft_pulled"]
+    assert pulled == {"local_pages": 0, "tier_pages": 0, "prefill_pages": 3}
     assert got["tokens"] == tokens
     assert got["done"]["spec"] == spec
 
 
-def test_draft_pages_written_by_tp2_prefill_through_the_tier(cluster, mtp_model):
+@pytest.mark.asyncio
+async def test_draft_pages_written_by_tp2_prefill_through_the_tier(cluster, mtp_model):
     prompt = prompt_tokens(2 * PAGE + 9, seed=72)
     tokens, spec = cold(mtp_model, prompt)
-    got = serve(cluster, "prefill_tp2", prompt, "t1")
-    pulled = got["done"]["pulled"]
-    assert pulled["draft_tier_pages"] == 2 and pulled["draft_prefill_pages"] == 0, pulled
+    got = await serve(cluster, "prefill_tp2", prompt, "t1")
+    pulled = got["done"]["draft_pulled"]
+    assert pulled == {"local_pages": 0, "tier_pages": 2, "prefill_pages": 0}
     assert got["tokens"] == tokens
     assert got["done"]["spec"] == spec
 
@@ -128,26 +131,30 @@ async def write_to_tier(cache: str, mtp_model, prompt: list[int], pages: int, dr
     await agent.close()
 
 
-def test_zeroed_draft_pages_in_the_tier_change_the_counts(cluster, mtp_model):
+@pytest.mark.asyncio
+async def test_zeroed_draft_pages_in_the_tier_change_the_counts(cluster, mtp_model):
     """The negative control: the same path with the draft pages' bytes zeroed."""
     prompt = prompt_tokens(2 * PAGE + 9, seed=73)
     tokens, spec = cold(mtp_model, prompt)
-    asyncio.run(write_to_tier(cluster["cache"], mtp_model, prompt, 2, draft="zero"))
-    got = serve(cluster, "prefill_tp2", prompt, "z1")
+    await write_to_tier(cluster["cache"], mtp_model, prompt, 2, draft="zero")
+    got = await serve(cluster, "prefill_tp2", prompt, "z1")
     assert got["prefill"]["cached_tokens"]["tier"] == 2 * PAGE
-    assert got["done"]["pulled"]["draft_tier_pages"] == 2
+    assert got["done"]["draft_pulled"]["tier_pages"] == 2
     assert got["tokens"] == tokens  # verification is exact whatever the draft says
     assert got["done"]["spec"] != spec
 
 
-def test_target_hit_draft_miss_recomputes_from_the_first_missing_draft_page(cluster, mtp_model):
+@pytest.mark.asyncio
+async def test_target_hit_draft_miss_recomputes_from_the_first_missing_draft_page(
+    cluster, mtp_model
+):
     prompt = prompt_tokens(2 * PAGE + 9, seed=74)
     tokens, spec = cold(mtp_model, prompt)
-    asyncio.run(write_to_tier(cluster["cache"], mtp_model, prompt, 2, draft="none"))
-    got = serve(cluster, "prefill_tp2", prompt, "m1")
+    await write_to_tier(cluster["cache"], mtp_model, prompt, 2, draft="none")
+    got = await serve(cluster, "prefill_tp2", prompt, "m1")
     # Prefill found the target pages but not the draft's: it computed the
     # whole prompt, then staged and wrote the draft pages decode took.
     assert got["prefill"]["cached_tokens"]["tier"] == 0
-    assert got["done"]["pulled"]["draft_tier_pages"] == 2
+    assert got["done"]["draft_pulled"]["tier_pages"] == 2
     assert got["tokens"] == tokens
     assert got["done"]["spec"] == spec

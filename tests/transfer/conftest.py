@@ -30,7 +30,7 @@ class PeerProcess:
             target=serve, args=(child, backend, size, runs_list, env, options), daemon=True
         )
         self.process.start()
-        if not self.pipe.poll(60):
+        if not self.pipe.poll(120):  # spawn + torch import on a loaded 2-core host
             self.process.kill()
             raise RuntimeError("peer process did not start")
         info = msgpack.unpackb(self.pipe.recv_bytes())

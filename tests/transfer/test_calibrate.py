@@ -1,6 +1,5 @@
 """The fast path's copy calibration: what it measures, caches and reports."""
 
-import asyncio
 import json
 
 import pytest
@@ -45,9 +44,10 @@ def test_calibration_is_cached_per_boot(monkeypatch, tmp_path):
     assert calls == [1, 1]
 
 
-def test_an_unknown_fast_copy_is_refused():
+@pytest.mark.asyncio
+async def test_an_unknown_fast_copy_is_refused():
     with pytest.raises(ValueError, match="fast_copy"):
-        asyncio.run(create_agent("tcp", token="t", fast_copy="fastest"))
+        await create_agent("tcp", token="t", fast_copy="fastest")
 
 
 def test_host_warnings_name_what_is_missing():

@@ -23,7 +23,8 @@ NS = hashlib.sha256(b"ns").digest()
 
 
 @pytest.mark.parametrize("fast_path", [False, True], ids=["memmove", "fast-path"])
-def test_loopback_reads_and_writes_batches(fast_path):
+@pytest.mark.asyncio
+async def test_loopback_reads_and_writes_batches(fast_path):
     async def main():
         owner = await create_agent("loopback", token="t", fast_path=fast_path)
         reader = await create_agent("loopback", token="t", fast_path=fast_path)
@@ -60,10 +61,11 @@ def test_loopback_reads_and_writes_batches(fast_path):
         for agent in (owner, reader, stranger):
             await agent.close()
 
-    asyncio.run(main())
+    await main()
 
 
-def test_loopback_refuses_a_handle_of_another_process():
+@pytest.mark.asyncio
+async def test_loopback_refuses_a_handle_of_another_process():
     """An rkey that is not this process's key (the owner's table confirmed
     it) names memory of another process: refused before any byte moves."""
 
@@ -82,7 +84,7 @@ def test_loopback_refuses_a_handle_of_another_process():
         for agent in (owner, reader):
             await agent.close()
 
-    asyncio.run(main())
+    await main()
 
 
 def test_backends_are_chosen_by_name():
@@ -91,6 +93,7 @@ def test_backends_are_chosen_by_name():
         make_transport("carrier-pigeon")
 
 
-def test_agents_need_a_cluster_token():
+@pytest.mark.asyncio
+async def test_agents_need_a_cluster_token():
     with pytest.raises(ValueError, match="token"):
-        asyncio.run(create_agent("loopback", token=""))
+        await create_agent("loopback", token="")

@@ -25,8 +25,9 @@ def small_runs(count=256, seed=1):
     return [(2 * RUN * s, RUN) for s in slots]
 
 
+@pytest.mark.asyncio
 @pytest.mark.parametrize("mode", list(MODES))
-def test_pull_single_large_run_and_a_batch_of_small_runs(mode, start_peer):
+async def test_pull_single_large_run_and_a_batch_of_small_runs(mode, start_peer):
     single = [(RUN, SIZE - 2 * RUN)]
     batch = small_runs()
     peer = start_peer(mode, SIZE, [single, batch])
@@ -49,10 +50,11 @@ def test_pull_single_large_run_and_a_batch_of_small_runs(mode, start_peer):
             # Only the mapped copy maps the peer's memfd; readv needs no mapping.
             assert agent.stats()["mappings"] == (1 if MODES[mode][2] == "map" else 0)
 
-    asyncio.run(pull())
+    await pull()
 
 
-def test_fast_path_splits_a_large_pull_over_threads(start_peer):
+@pytest.mark.asyncio
+async def test_fast_path_splits_a_large_pull_over_threads(start_peer):
     size = 24 << 20  # copied by two threads where the calibration chose two
     peer = start_peer("fastpath-map", size, [[(4096, size - 4096)]])
 
@@ -63,11 +65,12 @@ def test_fast_path_splits_a_large_pull_over_threads(start_peer):
             want = pattern(size, 0)[4096:]
             assert _sha(local.tensor[: size - 4096]) == _sha(want)
 
-    asyncio.run(pull())
+    await pull()
 
 
+@pytest.mark.asyncio
 @pytest.mark.parametrize("mode", list(MODES))
-def test_push_a_batch_into_the_peer_arena(mode, start_peer):
+async def test_push_a_batch_into_the_peer_arena(mode, start_peer):
     batch = small_runs(64, seed=2)
     peer = start_peer(mode, SIZE, [batch])
     backend, kwargs = mode_agent_kwargs(mode)
@@ -81,14 +84,15 @@ def test_push_a_batch_into_the_peer_arena(mode, start_peer):
             offsets = [i * RUN for i in range(len(batch))]
             await agent.write(peer.handles[0], local, offsets, namespace=NAMESPACE, timeout=20)
 
-    asyncio.run(push())
+    await push()
     for i, (remote, n) in enumerate(batch):
         expected[remote : remote + n] = source[i * RUN : (i + 1) * RUN]
     assert peer.digest() == hashlib.sha256(expected.numpy().tobytes()).digest()
 
 
+@pytest.mark.asyncio
 @pytest.mark.parametrize("mode", list(MODES))
-def test_peer_killed_mid_transfer_fails_within_the_timeout(mode, start_peer):
+async def test_peer_killed_mid_transfer_fails_within_the_timeout(mode, start_peer):
     size = 32 << 20
     batch = [(i * 65536, 65536) for i in range(512)]
     peer = start_peer(mode, size, [batch])
@@ -116,11 +120,12 @@ def test_peer_killed_mid_transfer_fails_within_the_timeout(mode, start_peer):
         assert stats.get("ucx_endpoints", 0) == 0 and stats.get("ucx_rkeys", 0) == 0
         await agent.close()
 
-    asyncio.run(pull_until_killed())
+    await pull_until_killed()
 
 
+@pytest.mark.asyncio
 @pytest.mark.parametrize("mode", ["fastpath-map", "fastpath-readv"])
-def test_fast_path_reads_a_restarted_peer_arena(mode, start_peer):
+async def test_fast_path_reads_a_restarted_peer_arena(mode, start_peer):
     """One reader pulls from a peer, the peer exits and a new one (new pid,
     new memfd, other bytes) takes its place: the reader, whose mapping or pid
     was of the first, gets the new arena's bytes bit for bit."""
@@ -146,7 +151,7 @@ def test_fast_path_reads_a_restarted_peer_arena(mode, start_peer):
             await pull_from(agent, local, second, 5)  # the second mapping, reused
             assert agent.stats()["mappings"] == (1 if mode == "fastpath-map" else 0)
 
-    asyncio.run(pull())
+    await pull()
 
 
 def _sha(tensor) -> bytes:
