@@ -252,6 +252,34 @@ class Dispatcher:
             node.estimate.add(job.page_keys(node, prompt))
             return reply, node
 
+    async def _stream(self, job: Job, node, call: WorkerCall, message: Decode,
+                      emitted: list[int]) -> AsyncIterator[dict]:  # fmt: skip
+        """One decode attempt on `node`: an event per token batch as it comes
+        (appended to `emitted`), then the done event."""
+        await call.open()
+        await call.send(message)
+        last_at, streamed = time.monotonic(), 0
+        while True:
+            frame = await call.recv(
+                TokenBatch | DecodeDone, None if streamed else self.config.attempt_timeout_s
+            )
+            tokens = unpack_tokens(frame.tokens) if isinstance(frame, TokenBatch) else []
+            if tokens:
+                now = time.monotonic()
+                if not streamed:
+                    job.decode_first_s = now - last_at
+                    self.stats.record_transfer(now - last_at, len(job.tokens))
+                self.stats.record_gap(now - last_at, len(tokens))
+                last_at = now
+                streamed += len(tokens)
+                emitted.extend(tokens)
+                yield {"type": "tokens", "tokens": tokens, "decode": node.node_id}
+            if isinstance(frame, DecodeDone):
+                node.estimate.add(job.page_keys(node, job.tokens + emitted))
+                yield {"type": "done", "finish_reason": frame.finish_reason,
+                       "decode": node.node_id, "decode_first_s": job.decode_first_s}  # fmt: skip
+                return
+
     async def _wait_for_capacity(self, job: Job) -> None:
         """Until the registry reports a change in capacity; the request's
         timeout (around `run`) bounds the wait, and no node is blamed for it."""
@@ -280,38 +308,18 @@ class Dispatcher:
             tried.add(node.node_id)
             call = WorkerCall(node, self.config.token, self.config.connect_timeout_s)
             job.current = node
-            streamed = 0
+            before = len(emitted)
             node.inflight += 1
             try:
-                await call.open()
-                await call.send(message)
-                last_at = time.monotonic()
-                while True:
-                    frame = await call.recv(
-                        TokenBatch | DecodeDone, None if streamed else self.config.attempt_timeout_s
-                    )
-                    tokens = unpack_tokens(frame.tokens) if isinstance(frame, TokenBatch) else []
-                    if tokens:
-                        now = time.monotonic()
-                        if not streamed:
-                            job.decode_first_s = now - last_at
-                            self.stats.record_transfer(now - last_at, len(job.tokens))
-                        self.stats.record_gap(now - last_at, len(tokens))
-                        last_at = now
-                        streamed += len(tokens)
-                        emitted.extend(tokens)
-                        yield {"type": "tokens", "tokens": tokens, "decode": node.node_id}
-                    if isinstance(frame, DecodeDone):
-                        node.estimate.add(job.page_keys(node, job.tokens + emitted))
-                        yield {"type": "done", "finish_reason": frame.finish_reason,
-                               "decode": node.node_id,
-                               "decode_first_s": job.decode_first_s}  # fmt: skip
-                        return
+                async for event in self._stream(job, node, call, message, emitted):
+                    yield event
+                return
             except WorkerBusy as exc:
                 self.stats.busy += 1
                 last = str(exc)
                 continue
             except WorkerError as exc:
+                streamed = len(emitted) - before
                 if streamed:
                     if not isinstance(exc, WorkerRejected):
                         self.registry.suspect(node)

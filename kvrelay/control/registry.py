@@ -10,6 +10,7 @@ heartbeats, is removed: its next heartbeat gets 404 and it registers again.
 from __future__ import annotations
 
 import asyncio
+import enum
 import itertools
 import secrets
 import time
@@ -18,6 +19,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 MISSED_HEARTBEATS = 3
+
+
+class NodeState(enum.StrEnum):
+    LIVE = "live"
+    SUSPECT = "suspect"
+    DRAINING = "draining"
+
+
 MAX_ESTIMATE_PAGES = 1 << 20  # keys remembered per node, whatever its pool claims
 COUNTER_NAMES = (
     "requests", "prompt_tokens", "computed_tokens", "local_hit_tokens", "tier_hit_tokens",
@@ -79,7 +88,7 @@ class Node:
     registered_at: float
     last_heartbeat: float
     estimate: PageEstimate
-    state: str = "live"
+    state: NodeState = NodeState.LIVE
     queued: int = 0
     active: int = 0
     free_pages: int = 0
@@ -155,8 +164,8 @@ class Registry:
         node.last_heartbeat = self.clock()
         node.queued, node.active, node.free_pages = queued, active, free_pages
         node.counters = {k: v for k, v in counters.items() if isinstance(v, int | float)}
-        if node.state == "suspect":
-            node.state = "live"
+        if node.state is NodeState.SUSPECT:
+            node.state = NodeState.LIVE
         self.capacity_changed()
         return True
 
@@ -164,8 +173,8 @@ class Registry:
         return self._remove(node_id, "deregistered")
 
     def suspect(self, node: Node) -> None:
-        if node.state == "live":
-            node.state = "suspect"
+        if node.state is NodeState.LIVE:
+            node.state = NodeState.SUSPECT
 
     def refused(self, node: Node) -> None:
         self._remove(node.node_id, "refused")
@@ -173,7 +182,7 @@ class Registry:
     def drain(self, node_id: str) -> Node | None:
         node = self.nodes.get(node_id)
         if node is not None:
-            node.state = "draining"
+            node.state = NodeState.DRAINING
         return node
 
     def sweep(self) -> list[str]:
@@ -195,7 +204,7 @@ class Registry:
 
     def in_rotation(self, role: str, model: str) -> list[Node]:
         return [n for n in self.nodes.values()
-                if n.role == role and n.model == model and n.state == "live"]  # fmt: skip
+                if n.role == role and n.model == model and n.state is NodeState.LIVE]  # fmt: skip
 
     def models(self) -> dict[str, dict]:
         """Served models: vocabulary (the smallest over its nodes) and node counts."""
@@ -207,7 +216,7 @@ class Registry:
                              "model_dir": node.model_dir},
             )  # fmt: skip
             entry["vocab_size"] = min(entry["vocab_size"], node.vocab_size)
-            if node.state == "live":
+            if node.state is NodeState.LIVE:
                 entry[node.role] += 1
         return models
 
