@@ -37,7 +37,7 @@ from kvrelay.control.worker_client import (
     WorkerRefused,
     WorkerRejected,
 )
-from kvrelay.layout.keys import page_keys
+from kvrelay.layout.keys import scheme_page_keys
 from kvrelay.rpc import pack_tokens, unpack_tokens
 from kvrelay.rpc.worker_ops import Decode, DecodeDone, Params, Prefill, PrefillReply, TokenBatch
 
@@ -61,17 +61,20 @@ class Job:
     model: str
     tokens: list[int]
     params: dict  # SamplingParams fields, max_new_tokens = the client's max_tokens
-    keys: dict = field(default_factory=dict)  # (namespace, page_size) -> page keys
+    keys: dict = field(default_factory=dict)  # (scheme, namespace, page_size) -> page keys
     current: Node | None = None  # the worker of the latest attempt (blamed for a timeout)
     tier_hit: int | None = None  # pages, probed once per request
     waiting: bool = False  # every prefill worker answered Busy; waiting for one
 
     def page_keys(self, node: Node, tokens: list[int] | None = None) -> list[bytes]:
+        scheme = node.key_scheme
         if tokens is not None:
-            return page_keys(node.namespace, tokens, node.page_size)
-        cache_key = (node.namespace, node.page_size)
+            return scheme_page_keys(scheme, node.namespace, tokens, node.page_size)
+        cache_key = (scheme, node.namespace, node.page_size)
         if cache_key not in self.keys:
-            self.keys[cache_key] = page_keys(node.namespace, self.tokens, node.page_size)
+            self.keys[cache_key] = scheme_page_keys(
+                scheme, node.namespace, self.tokens, node.page_size
+            )
         return self.keys[cache_key]
 
 

@@ -227,6 +227,7 @@ class ParallelEngine:
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
         attention_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         speculative: int = 0,
+        key_scheme: str = "kvrelay",
     ) -> None:
         """`rank_setup(engine) -> {name: handler}` (picklable, e.g. a
         module-level function or a partial of one) runs in each rank after its
@@ -252,6 +253,8 @@ class ParallelEngine:
         }
         if speculative:
             options["speculative"] = speculative
+        if key_scheme != "kvrelay":
+            options["key_scheme"] = key_scheme
         self._rendezvous = rendezvous()
         self._procs = []
         options["collective"] = collective_backend(devices)

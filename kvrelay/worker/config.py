@@ -68,6 +68,13 @@ class WorkerConfig:
     speculative: int = option(
         0, help="decode: draft K tokens per step with the model's MTP layer (0: off)", minimum=0
     )
+    # The choices are kvrelay.layout.KEY_SCHEMES (not imported: see staging).
+    key_scheme: str = option(
+        "kvrelay",
+        help="how page keys derive from token ids: kvrelay, or sglang to hit the pages "
+        "SGLang ranks write through kvrelay's HiCache backend (same model identity)",
+        choices=["kvrelay", "sglang"],
+    )
 
     def checked(self, role: str) -> WorkerConfig:
         """This config with the backend and device resolved; SystemExit for

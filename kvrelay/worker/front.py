@@ -70,6 +70,7 @@ class WorkerFront:
             num_pages=c.num_pages,
             device=c.device,
             speculative=c.speculative,
+            key_scheme=c.key_scheme,
             rank_setup=functools.partial(self._rank_setup, c.rank_options()),
         )
         self.spec = self.engine.spec
@@ -101,6 +102,7 @@ class WorkerFront:
             "address": self.address,
             "model": self.spec.model_id,
             "namespace": self.spec.namespace().hex(),
+            "key_scheme": self.spec.key_scheme,
             "page_size": c.page_size,
             "vocab_size": self.vocab,
             "tp": c.tp,
