@@ -80,11 +80,15 @@ def load_engine(
     speculative: int = 0,
     mtp_positions: str = "target",
     key_scheme: str = "kvrelay",
+    batch_invariant_attention: bool = False,
 ) -> Engine:
     """An engine for one rank (the whole model when `parallel` is None), its
     weights, KV pool and activations on `device`; `speculative` K > 0 drafts
     K tokens per step with the model's MTP layer; `key_scheme` names how page
-    keys derive from tokens (`kvrelay.layout.keys`)."""
+    keys derive from tokens (`kvrelay.layout.keys`); `batch_invariant_attention`
+    makes a row's attention bits independent of the forward's other rows, so
+    pages are byte-identical whatever CP degree computed them
+    (`kvrelay.model.paged_attention`)."""
     if dtype not in TORCH_DTYPES:
         raise ModelLoadError(f"dtype {dtype!r} is not one of {sorted(TORCH_DTYPES)}")
     parallel = parallel or ParallelConfig()
@@ -123,7 +127,7 @@ def load_engine(
             device,
         )
         draft = SpecDecoder(draft, draft_kv_spec(spec, config, mtp_positions), speculative)
-    backend = PagedOnlineSoftmaxBackend(attention_chunk_tokens)
+    backend = PagedOnlineSoftmaxBackend(attention_chunk_tokens, batch_invariant_attention)
     shard = DecoderShard(config, plan, weights, pool, comm, backend)
     return Engine(shard, spec, parallel, max_prefill_tokens, draft)
 

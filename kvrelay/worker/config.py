@@ -68,6 +68,11 @@ class WorkerConfig:
     speculative: int = option(
         0, help="decode: draft K tokens per step with the model's MTP layer (0: off)", minimum=0
     )
+    batch_invariant_attention: bool = option(
+        False,
+        help="attention whose bits do not depend on the batch: pages byte-identical "
+        "whatever --cp computed them (slower prefill attention)",
+    )
     # The choices are kvrelay.layout.KEY_SCHEMES (not imported: see staging).
     key_scheme: str = option(
         "kvrelay",

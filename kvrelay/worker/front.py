@@ -71,6 +71,7 @@ class WorkerFront:
             device=c.device,
             speculative=c.speculative,
             key_scheme=c.key_scheme,
+            batch_invariant_attention=c.batch_invariant_attention,
             rank_setup=functools.partial(self._rank_setup, c.rank_options()),
         )
         self.spec = self.engine.spec
