@@ -8,26 +8,51 @@ VENV ?= .venv
 # (README: GPUs); the CUDA kernel is then compiled when nvcc is found.
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
+# Setup time (a clean clone in CI) goes to unpacking wheels and compiling the
+# C++ extension, so: pip gets torch (its config finds the CPU wheel on this
+# machine's disk, and TORCH_SPEC may name another index), without compiling
+# every module to bytecode at install (torch and sympy alone are thousands of
+# files; Python compiles what it imports, once); uv, a pinned wheel from PyPI,
+# installs the pinned requirements in parallel, in seconds where pip takes
+# minutes. The venv is made without pip (ensurepip compiles pip's own modules:
+# half a minute on 2 cores) and gets pip from uv.
+UV_VERSION ?= 0.13.9
+PIP_VERSION ?= 23.2.1
 PIP := $(PY) -m pip -q --disable-pip-version-check
+UV := UV_LINK_MODE=copy $(VENV)/bin/uv
+UV_PIP := $(UV) pip install --quiet --python $(PY)
 EXT_SOURCES := $(wildcard kvrelay/cuda_ext/csrc/*) $(wildcard kvrelay/transfer/csrc/*)
 NVCC ?= nvcc
 
-.PHONY: setup sglang-deps test test-fast test-numba test-sglang test-gpu gpu-check lint cuda-check bench demo clean
+.PHONY: setup sglang-deps test test-slow test-all test-fast test-numba test-sglang test-gpu gpu-check lint cuda-check bench demo clean
 
 setup: $(VENV)/.ext-stamp
 
 $(PY):
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -m venv --without-pip $(VENV)
 
-$(VENV)/.deps-stamp: requirements-dev.txt | $(PY)
-	$(PIP) install $(TORCH_SPEC)
-	$(PIP) install -r requirements-dev.txt
+# (Also for a venv made before uv was used here.)
+$(VENV)/bin/uv: | $(PY)
+	$(PYTHON) -m pip -q --disable-pip-version-check --python $(PY) install --no-compile \
+	  uv==$(UV_VERSION)
+
+$(VENV)/bin/pip: | $(VENV)/bin/uv
+	$(UV_PIP) pip==$(PIP_VERSION)
+
+$(VENV)/.deps-stamp: requirements-dev.txt | $(VENV)/bin/pip $(VENV)/bin/uv
+	$(PIP) install --no-compile $(TORCH_SPEC)
+	@# uv knows neither pip's config nor its torch cap: the installed torch is
+	@# pinned, so that a requirement asking for another one fails instead of
+	@# replacing it with a CUDA build of several GB.
+	$(PY) -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" \
+	  > $(VENV)/torch-constraint.txt
+	$(UV_PIP) -c $(VENV)/torch-constraint.txt -r requirements-dev.txt
 	touch $@
 
 # pip's editable install compiles kvrelay._C; setup.py keeps ninja's objects in
 # build/temp, so only changed sources are recompiled.
 $(VENV)/.ext-stamp: $(VENV)/.deps-stamp setup.py pyproject.toml $(EXT_SOURCES)
-	$(PIP) install --no-build-isolation -e .
+	$(PIP) install --no-compile --no-build-isolation -e .
 	touch $@
 
 # SGLang beside kvrelay's CPU torch, without its dependency pins (which name a
@@ -39,22 +64,40 @@ sglang-deps: $(VENV_SGLANG)/.stamp
 
 $(VENV_SGLANG)/.stamp: requirements-sglang.txt $(VENV)/.deps-stamp
 	rm -rf $(VENV_SGLANG)
-	$(PIP) install --no-deps --target $(VENV_SGLANG) -r requirements-sglang.txt
+	$(UV_PIP) --no-deps --target $(VENV_SGLANG) -r requirements-sglang.txt
 	touch $@
 
 lint: $(VENV)/.deps-stamp
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The suite on PYTEST_JOBS pytest-xdist workers (0: one process), a whole file
+# to a worker (--dist loadfile), so that a file's module-scoped cluster or
+# model is built once. Most tests wait on processes they started, so two
+# workers keep both cores busy where one process left one idle.
+PYTEST_JOBS ?= 2
+PYTEST_XDIST := $(if $(filter 0,$(PYTEST_JOBS)),,-n $(PYTEST_JOBS) --dist loadfile)
+
+# What CI runs (.ci/run): everything but the tests marked slow (heavier
+# variants of features that a fast test in this run also covers).
 test: setup lint
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_XDIST) -m "not slow"
+	$(MAKE) --no-print-directory test-numba
+	$(MAKE) --no-print-directory test-sglang
+
+# Only the slow ones; test-all: the whole suite, slow included.
+test-slow: setup
+	$(PY) -m pytest $(PYTEST_XDIST) -m slow
+
+test-all: setup lint
+	$(PY) -m pytest $(PYTEST_XDIST)
 	$(MAKE) --no-print-directory test-numba
 	$(MAKE) --no-print-directory test-sglang
 
 # The edit-run loop: unit tests only (no servers, clusters or rank processes,
-# nothing marked slow or gpu).
+# nothing marked slow or gpu), under two minutes.
 test-fast: setup
-	$(PY) -m pytest -q -m "not cluster and not slow and not gpu"
+	$(PY) -m pytest -q $(PYTEST_XDIST) -m "not cluster and not slow and not gpu"
 
 # The same op tests through the numba fallback, as when the extension is absent.
 test-numba: setup

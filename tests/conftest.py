@@ -32,3 +32,10 @@ def pytest_collection_modifyitems(config, items):
         # would skip the whole suite.
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def fake_clock():
+    from tests.support.clock import FakeClock
+
+    return FakeClock()

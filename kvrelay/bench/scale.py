@@ -22,13 +22,21 @@ context already in the pool): compute and nothing else. `x_floor` is the sum
 of the phases over the floor; `x_floor_move` adds to the floor two copies of
 the context's KV at memcpy speed (prefill's and decode's), the issue's goal
 reference. Peak memory is the RSS high-water mark above the phase's start,
-sampled every 5 ms. Control's per-request work is not in this process (its
-dispatch handles the token list once, O(pages)): not measured here.
+sampled every 5 ms.
+
+Control's per-request work is measured apart from the rest (it runs in
+control's process, beside the request's others): its CPU path without the
+network, from the completion's JSON body to the decode message, as
+`dispatch.py` does it: the body parsed, the prompt's page keys once
+(`Job.page_keys`), the estimate probes of the prefill and decode orders, the
+prefill and decode messages' packed tokens, and the keys of prompt + first
+token added to a worker's estimate after prefill and decode.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -36,9 +44,12 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvrelay.bench.stats import format_table, machine_info, write_json
+from kvrelay.control.dispatch import Job
+from kvrelay.control.registry import MAX_ESTIMATE_PAGES, PageEstimate
 from kvrelay.model.config import TORCH_DTYPES
 from kvrelay.model.engine import Request
 from kvrelay.model.loader import load_engine
@@ -47,7 +58,7 @@ from kvrelay.model.page_export import export_prefix, import_prefix
 from kvrelay.model.sampling import SamplingParams
 from kvrelay.prefill.ranks import TIER_WINDOW
 
-PHASES = ("lookup", "tier_pull", "compute", "stage", "decode_pull")
+PHASES = ("control", "lookup", "tier_pull", "compute", "stage", "decode_pull")
 CONTEXTS = {"8K": 8192, "32K": 32768, "128K": 131072, "200K": 204800, "512K": 524288,
             "1M": 1048576}  # fmt: skip
 
@@ -113,13 +124,35 @@ def _model(args, root: Path) -> Path:
 def _window_import(engine, tokens, keys, pages: int, window: torch.Tensor) -> None:
     """The first `pages` pages of `tokens` into the pool, TIER_WINDOW rows at a time."""
     rows = list(range(window.size(0)))
+    tokens = np.asarray(tokens)  # sliced per window in O(1), as the prefill ranks do
     position = 0
     while position < pages:
         count = min(len(rows), pages - position)
-        ids = [0] * position + rows[:count]
         end = (position + count) * engine.spec.page_size
-        import_prefix(engine, tokens[:end], window, ids, chain=keys)
+        import_prefix(engine, tokens[:end], window, rows[:count], chain=keys, first_page=position)
         position += count
+
+
+def control_work(body: bytes, page_size: int, first_token: int) -> int:
+    """Control's CPU work for one request (see the module's doc); returns
+    the prompt's pages."""
+    from types import SimpleNamespace
+
+    from kvrelay.rpc import pack_tokens
+
+    tokens = json.loads(body)["prompt"]
+    estimate = PageEstimate(MAX_ESTIMATE_PAGES)
+    node = SimpleNamespace(namespace=b"\x01" * 32, page_size=page_size, estimate=estimate)
+    job = Job("bench", "model", tokens, {"max_new_tokens": 2})
+    keys = job.page_keys(node)
+    estimate.hit(keys)  # the prefill order
+    pack_tokens(tokens)  # the Prefill message
+    estimate.add(job.page_keys(node, tokens))
+    estimate.hit(keys)  # the decode order
+    prompt = [*tokens, first_token]
+    pack_tokens(prompt)  # the Decode message
+    estimate.add(job.page_keys(node, prompt))
+    return len(keys)
 
 
 def measure(model_dir: Path, context: int, args) -> dict:
@@ -147,6 +180,9 @@ def measure(model_dir: Path, context: int, args) -> dict:
         peaks[name] = mem.grown
         return out
 
+    body = json.dumps({"prompt": tokens, "max_tokens": 2}).encode()
+    phase("control", lambda: control_work(body, ps, 0))
+
     def lookup():
         keys = prefill.spec.page_keys(tokens)
         prefill.pool.release(prefill.pool.match_prefix(keys))
@@ -162,7 +198,7 @@ def measure(model_dir: Path, context: int, args) -> dict:
 
     def decode_pull():
         _window_import(decode, tokens, keys, context_pages, window)
-        import_prefix(decode, tokens, staging, [0] * context_pages + rows, chain=keys)
+        import_prefix(decode, tokens, staging, rows, chain=keys, first_page=context_pages)
 
     phase("decode_pull", decode_pull)
     floor_tokens = tokens[:context] + other
@@ -191,6 +227,7 @@ def measure(model_dir: Path, context: int, args) -> dict:
         "x_floor_move": total / (floor_s + memcpy_s),
         "non_compute_s": total - times["compute"],
         "non_compute_per_page_us": 1e6 * (total - times["compute"]) / total_pages,
+        "control_per_page_us": 1e6 * times["control"] / total_pages,
         "pool_bytes": (prefill.pool.storage.numel() + decode.pool.storage.numel())
         * prefill.pool.storage.element_size(),
     }
@@ -241,13 +278,15 @@ def run(args: argparse.Namespace) -> None:
         for context in contexts:
             results.append(measure(model_dir, context, args))
             print(f"context {context}: done", file=sys.stderr)
-    headers = ["context", *PHASES, "total", "floor", "x_floor", "x_floor_move", "us/page*"]
+    headers = ["context", *PHASES, "total", "floor", "x_floor", "x_floor_move", "us/page*",
+               "ctl us/page"]  # fmt: skip
     rows = []
     for r in results:
         p = r["phases_s"]
         rows.append([r["context"], *(f"{p[n]:.3f}" for n in PHASES), f"{r['total_s']:.3f}",
                      f"{r['floor_s']:.3f}", f"{r['x_floor']:.2f}", f"{r['x_floor_move']:.2f}",
-                     f"{r['non_compute_per_page_us']:.0f}"])  # fmt: skip
+                     f"{r['non_compute_per_page_us']:.0f}",
+                     f"{r['control_per_page_us']:.1f}"])  # fmt: skip
     print(format_table(headers, rows))
     print("* non-compute time per page of the prompt (us); seconds elsewhere")
     peak = [[r["context"], *(f"{r['phase_peak_rss_bytes'][n] / 2**20:.0f}" for n in PHASES),

@@ -4,7 +4,9 @@ prefill time of a long prompt at CP=1 vs CP=2 (`kvrelay.bench.cp`'s
 `measure_cp_prefill`).
 
 A random model with an MTP layer is written (optionally fitted to its target
-with `--fit-steps`, see `kvrelay.model.mtp_fit`) unless `--model` is given.
+with `--fit-steps`, see `kvrelay.model.mtp_fit`, or built from the target's
+first layer with `--mtp-init copy`, which agrees often with a one-layer
+target) unless `--model` is given.
 One engine per configuration (plain, then K = each of `--k`) is loaded; run
 after run, each generates the same greedy continuation of the same prompts
 in turn, so a slow phase of the shared machine hits all of them; the
@@ -37,6 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--fit-steps", type=int, default=0, help="fit the random MTP layer first")
+    parser.add_argument(
+        "--mtp-init",
+        choices=["random", "copy"],
+        default="random",
+        help="copy: the MTP layer re-runs the target's first layer (agrees often with --layers 1)",
+    )
     parser.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="float32")
     parser.add_argument("--k", default="1,2,4", help="comma-separated draft lengths")
     parser.add_argument("--prompt-tokens", type=int, default=256)
@@ -113,6 +121,7 @@ def run(args: argparse.Namespace) -> dict:
             spec = RandomModelSpec(
                 arch="llama", layers=args.layers, hidden=args.hidden, heads=args.heads,
                 kv_heads=args.kv_heads, vocab=args.vocab, dtype=args.dtype, mtp=1,
+                mtp_init=args.mtp_init,
             )  # fmt: skip
             model_dir = write_model(f"{tmp}/model", spec)
             if args.fit_steps:

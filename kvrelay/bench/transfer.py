@@ -28,7 +28,7 @@ from pathlib import Path
 import msgpack
 import torch
 
-from kvrelay.bench import nixl_peer
+from kvrelay.bench import nixl_peer, transfer_host
 from kvrelay.bench.stats import Summary, format_table, machine_info, time_once, write_json
 from kvrelay.bench.tcp_stream import tcp_stream
 
@@ -117,8 +117,8 @@ async def _pull(mode: str, cases, arena_bytes: int, runs: int, timeout: float) -
         for (name, run_list), handle in zip(cases, handles, strict=True):
             offsets = local_offsets(run_list)
             at = sum(n for _, n in run_list)  # memcpy moves the same byte count
-            pulls, copies = [], []
-            for i in range(runs + 1):  # the first pull connects and maps: not timed
+            pulls, copies, first = [], [], None
+            for i in range(runs + 1):  # the first pull connects and maps: apart
                 # Both start from a cold cache. Otherwise whichever ran second
                 # finds the other's leftovers: the pull's streaming stores
                 # leave memcpy's buffers in the cache, and memcpy evicts the
@@ -131,7 +131,9 @@ async def _pull(mode: str, cases, arena_bytes: int, runs: int, timeout: float) -
                 if i:
                     pulls.append(time.perf_counter() - start)
                     copies.append(copy)
-            out[name] = (pulls, copies)
+                else:
+                    first = time.perf_counter() - start
+            out[name] = (pulls, copies, first)
         await agent.close()
     finally:
         pipe.send_bytes(b"stop")
@@ -227,6 +229,13 @@ def run(args: argparse.Namespace) -> dict:
     arena = args.arena_mib << 20
     sizes = [int(s) for s in args.sizes_mib.split(",") if s]
     cases = _cases(arena, sizes, args.batch, args.run_kib)
+    from kvrelay.transfer.calibrate import calibrate
+
+    # Measured afresh and cached: the agents the bench starts use this plan.
+    plan_load = os.getloadavg()
+    plan = calibrate(fresh=True)
+    host = transfer_host.host_lines(plan)
+    print("\n".join(host), flush=True)
     saved_tls = os.environ.get("UCX_TLS")
     try:
         pulls = {
@@ -240,12 +249,18 @@ def run(args: argparse.Namespace) -> dict:
     nixl = nixl_peer.measure(cases, arena, args.runs, args.timeout) if wants_nixl else None
     results, rows, nixl_lines = [], [], []
     # The fast path's copy without a second process: the same runs out of a
-    # private arena-sized buffer, split over threads exactly as the fast path does.
-    source = torch.ones(arena, dtype=torch.uint8)
+    # shared arena like the owner's, with the calibrated copy and the kernel's.
+    from kvrelay.transfer.arena import Arena
+
+    source = Arena.allocate_shared(0, arena)
+    source.tensor.fill_(1)
+    sweep = torch.zeros(_sweep_bytes(), dtype=torch.uint8)
     for name, run_list in cases:
         nbytes = sum(n for _, n in run_list)
         memcpy = Summary.of([t for mode in modes for t in pulls[mode][name][1]])
-        runs_copy = _copy_same_runs(source, run_list, args.runs)
+        offsets = local_offsets(run_list)
+        same = transfer_host.same_runs_baselines(source, run_list, offsets, args.runs, plan, sweep)
+        runs_copy, kernel_copy = same["memcpy"], same["readv"]
         stream = tcp_stream(nbytes, args.runs) if "tcp" in modes else None
         perftest, perftest_runs = {}, {}
         if not args.no_perftest:
@@ -267,10 +282,13 @@ def run(args: argparse.Namespace) -> dict:
             "modes": {},
         }
         for mode in modes:
-            pull_times, copy_times = pulls[mode][name]
+            pull_times, copy_times, first = pulls[mode][name]
             summary = Summary.of(pull_times)
             ratio = Summary.of([c / t for c, t in zip(copy_times, pull_times, strict=True)])
-            entry["modes"][mode] = summary.to_json() | {"x_memcpy": ratio.to_json()}
+            entry["modes"][mode] = summary.to_json() | {
+                "x_memcpy": ratio.to_json(),
+                "first_pull_s": first,  # connects (and maps): the cold case
+            }
             if mode == "tcp":
                 base = nbytes / stream.median if stream else None
             else:
@@ -283,10 +301,11 @@ def run(args: argparse.Namespace) -> dict:
                     _spread(nbytes, summary),
                     f"{ratio.median:.2f} [{ratio.min:.2f}-{ratio.max:.2f}]",
                     f"{nbytes / summary.median / base:.2f}" if base else "-",
+                    _gbs(nbytes, first),
                 ]
             )
         rows.append(
-            [name, "memcpy", _gbs(nbytes, memcpy.median), _spread(nbytes, memcpy), "1.00", "-"]
+            [name, "memcpy", _gbs(nbytes, memcpy.median), _spread(nbytes, memcpy), "1.00", "-", "-"]
         )
         rows.append(
             [
@@ -296,41 +315,68 @@ def run(args: argparse.Namespace) -> dict:
                 _spread(nbytes, runs_copy),
                 f"{memcpy.median / runs_copy.median:.2f}",
                 "-",
+                "-",
             ]
         )
-        entry["memcpy_of_runs_one_process"] = runs_copy.to_json()
+        rows.append(
+            [
+                name,
+                "process_vm_readv of the runs, 1 call",
+                _gbs(nbytes, kernel_copy.median),
+                _spread(nbytes, kernel_copy),
+                f"{memcpy.median / kernel_copy.median:.2f}",
+                "-",
+                "-",
+            ]
+        )
+        entry["memcpy_of_runs_one_process"] = runs_copy.to_json() | {"copy": same["copy"]}
+        entry["process_vm_readv_of_runs_one_call"] = kernel_copy.to_json()
         if stream is not None:
             entry["tcp_stream"] = stream.to_json()
             ratio = f"{memcpy.median / stream.median:.2f}"
             rows.append([name, "TCP stream, loopback", _gbs(nbytes, stream.median),
-                         _spread(nbytes, stream), ratio, "-"])  # fmt: skip
+                         _spread(nbytes, stream), ratio, "-", "-"])  # fmt: skip
         for label, rate in perftest.items():
             rates = perftest_runs[label]
             spread = f"{rates[0] / 1e9:.2f}-{rates[-1] / 1e9:.2f}" if rates else "-"
             gbs = f"{rate / 1e9:.2f}" if rate else "n/a"
-            rows.append([name, f"ucx_perftest ({label})", gbs, spread, "-", "-"])
+            rows.append([name, f"ucx_perftest ({label})", gbs, spread, "-", "-", "-"])
         if nixl:
-            rows.append(nixl_peer.table_row(name, nbytes, nixl[name], memcpy.median))
+            rows.append([*nixl_peer.table_row(name, nbytes, nixl[name], memcpy.median), "-"])
             our = {mode: pulls[mode][name][0] for mode in modes}
             entry["nixl_ucx_read"] = nixl_peer.case_json(nixl[name], our)
             nixl_lines.append(nixl_peer.ratio_line(name, nixl[name], our))
         results.append(entry)
-    print(format_table(["case", "path", "GB/s", "[min-max]", "x memcpy", "x baseline"], rows))
+    source.close()
+    headers = ["case", "path", "GB/s", "[min-max]", "x memcpy", "x baseline", "first pull"]
+    print(format_table(headers, rows))
     print(
         f"median of {args.runs} runs [slowest-fastest]; x memcpy = memcpy time / pull time per "
         "run (Tensor.copy_ of the same byte count, timed before each pull, both from a cold "
-        "cache); "
+        "cache); first pull = GB/s of the untimed first pull (connects, maps: the cold case; "
+        "the goals are on the steady state); "
         "x baseline = pull rate / ucx_perftest ucp_get rate on the same transport (ucx modes; "
         "median of 3 runs), "
         "/ a plain loopback TCP stream of the same bytes (tcp)"
     )
     for line in nixl_lines:
         print(line)
+    summary = transfer_host.goals(results)
+    end_load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(
+        "\n".join(
+            [*transfer_host.goal_lines(summary), *host, f"load average at the end: {end_load}"]
+        )
+    )
     payload = {
         "benchmark": "transfer",
         "config": {k: v for k, v in vars(args).items() if not callable(v)},
         "machine": machine_info(),
+        "host": plan.host,
+        "load_average": {"start": plan_load, "end": os.getloadavg()},
+        "copy_plan": plan.to_json(),
         "results": results,
+        "goals": summary,
     }
     if args.json:
         write_json(args.json, payload)
@@ -352,35 +398,6 @@ def _run_on_gpu(args: argparse.Namespace) -> dict:
     if given:
         raise SystemExit(f"kvrelay bench transfer --device cuda: {', '.join(given)} are host-only")
     return transfer_gpu.run(args, device)
-
-
-def _copy_same_runs(source: torch.Tensor, run_list, runs: int) -> Summary:
-    """The fast path's copy (the same compiled copier, threads and streaming
-    threshold) of the same runs inside one process: what a pull costs with no
-    peer, handle or event loop around it."""
-    import numpy as np
-
-    from kvrelay.transfer.arena import copy_runs
-    from kvrelay.transfer.fastpath import _BYTES_PER_COPY_THREAD, _STREAM_MIN_BYTES
-
-    nbytes = sum(n for _, n in run_list)
-    dst = torch.zeros(nbytes, dtype=torch.uint8)
-    rows = np.zeros((len(run_list), 3), dtype=np.uint64)
-    rows[:, 1:] = np.asarray(run_list, dtype=np.uint64)
-    rows[:, 0] = local_offsets(run_list)
-    threads = max(1, min(torch.get_num_threads(), nbytes // _BYTES_PER_COPY_THREAD))
-
-    sweep = torch.zeros(_sweep_bytes(), dtype=torch.uint8)
-
-    def once():
-        copy_runs(dst.data_ptr(), source.data_ptr(), rows, threads, _STREAM_MIN_BYTES)
-
-    once()
-    times = []
-    for _ in range(runs):
-        sweep.add_(1)  # from a cold cache, as the pulls and memcpy are timed
-        times.append(time_once(once))
-    return Summary.of(times)
 
 
 def _gbs(nbytes: int, seconds: float) -> str:

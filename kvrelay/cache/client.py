@@ -91,13 +91,27 @@ class ClientStats:
 
 class CacheClient:
     def __init__(
-        self, agent: Agent, spec: ModelKVSpec, rect: Rectangle, config: CacheClientConfig
+        self,
+        agent: Agent,
+        spec: ModelKVSpec,
+        rect: Rectangle,
+        config: CacheClientConfig,
+        slot_bytes: int | None = None,
     ) -> None:
         self.agent = agent
         self.spec = spec
+        # The servers' slot size: a page's own size, or a larger one whose
+        # start it fills (draft pages share the target's tier).
+        self.slot_bytes = spec.page_bytes if slot_bytes is None else slot_bytes
+        if self.slot_bytes < spec.page_bytes:
+            raise ValueError(f"slots of {self.slot_bytes} bytes cannot hold {spec.page_bytes}")
         self.rect = rect
         self.config = config
         self.runs = rect.byte_runs(spec)
+        # A page smaller than its slot: every writer also marks the slot's
+        # tail written (nothing reads it), so the slot seals with the page.
+        tail = self.slot_bytes - spec.page_bytes
+        self._commit_runs = self.runs + ([(spec.page_bytes, tail)] if tail else [])
         self.namespace = spec.namespace()
         self.ring = HashRing(config.servers)
         self.stats = ClientStats()
@@ -112,8 +126,8 @@ class CacheClient:
         self._push_lock = asyncio.Lock()
 
     def _check_welcome(self, welcome: CacheWelcome) -> str | None:
-        if welcome.page_bytes != self.spec.page_bytes:
-            return f"it holds pages of {welcome.page_bytes} bytes, not {self.spec.page_bytes}"
+        if welcome.page_bytes != self.slot_bytes:
+            return f"it holds pages of {welcome.page_bytes} bytes, not {self.slot_bytes}"
         return None
 
     async def close(self) -> None:
@@ -294,7 +308,7 @@ class CacheClient:
                 namespace=self.namespace,
                 timeout=self.config.timeout_s,
             )
-            await conn.call(Commit([keys[p] for p in todo], self.runs), CommitReply)
+            await conn.call(Commit([keys[p] for p in todo], self._commit_runs), CommitReply)
             self.stats.bytes_out += len(todo) * self.rect.num_bytes(self.spec)
             return len(todo), 0
         except (Unavailable, TransferError):

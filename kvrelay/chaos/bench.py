@@ -22,14 +22,26 @@ from kvrelay.chaos.load import load_run
 from kvrelay.chaos.workload import Oracle, Workload
 
 PAGE, DTYPE = 16, "float64"
+CHUNK = 500  # hostile cases of one family before the next family's turn
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--minutes", type=float, default=10.0, help="time budget (faults stop)")
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        default=10.0,
+        help="time budget of the faults and hostile input (the load run follows)",
+    )
+    parser.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        help="fault clusters running injections at once (each a full cluster)",
+    )
     parser.add_argument("--injections", type=int, default=20, help="injections per fault")
     parser.add_argument("--hostile", type=int, default=10_000, help="cases per hostile family")
     parser.add_argument("--faults", default="", help="comma-separated subset of the faults")
-    parser.add_argument("--sessions", type=int, default=4, help="sessions under each fault")
+    parser.add_argument("--sessions", type=int, default=2, help="sessions under each fault")
     parser.add_argument("--turns", type=int, default=2)
     parser.add_argument("--load-requests", type=int, default=1000)
     parser.add_argument("--load-sessions", type=int, default=64)
@@ -56,28 +68,59 @@ def make_model(directory: Path) -> tuple[Path, int]:
     return model_dir, kv_spec(model_dir, ModelConfig.from_dir(model_dir), DTYPE, PAGE).page_bytes
 
 
+def fault_config(model_dir: Path, log_dir: Path, page_bytes: int) -> ChaosConfig:
+    return ChaosConfig(model_dir=model_dir, log_dir=log_dir, page_bytes=page_bytes,
+                       page_size=PAGE, dtype=DTYPE, l3="valkey,file")  # fmt: skip
+
+
+def hostile_config(model_dir: Path, log_dir: Path, page_bytes: int) -> ChaosConfig:
+    return ChaosConfig(model_dir=model_dir, log_dir=log_dir, page_bytes=page_bytes,
+                       page_size=PAGE, dtype=DTYPE, prefill_workers=1, decode_workers=1,
+                       cache_servers=1, l3="file", pages=64)  # fmt: skip
+
+
 async def run_chaos(args) -> dict:
+    """Hostile input on a small cluster of its own and the faults on
+    `--parallel` full clusters, all at once until the time budget; then the
+    load run on the first fault cluster."""
     work = Path(args.logs or tempfile.mkdtemp(prefix="kvrelay-chaos-"))
     model_dir, page_bytes = make_model(work)
-    config = ChaosConfig(model_dir=model_dir, log_dir=work / "logs", page_bytes=page_bytes,
-                         page_size=PAGE, dtype=DTYPE)  # fmt: skip
     end = time.monotonic() + 60 * args.minutes
-    rng = random.Random(args.seed)
-    cluster = await asyncio.to_thread(lambda: ChaosCluster(config).start())
+    configs = [fault_config(model_dir, work / f"logs-faults{k}", page_bytes)
+               for k in range(args.parallel)]  # fmt: skip
+    if args.hostile:
+        configs.append(hostile_config(model_dir, work / "logs-hostile", page_bytes))
+    clusters = [ChaosCluster(c) for c in configs]
     try:
+        await asyncio.gather(*(asyncio.to_thread(c.start) for c in clusters))
         oracle = await asyncio.to_thread(Oracle, model_dir, DTYPE, PAGE)
-        workload = Workload(cluster.control_url, oracle, seed=args.seed)
-        hostile_rows = await hostile_families(cluster, args.hostile, args.seed)
-        fault_rows = await fault_rounds(cluster, workload, rng, args, end)
-        load = await load_run(cluster, workload, args.load_requests, args.load_sessions)
-        crashes = sum(cluster.unhandled_errors().values())
+        fault_clusters = clusters[: args.parallel]
+        hostile_rows, jobs = [], []
+        if args.hostile:
+            jobs.append(shown(hostile_families(clusters[-1], args.hostile, args.seed, end,
+                                               hostile_rows), "hostile input"))  # fmt: skip
+        rows = fault_rows(fault_clusters[0], args)
+        queue = fault_queue(rows, args, random.Random(args.seed))
+        for k, cluster in enumerate(fault_clusters):
+            workload = Workload(cluster.control_url, oracle, seed=args.seed + k)
+            rng = random.Random(f"{args.seed}:{k}")
+            jobs.append(fault_worker(cluster, workload, rng, queue, rows, args, end))
+        await asyncio.gather(*jobs)
+        workload = Workload(fault_clusters[0].control_url, oracle, seed=args.seed)
+        for process in fault_clusters[0].workers():  # replacements still starting
+            await asyncio.to_thread(process.wait_ready, fault_clusters[0].config.ready_timeout_s)
+        load = await load_run(fault_clusters[0], workload, args.load_requests, args.load_sessions)
+        crashes = sum(sum(c.unhandled_errors().values()) for c in clusters)
     finally:
-        await asyncio.to_thread(cluster.stop)
-    return {"logs": str(work), "load_average": os.getloadavg(), "faults": fault_rows,
-            "hostile": hostile_rows, "load": load, "unhandled_errors_in_logs": crashes}  # fmt: skip
+        await asyncio.gather(*(asyncio.to_thread(c.stop) for c in clusters))
+    return {"logs": str(work), "load_average": os.getloadavg(),
+            "faults": [row.as_dict() for row in rows.values()], "hostile": hostile_rows,
+            "load": load, "unhandled_errors_in_logs": crashes}  # fmt: skip
 
 
-async def hostile_families(cluster: ChaosCluster, count: int, seed: int) -> list[dict]:
+async def hostile_families(cluster: ChaosCluster, count: int, seed: int, end: float,
+                           rows: list[dict]) -> None:  # fmt: skip
+    """Every family against every listening server (the servers at once)."""
     token, pb = cluster.config.token, cluster.config.page_bytes
     cache_address = cluster.cache_addresses[0]
     arena = int(cluster.config.cache_gb / cluster.config.cache_servers * (1 << 30))
@@ -88,32 +131,69 @@ async def hostile_families(cluster: ChaosCluster, count: int, seed: int) -> list
         token, 256, PAGE, fields["raw"])  # fmt: skip
     processes = {"cache": "cache0", "agent": "cache0", "prefill": cluster.named("prefill")[0].name,
                  "decode": cluster.named("decode")[0].name}  # fmt: skip
-    rows = []
-    for target in (cache, agent, prefill, decode):
+
+    async def families(target) -> None:
+        """The families in turn, `CHUNK` cases at a time, so that a time
+        budget too short for `count` of each still tries every family."""
         process = cluster.find(processes[target.name])
-        for family in hostile.FAMILIES:
-            before = cluster.unhandled_errors().get(process.name, 0)
-            alive = lambda p=process: p.popen.poll() is None  # noqa: E731
-            result = await hostile.run_family(target, family, count, seed=seed, alive=alive)
-            result.crashes += cluster.unhandled_errors().get(process.name, 0) - before
-            if result.tried:
-                rows.append(result.as_dict())
+        alive = lambda p=process: p.popen.poll() is None  # noqa: E731
+        totals = {f: hostile.FamilyResult(f, target.name) for f in hostile.FAMILIES}
+        for chunk in range(-(-count // CHUNK)):
+            for family, total in totals.items():
+                n = min(CHUNK, count - chunk * CHUNK)
+                if time.monotonic() > end or n <= 0:
+                    continue
+                before = cluster.unhandled_errors().get(process.name, 0)
+                result = await hostile.run_family(target, family, n, seed=seed * 100_000 + chunk,
+                                                  alive=alive, deadline=end)  # fmt: skip
+                result.crashes += cluster.unhandled_errors().get(process.name, 0) - before
+                total.add(result)
+        for total in totals.values():
+            if total.tried:
+                rows.append(total.as_dict())
                 progress(rows[-1])
-    return rows
+
+    await asyncio.gather(*(families(t) for t in (cache, agent, prefill, decode)))
 
 
-async def fault_rounds(cluster, workload, rng, args, end: float) -> list[dict]:
-    faults = Faults(cluster, rng)
-    names = [n for n in args.faults.split(",") if n] or faults.names()
-    rows = {name: FaultRow(name) for name in names}
+async def shown(job, what: str) -> None:
+    """Runs `job`; a failure of the harness itself is printed, not fatal to the other jobs."""
+    try:
+        await job
+    except Exception as exc:
+        print(f"{what}: the harness failed: {exc!r}", file=sys.stderr, flush=True)
+
+
+def fault_rows(cluster: ChaosCluster, args) -> dict[str, FaultRow]:
+    names = [n for n in args.faults.split(",") if n] or Faults(cluster, random.Random()).names()
+    return {name: FaultRow(name) for name in names}
+
+
+def fault_queue(rows: dict, args, rng: random.Random) -> asyncio.Queue:
+    """Injection 1 of every fault (in a random order), then injection 2, ..."""
+    queue = asyncio.Queue()
     for _ in range(args.injections):
-        for name in rng.sample(names, len(names)):
-            if time.monotonic() > end:
-                break
-            await fault_round(cluster, faults, workload, name, rows[name],
-                              sessions=args.sessions, turns=args.turns)  # fmt: skip
+        for name in rng.sample(list(rows), len(rows)):
+            queue.put_nowait(name)
+    return queue
+
+
+async def fault_worker(cluster, workload, rng, queue: asyncio.Queue, rows: dict, args,
+                       end: float) -> None:  # fmt: skip
+    """One fault cluster: takes the next injection until none is left or time is up."""
+    faults = Faults(cluster, rng, background_restarts=True)
+    try:
+        while not queue.empty() and time.monotonic() < end:
+            name = queue.get_nowait()
+            try:
+                await fault_round(cluster, faults, workload, name, rows[name],
+                                  sessions=args.sessions, turns=args.turns)  # fmt: skip
+            except Exception as exc:  # the harness's own failure: counted, shown, go on
+                rows[name].harness_errors += 1
+                print(f"{name}: the round itself failed: {exc!r}", file=sys.stderr, flush=True)
             progress(rows[name].as_dict())
-    return [row.as_dict() for row in rows.values()]
+    finally:
+        await faults.close()
 
 
 def progress(row: dict) -> None:
@@ -122,8 +202,9 @@ def progress(row: dict) -> None:
 
 def print_tables(results: dict) -> None:
     print(f"load average {results['load_average']}  (a shared machine: figures are noisy)")
-    head = ("fault", "injected", "requests", "completed_correct", "failed_clear_error", "lost",
-            "hung", "wrong_tokens", "http_5xx", "leaked_pages", "p99_latency_s")  # fmt: skip
+    head = ("fault", "injected", "at_moment", "requests", "completed_correct",
+            "failed_clear_error", "lost", "hung", "wrong_tokens", "http_5xx", "leaked_pages",
+            "problems_after", "not_serving_after", "p99_latency_s")  # fmt: skip
     print(" | ".join(head))
     for row in results["faults"]:
         print(" | ".join(str(row[k]) for k in head))

@@ -1,16 +1,20 @@
 """The chaos cluster: `LocalCluster` (control, cache servers, prefill and
 decode pools, one `kvrelay launch` process each) with short timeouts, a real
-Valkey/Redis L3 (or a file L3), and the hooks the fault injector needs:
-process ids, logs scanned for unhandled errors, free-count probes."""
+Valkey/Redis L3 and/or a file L3, and the hooks the fault injector needs:
+process ids, logs scanned for unhandled errors, free-count probes, and a
+gate on each worker's way to control (its heartbeats can stop alone)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvrelay.chaos import frames
+from kvrelay.chaos.gate import Gate
 from kvrelay.chaos.valkey import Valkey
 from kvrelay.demo.cluster import ClusterConfig, LocalCluster, PoolConfig, Process
 
@@ -29,9 +33,12 @@ class ChaosConfig:
     prefill_workers: int = 2
     decode_workers: int = 2
     cache_servers: int = 2
-    l3: str = "valkey"  # "valkey", "file" or "none"
+    # The L3 of each cache server in turn: "valkey", "file" (write-through,
+    # so its pages survive a kill) or "none"; "valkey,file": cache0 on
+    # Valkey, cache1 on files.
+    l3: str = "valkey"
     pages: int = 128  # pool pages of each worker
-    staging_pages: int = 0
+    staging_pages: int = 32  # small enough that a fault can fill it
     max_queue: int = 16
     timeout_s: float = 2.0  # hello/stall deadlines of every listener
     transfer_timeout_s: float = 3.0
@@ -52,20 +59,38 @@ class ChaosCluster(LocalCluster):
         ))  # fmt: skip
         self.chaos = chaos
         self.valkey: Valkey | None = None
+        self.gates: dict[str, Gate] = {}  # worker name -> its gate to control
+
+    def l3_of(self, i: int) -> str:
+        kinds = self.chaos.l3.split(",")
+        return kinds[i % len(kinds)]
+
+    def l3_dir(self, i: int) -> Path:
+        return self.chaos.log_dir / f"l3-{i}"
 
     # -- processes -------------------------------------------------------------
     def start(self) -> ChaosCluster:
-        if self.chaos.l3 == "valkey" and self.chaos.cache_servers:
+        if "valkey" in self.chaos.l3.split(",") and self.chaos.cache_servers:
             self.valkey = Valkey(self.chaos.log_dir / "valkey").start()
         try:
-            super().start()
+            super().start()  # starts both pools without waiting (see start_pool)
+            for process in self.workers():
+                process.wait_ready(self.config.ready_timeout_s)
         except BaseException:
             self.stop()
             raise
         return self
 
     def stop(self) -> None:
+        # Every worker asked to stop at once (each drains and deregisters on
+        # its own), then the base class waits for each and stops the rest.
+        for process in self.workers():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.popen.pid, signal.SIGTERM)
         super().stop()
+        for gate in self.gates.values():
+            gate.stop()
+        self.gates.clear()
         if self.valkey is not None:
             self.valkey.stop()
 
@@ -74,10 +99,11 @@ class ChaosCluster(LocalCluster):
         args = ["launch", "cache", "--page-bytes", str(c.page_bytes),
                 "--arena-gb", str(c.cache_gb / c.cache_servers), "--backend", c.backend,
                 "--timeout-s", str(chaos.timeout_s)]  # fmt: skip
-        if chaos.l3 == "valkey":
+        if self.l3_of(i) == "valkey":
             args += ["--l3", self.valkey.url]
-        elif chaos.l3 == "file":
-            args += ["--l3", f"file:{chaos.log_dir / f'l3-{i}'}", "--l3-gb", "0.05"]
+        elif self.l3_of(i) == "file":
+            args += ["--l3", f"file:{self.l3_dir(i)}", "--l3-gb", "0.05",
+                     "--l3-policy", "write-through"]  # fmt: skip
         return args
 
     def _start_cache(self) -> list[str]:
@@ -88,11 +114,11 @@ class ChaosCluster(LocalCluster):
                                 for p in started]  # fmt: skip
         return self.cache_addresses
 
-    def restart_cache(self, i: int) -> Process:
+    def restart_cache(self, i: int, grace_s: float = 5) -> Process:
         """A new process for cache server i on its old address (after a kill)."""
         old = self.find(f"cache{i}")
         if old is not None:
-            old.stop(grace_s=5)
+            old.stop(grace_s=grace_s)
             self.processes.remove(old)
         host_port = self.cache_addresses[i]
         process = self._start(f"cache{i}", [*self.cache_args(i), "--listen", host_port])
@@ -108,11 +134,46 @@ class ChaosCluster(LocalCluster):
             args += ["--staging-pages", str(chaos.staging_pages)]
         return [*args, *chaos.extra_worker_args]
 
+    def start_pool(self, role: str, pool: PoolConfig) -> list[Process]:
+        """Starts the pool's workers; `start` waits for both pools at once
+        (their imports overlap)."""
+        return [self.start_worker(f"{role}{i}-tp{pool.tp}pp{pool.pp}", role, pool, wait=False)
+                for i in range(pool.workers)]  # fmt: skip
+
+    def start_worker(self, name: str, role: str, pool: PoolConfig | None = None, *,
+                     wait: bool = True) -> Process:  # fmt: skip
+        """Worker `name`, reaching control through its own gate (kept over restarts)."""
+        gate = self.gates.get(name)
+        if gate is None:
+            host, port = self.control_url.removeprefix("http://").rsplit(":", 1)
+            gate = self.gates[name] = Gate(host, int(port)).start()
+        args = self.worker_args(role, pool or PoolConfig())
+        args[args.index("--control") + 1] = gate.url
+        process = self._start(name, args)
+        if wait:
+            process.wait_ready(self.config.ready_timeout_s)
+        return process
+
+    def restart_worker(self, victim: Process, wait: bool = True) -> Process:
+        """A new process in place of a killed worker (same name and gate);
+        `wait=False` returns at once (`ready` says when it serves)."""
+        victim.stop(grace_s=1)
+        self.processes.remove(victim)
+        role = "prefill" if victim.name.startswith("prefill") else "decode"
+        return self.start_worker(victim.name, role, wait=wait)
+
     def find(self, name: str) -> Process | None:
         return next((p for p in self.processes if p.name == name), None)
 
     def named(self, prefix: str) -> list[Process]:
         return [p for p in self.processes if p.name.startswith(prefix)]
+
+    def workers(self) -> list[Process]:
+        return self.named("prefill") + self.named("decode")
+
+    def ready(self, prefix: str) -> list[Process]:
+        """The processes named `prefix`... that are up and have said they serve."""
+        return [p for p in self.named(prefix) if p.ready is not None and p.popen.poll() is None]
 
     def unhandled_errors(self) -> dict[str, int]:
         """Process name -> unhandled errors in its log (0 for a clean log)."""
@@ -140,7 +201,7 @@ class ChaosCluster(LocalCluster):
     async def free_counts(self) -> dict[str, tuple]:
         """Per worker: (free pool pages, free staging rows, queued, active)."""
         out = {}
-        for process in self.named("prefill") + self.named("decode"):
+        for process in self.ready("prefill") + self.ready("decode"):
             s = await self.worker_stats(process)
             out[process.name] = None if s is None else (
                 s["free_pages"], s["staging_free"], s["queued"], s["active"])  # fmt: skip

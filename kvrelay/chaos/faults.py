@@ -17,11 +17,16 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+import httpx
+
 from kvrelay.chaos.cluster import ChaosCluster
+from kvrelay.chaos.moments import TIMED, Moments, until
+from kvrelay.chaos.persistence import FILE_FAULTS, FileL3Faults
+from kvrelay.chaos.pressure import Pressure
 from kvrelay.chaos.workload import CORRECT, ERROR, HUNG, LOST, WRONG, Workload
-from kvrelay.demo.cluster import PoolConfig
 
 STOP_S = 4.0  # how long a SIGSTOPped process stays stopped
+HEARTBEATS_OFF_S = 4.5  # past control's 3 missed heartbeats of 1 s: the node is removed
 
 
 def _group_signal(pid: int, sig: int) -> None:
@@ -39,6 +44,9 @@ class FaultRow:
     leaked_pages: int = 0
     latencies: list = field(default_factory=list)
     not_serving: int = 0  # rounds after which a good request failed
+    at_moment: int = 0  # injections that struck at their moment (see `moments`)
+    problems_after: int = 0  # checks after the fault failed (see `Faults.after`)
+    harness_errors: int = 0  # rounds the harness itself could not finish (bench only)
 
     def as_dict(self) -> dict:
         lat = sorted(self.latencies)
@@ -49,31 +57,80 @@ class FaultRow:
             "lost": self.outcomes[LOST], "hung": self.outcomes[HUNG],
             "wrong_tokens": self.outcomes[WRONG], "http_5xx": self.http_5xx,
             "leaked_pages": self.leaked_pages, "p99_latency_s": round(p99, 3),
-            "not_serving_after": self.not_serving,
+            "not_serving_after": self.not_serving, "at_moment": self.at_moment,
+            "problems_after": self.problems_after, "harness_errors": self.harness_errors,
         }  # fmt: skip
 
 
 class Faults:
-    """The catalogue: name -> (inject, clear) on a cluster."""
+    """The catalogue: name -> inject (at a random moment of a workload),
+    clear (once the workload ended, or after a hold for a freeze), after
+    (checks that need the fault cleared)."""
 
-    def __init__(self, cluster: ChaosCluster, rng: random.Random) -> None:
+    def __init__(self, cluster: ChaosCluster, rng: random.Random,
+                 background_restarts: bool = False) -> None:  # fmt: skip
         self.cluster = cluster
         self.rng = rng
+        # A killed worker's replacement starts while the next rounds run
+        # (`ready_for` keeps a fault from striking a pool's last worker).
+        self.background_restarts = background_restarts
         self._victim = None
-        self._snapshot = None
+        self.moments = Moments(cluster, rng)
+        self.pressure = Pressure(cluster, rng)
+        self.files = FileL3Faults(cluster, rng)
 
     def names(self) -> list[str]:
         names = ["kill_prefill", "stop_prefill", "kill_decode", "stop_decode",
-                 "kill_cache", "stop_cache", "burst"]  # fmt: skip
+                 "kill_cache", "stop_cache", "burst", "stop_heartbeats", *TIMED,
+                 "fill_cache", "full_staging", "full_decode_pool"]  # fmt: skip
         if self.cluster.valkey is not None:
             names += ["kill_valkey", "stop_valkey", "corrupt_valkey"]
+        if self.files.servers:
+            names += list(FILE_FAULTS)
         return names
 
     def _pick(self, prefix: str):
-        return self.rng.choice(self.cluster.named(prefix))
+        return self.rng.choice(self.cluster.ready(prefix))
+
+    async def ready_for(self, name: str, timeout_s: float = 300.0) -> None:
+        """Waits until each pool has a worker serving, and every worker of a
+        pool this fault kills or freezes (so it never takes a pool's last)."""
+        roles = [r for r in ("prefill", "decode") if r in name] or ["prefill", "decode"]
+        strict = [r for r in ("prefill", "decode") if r in name or "heartbeats" in name]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            ok = all(self.cluster.ready(r) for r in roles) and all(
+                len(self.cluster.ready(r)) == len(self.cluster.named(r)) for r in strict
+            )
+            if ok:
+                return
+            await asyncio.sleep(0.2)
+        raise TimeoutError(f"{name}: the cluster's workers are not all serving")
+
+    def hold_s(self, name: str) -> float:
+        """How long a freeze lasts before `clear` (0: cleared after the workload)."""
+        return STOP_S if name.startswith("stop") else 0.0
 
     # -- inject ---------------------------------------------------------------------
-    def inject(self, name: str) -> None:
+    async def inject(self, name: str, workload: Workload) -> bool:
+        """Strikes; whether it struck at its moment (always, for untimed faults)."""
+        if name in TIMED:
+            self._victim, at = await self.moments.strike(name)
+            return at
+        if name in ("fill_cache", "full_staging", "full_decode_pool"):
+            return await self.pressure.inject(name, workload)
+        if name in FILE_FAULTS:
+            return await asyncio.to_thread(self.files.inject, name)
+        if name == "stop_heartbeats":
+            self._victim = self.rng.choice(
+                self.cluster.ready("prefill") + self.cluster.ready("decode")
+            )
+            await asyncio.to_thread(self.cluster.gates[self._victim.name].close)
+            return True
+        await asyncio.to_thread(self._inject_signal, name)
+        return True
+
+    def _inject_signal(self, name: str) -> None:
         kind, _, target = name.partition("_")
         if kind in ("kill", "stop") and target in ("prefill", "decode", "cache"):
             self._victim = self._pick(target)
@@ -104,26 +161,58 @@ class Faults:
                 valkey.command("SET", key, spoiled)
 
     def sessions_for(self, name: str, sessions: int) -> int:
-        return sessions * 4 if name == "burst" else sessions
+        """A burst is 4x the sessions; a timed kill gets enough traffic for its moment."""
+        if name in ("burst", "kill_prefill_queued"):
+            return sessions * 4
+        return sessions * 2 if name in TIMED else sessions
 
     # -- clear ----------------------------------------------------------------------
-    def clear(self, name: str) -> None:
+    async def clear(self, name: str) -> None:
+        if name in ("fill_cache", "full_staging", "full_decode_pool"):
+            await self.pressure.clear(name)
+        elif name in TIMED:
+            await self.moments.settle()
+        await asyncio.to_thread(self._clear, name)
+
+    def _clear(self, name: str) -> None:
         kind, _, target = name.partition("_")
         victim, self._victim = self._victim, None
-        if kind == "stop" and target in ("prefill", "decode", "cache"):
+        if name == "stop_heartbeats":
+            self.cluster.gates[victim.name].open()
+        elif kind == "stop" and target in ("prefill", "decode", "cache"):
             _group_signal(victim.popen.pid, signal.SIGCONT)
-        elif kind == "kill" and target in ("prefill", "decode"):
-            victim.stop(grace_s=1)
-            self.cluster.processes.remove(victim)
-            process = self.cluster._start(victim.name, self.cluster.worker_args(
-                target, PoolConfig()))  # fmt: skip
-            process.wait_ready(self.cluster.config.ready_timeout_s)
-        elif name == "kill_cache":
+        elif victim is not None and victim.name.startswith("cache"):
             self.cluster.restart_cache(int(victim.name.removeprefix("cache")))
+        elif kind == "kill" and victim is not None:  # a worker, plain or timed
+            self.cluster.restart_worker(victim, wait=not self.background_restarts)
         elif name == "kill_valkey":
             self.cluster.valkey.start()  # same port and directory
         elif name == "stop_valkey":
             self.cluster.valkey.process.send_signal(signal.SIGCONT)
+
+    async def after(self, name: str, victim, workload: Workload, sessions: int,
+                    turns: int) -> int:  # fmt: skip
+        """Problems found once the fault is cleared (0: none)."""
+        if name in FILE_FAULTS:
+            return await self.files.after(name, workload, sessions, turns)
+        if name == "fill_cache":
+            return await self.pressure.after(name)
+        if name == "stop_heartbeats":
+            return int(not await until(lambda: self._live(victim), 30.0))
+        return 0
+
+    async def _live(self, worker) -> bool:
+        """Control lists `worker` live again (it registered after the gate opened)."""
+        try:
+            async with httpx.AsyncClient(base_url=self.cluster.control_url, timeout=5) as client:
+                nodes = (await client.get("/stats")).json()["nodes"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return False
+        address = worker.ready["address"]
+        return any(n["address"] == address and n["state"] == "live" for n in nodes)
+
+    async def close(self) -> None:
+        await self.moments.close()
 
 
 async def settled_counts(cluster: ChaosCluster, baseline: dict, timeout_s: float) -> int:
@@ -139,7 +228,9 @@ async def settled_counts(cluster: ChaosCluster, baseline: dict, timeout_s: float
             if start is None:
                 continue
             if got is None:  # not answering (yet): count it until the deadline
-                missing += 1
+                process = cluster.find(name)
+                restarting = process is not None and process.ready is None
+                missing += not restarting  # a new process (killed, restarted) holds nothing
                 continue
             missing += max(0, start[0] - got[0]) + max(0, start[1] - got[1]) + got[2] + got[3]
         if not missing or time.monotonic() > deadline:
@@ -150,19 +241,28 @@ async def settled_counts(cluster: ChaosCluster, baseline: dict, timeout_s: float
 async def fault_round(cluster: ChaosCluster, faults: Faults, workload: Workload, name: str,
                       row: FaultRow, *, sessions: int, turns: int) -> None:  # fmt: skip
     """One injection of `name` at a random moment of a workload."""
+    await faults.ready_for(name)
     baseline = await cluster.free_counts()
     before = len(workload.outcomes)
+    # New prompts each round: pools miss, so lookups and writes reach the tier.
+    workload.seed = faults.rng.getrandbits(31)
     run = asyncio.create_task(workload.run(faults.sessions_for(name, sessions), turns))
     await asyncio.sleep(faults.rng.uniform(0.05, 0.6))  # while requests run
-    await asyncio.to_thread(faults.inject, name)
-    row.injected += 1
-    if name.startswith("stop"):
-        await asyncio.sleep(STOP_S)
-        await asyncio.to_thread(faults.clear, name)
-        await run
-    else:
-        await run
-        await asyncio.to_thread(faults.clear, name)
+    try:
+        row.at_moment += await faults.inject(name, workload)
+        victim = faults._victim
+        row.injected += 1
+        if faults.hold_s(name) or name == "stop_heartbeats":
+            await asyncio.sleep(faults.hold_s(name) or HEARTBEATS_OFF_S)
+            await faults.clear(name)
+            await run
+        else:
+            await run
+            await faults.clear(name)
+    finally:
+        if not run.done():  # the fault raised: the workload still ends, bounded
+            await run
+    row.problems_after += await faults.after(name, victim, workload, sessions, turns)
     outcomes = workload.outcomes[before:]
     row.requests += len(outcomes)
     for outcome in outcomes:

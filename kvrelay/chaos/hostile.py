@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import random
 import struct
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -47,6 +48,14 @@ class FamilyResult:
     outcomes: Counter = field(default_factory=Counter)
     errors: Counter = field(default_factory=Counter)  # refusal type names
     samples: list = field(default_factory=list)  # a few cases not rejected correctly
+
+    def add(self, other: FamilyResult) -> None:
+        self.tried += other.tried
+        self.rejected += other.rejected
+        self.crashes += other.crashes
+        self.outcomes += other.outcomes
+        self.errors += other.errors
+        self.samples = (self.samples + other.samples)[:5]
 
     def as_dict(self) -> dict:
         return {
@@ -114,22 +123,28 @@ async def run_case(target: Target, case: Case, timeout: float) -> frames.Outcome
 
 
 async def run_family(target: Target, family: str, count: int, *, seed: int = 0,
-                     concurrency: int = 8, timeout: float = 15.0,
-                     alive=None) -> FamilyResult:  # fmt: skip
-    """Sends `count` cases of `family`; `alive()` (optional) says whether the
-    server's process is still up. Ends with a good request."""
+                     concurrency: int = 8, timeout: float = 15.0, alive=None,
+                     deadline: float | None = None) -> FamilyResult:  # fmt: skip
+    """Sends `count` cases of `family` (those not started by the monotonic
+    `deadline` are not sent, nor counted); `alive()` (optional) says whether
+    the server's process is still up. Ends with a good request."""
     rng = random.Random(f"{seed}:{target.name}:{family}")
     result = FamilyResult(family, target.name)
-    cases = [make_case(target, family, rng) for _ in range(count)]
-    cases = [c for c in cases if c is not None]
-    gate = asyncio.Semaphore(concurrency)
+    # Made one at a time (a nested case can be 100 KB: 10,000 at once would not fit).
+    cases = (make_case(target, family, rng) for _ in range(count))
+
+    async def sender() -> None:
+        for case in cases:
+            if deadline is not None and time.monotonic() > deadline:
+                return
+            if case is not None:
+                await one(case)
 
     async def one(case: Case) -> None:
-        async with gate:
-            try:
-                outcome = await run_case(target, case, timeout)
-            except OSError:
-                outcome = frames.Outcome(frames.CLOSED if case.may_close else "refused_connect")
+        try:
+            outcome = await run_case(target, case, timeout)
+        except OSError:
+            outcome = frames.Outcome(frames.CLOSED if case.may_close else "refused_connect")
         result.tried += 1
         result.outcomes[outcome.kind] += 1
         good = outcome.kind == frames.REFUSED or (case.may_close and outcome.kind == frames.CLOSED)
@@ -140,7 +155,7 @@ async def run_family(target: Target, family: str, count: int, *, seed: int = 0,
         elif len(result.samples) < 5:
             result.samples.append((case.payload[:200], outcome.kind, outcome.reply))
 
-    await asyncio.gather(*(one(c) for c in cases))
+    await asyncio.gather(*(sender() for _ in range(concurrency)))
     if not await still_serving(target) or (alive is not None and not alive()):
         result.crashes += 1
     return result

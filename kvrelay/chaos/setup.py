@@ -54,13 +54,14 @@ async def cache_targets(cache: str, token: str, page_bytes: int,
     dead, dead_cache = [], []
     for i in range(2):  # one released, one left to expire
         k = hashlib.sha256(b"chaos dead %d" % i).digest()
-        _, fields = await reserved_handle(cache, token, page_bytes, k, 0.2 if i else 30)
+        # The short lease must outlive its own publish on a loaded machine.
+        _, fields = await reserved_handle(cache, token, page_bytes, k, 3.0 if i else 30)
         dead.append(fields["lease"])
         dead_cache.append(fields["cache_lease"])
         if not i:
             await _session(agent, token, [{"op": "release", "lease": fields["lease"]}])
             await _session(cache, token, [{"op": "release", "lease": fields["cache_lease"]}])
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(3.2)
     return (
         cache_target(cache, token, page_bytes, NS, live["cache_lease"], dead_cache),
         agent_target(agent, token, live["arena"], arena_bytes, live["lease"], dead),

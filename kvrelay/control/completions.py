@@ -263,7 +263,8 @@ class CompletionRunner:
     def _info(first: dict, done: dict | None) -> dict:
         return {"prefill_node": first["prefill"], "decode_node": done and done["decode"],
                 "cached_tokens": first["cached"], "ttft_s": first["ttft_s"],
-                "prefill_timings": first.get("prefill_timings", {})}  # fmt: skip
+                "prefill_timings": first.get("prefill_timings", {}),
+                "decode_first_s": done.get("decode_first_s") if done else None}  # fmt: skip
 
     async def _sse(self, job: Job, first: dict, queue: asyncio.Queue, producer: asyncio.Task,
                    answer: Answer, shape):  # fmt: skip

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from kvrelay.control.config import ControlConfig
 from kvrelay.control.registry import Node, Registry
-from kvrelay.control.stats import ControlStats
+from kvrelay.control.stats import ControlStats, ttft_phases
 from kvrelay.control.tier import TierProbe
 from kvrelay.control.worker_client import (
     WorkerBusy,
@@ -37,7 +37,7 @@ from kvrelay.control.worker_client import (
     WorkerRefused,
     WorkerRejected,
 )
-from kvrelay.layout.keys import scheme_page_keys
+from kvrelay.layout.keys import page_keys, scheme_page_keys
 from kvrelay.rpc import pack_tokens, unpack_tokens
 from kvrelay.rpc.worker_ops import Decode, DecodeDone, Params, Prefill, PrefillReply, TokenBatch
 
@@ -65,17 +65,31 @@ class Job:
     current: Node | None = None  # the worker of the latest attempt (blamed for a timeout)
     tier_hit: int | None = None  # pages, probed once per request
     waiting: bool = False  # every prefill worker answered Busy; waiting for one
+    decode_first_s: float | None = None  # decode request sent -> its first token batch
 
     def page_keys(self, node: Node, tokens: list[int] | None = None) -> list[bytes]:
+        """Keys of the job's prompt (computed once per key scheme, namespace
+        and page size), or of `tokens`, the prompt and what was generated
+        after it: the prompt's chain extended by the pages that follow (a
+        request's keys are hashed once, not once per hop). An SGLang-scheme
+        chain is not extended from a key (its links are not kept): hashed anew."""
         scheme = node.key_scheme
-        if tokens is not None:
-            return scheme_page_keys(scheme, node.namespace, tokens, node.page_size)
         cache_key = (scheme, node.namespace, node.page_size)
         if cache_key not in self.keys:
             self.keys[cache_key] = scheme_page_keys(
                 scheme, node.namespace, self.tokens, node.page_size
             )
-        return self.keys[cache_key]
+        keys = self.keys[cache_key]
+        if tokens is None:
+            return keys
+        ps, full = node.page_size, len(keys)
+        extends = (
+            len(tokens) >= len(self.tokens) and tokens[: full * ps] == self.tokens[: full * ps]
+        )
+        if scheme != "kvrelay" or not extends:
+            return scheme_page_keys(scheme, node.namespace, tokens, ps)
+        parent = keys[-1] if keys else node.namespace
+        return keys + page_keys(parent, tokens[full * ps :], ps)
 
 
 def rank(nodes: list[Node], scores: dict[str, int]) -> list[Node]:
@@ -159,6 +173,9 @@ class Dispatcher:
                         event["prefill_timings"] = dict(reply.timings)
                         self.stats.record_ttft(event["ttft_s"])
                         self.stats.record_prefill_phases(event["prefill_timings"])
+                        self.stats.record_ttft_phases(
+                            len(job.tokens), ttft_phases(event["ttft_s"], event["prefill_timings"])
+                        )
                         self.stats.record_prefill(len(job.tokens), **event["cached"])
                     emitted.append(first)
                     yield event
@@ -284,7 +301,8 @@ class Dispatcher:
                     if tokens:
                         now = time.monotonic()
                         if not streamed:
-                            self.stats.record_transfer(now - last_at)
+                            job.decode_first_s = now - last_at
+                            self.stats.record_transfer(now - last_at, len(job.tokens))
                         self.stats.record_gap(now - last_at, len(tokens))
                         last_at = now
                         streamed += len(tokens)
@@ -293,7 +311,8 @@ class Dispatcher:
                     if isinstance(frame, DecodeDone):
                         node.estimate.add(job.page_keys(node, job.tokens + emitted))
                         yield {"type": "done", "finish_reason": frame.finish_reason,
-                               "decode": node.node_id}  # fmt: skip
+                               "decode": node.node_id,
+                               "decode_first_s": job.decode_first_s}  # fmt: skip
                         return
             except WorkerBusy as exc:
                 self.stats.busy += 1

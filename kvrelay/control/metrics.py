@@ -51,6 +51,13 @@ class LatencyHistograms:
             "tier pages), compute, publish (staging pages for decode).",
             PHASE_BUCKETS, ("phase",),
         )  # fmt: skip
+        self.ttft_phase = histogram(
+            "kvrelay_ttft_phase_seconds",
+            "Time to first token by phase and request class (prompt length bucket): "
+            "control (tier probe, dispatch, wire), queue, lookup, tier_pull, compute, "
+            "stage, publish; and decode_pull (decode's pull plus first step, after TTFT).",
+            (*PHASE_BUCKETS, 120.0, 300.0), ("phase", "request_class"),
+        )  # fmt: skip
         self.handoff = histogram(
             "kvrelay_kv_transfer_seconds",
             "From sending decode the prefill's handles to its first token batch: pulling "

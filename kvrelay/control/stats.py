@@ -12,7 +12,31 @@ from collections import deque
 from dataclasses import dataclass, field
 
 SAMPLES = 4096  # latency samples kept per series (a sliding window)
+PHASE_SAMPLES = 512  # per (request class, phase)
 QUANTILES = (0.5, 0.9, 0.99)
+# Request classes by prompt length (tokens): the upper bound of each bucket.
+# TTFT's phases scale differently with the context (compute with new tokens
+# over it, tier pull with its pages), so they are kept per class.
+CLASS_BOUNDS = ((8192, "<8K"), (32768, "8K-32K"), (131072, "32K-128K"),
+                (524288, "128K-512K"), (None, ">=512K"))  # fmt: skip
+# A request's time to first token, in order: control (tier probe, dispatch,
+# the wire), then the prefill worker's own phases. decode_pull (decode's pull
+# of the pages plus its first step) comes after the first token.
+TTFT_PHASES = ("control", "queue", "lookup", "tier_pull", "compute", "stage", "publish")
+
+
+def request_class(prompt_tokens: int) -> str:
+    for bound, name in CLASS_BOUNDS:
+        if bound is None or prompt_tokens < bound:
+            return name
+    raise AssertionError("unreachable")
+
+
+def ttft_phases(ttft_s: float, prefill_timings: dict[str, float]) -> dict[str, float]:
+    """TTFT split into TTFT_PHASES: the prefill worker's breakdown, and what
+    remains of the TTFT control measured (never below zero)."""
+    phases = {name: float(prefill_timings.get(f"{name}_s", 0.0)) for name in TTFT_PHASES[1:]}
+    return {"control": max(0.0, ttft_s - sum(phases.values()))} | phases
 
 
 def percentile(values, q: float) -> float | None:
@@ -41,6 +65,8 @@ class ControlStats:
     probed_tier_tokens: int = 0  # what control's own tier probes found
     ttft_s: deque = field(default_factory=lambda: deque(maxlen=SAMPLES))
     itl_s: deque = field(default_factory=lambda: deque(maxlen=SAMPLES))
+    # (request class, phase) -> recent samples, for /stats' per-class breakdown.
+    phases_s: dict = field(default_factory=dict)
     ttft_sum: float = 0.0
     ttft_count: int = 0
     itl_sum: float = 0.0
@@ -82,9 +108,37 @@ class ControlStats:
         for name, seconds in timings.items():
             self._observe("prefill_phase", seconds, phase=name.removesuffix("_s"))
 
-    def record_transfer(self, seconds: float) -> None:
+    def record_transfer(self, seconds: float, prompt_tokens: int | None = None) -> None:
         """Decode request sent with the handles -> its first token batch."""
         self._observe("handoff", seconds)
+        if prompt_tokens is not None:
+            self._phase(request_class(prompt_tokens), "decode_pull", seconds)
+
+    def record_ttft_phases(self, prompt_tokens: int, phases: dict[str, float]) -> None:
+        """One request's TTFT by phase (`ttft_phases`), under its class."""
+        klass = request_class(prompt_tokens)
+        for name, seconds in phases.items():
+            self._phase(klass, name, seconds)
+
+    def _phase(self, klass: str, name: str, seconds: float) -> None:
+        samples = self.phases_s.get((klass, name))
+        if samples is None:
+            samples = self.phases_s[klass, name] = deque(maxlen=PHASE_SAMPLES)
+        samples.append(seconds)
+        self._observe("ttft_phase", seconds, phase=name, request_class=klass)
+
+    def phase_breakdown(self) -> dict:
+        """{class: {phase: {p50, p90, p99, count}}}, classes and phases in order."""
+        order = [name for _, name in CLASS_BOUNDS]
+        names = (*TTFT_PHASES, "decode_pull")
+        out: dict[str, dict] = {}
+        for klass in order:
+            for name in names:
+                samples = self.phases_s.get((klass, name))
+                if samples:
+                    summary = self.latency(samples) | {"count": len(samples)}
+                    out.setdefault(klass, {})[name] = summary
+        return out
 
     def record_tier_probe(self, seconds: float) -> None:
         self._observe("tier_probe", seconds)
@@ -116,4 +170,5 @@ class ControlStats:
             "hit_rates": self.hit_rates(),
             "ttft_s": self.latency(self.ttft_s) | {"count": self.ttft_count},
             "inter_token_s": self.latency(self.itl_s) | {"count": self.itl_count},
+            "ttft_phases_s": self.phase_breakdown(),
         }  # fmt: skip

@@ -19,6 +19,7 @@ from kvrelay.model.engine import Request
 from kvrelay.model.errors import PoolExhausted, RequestError
 from kvrelay.model.page_export import export_prefix, import_prefix
 from kvrelay.transfer import BlockHandle, TransferError
+from kvrelay.worker.draft_pages import DraftPages
 from kvrelay.worker.protocol import pages_of, sampling
 from kvrelay.worker.rank import PullFailed, RankOptions, RankRuntime
 
@@ -69,11 +70,14 @@ class _Load:
     rows: list[int]
     need: int
     pulls: concurrent.futures.Future
+    draft_hit: list[int]  # draft pool pages of the prompt, referenced until the load ends
+    draft_rows: list[int]
 
 
 class DecodeRanks:
     def __init__(self, engine, options: RankOptions) -> None:
         self.rt = RankRuntime(engine, options)
+        self.draft = DraftPages(self.rt)
         self.engine = engine
         self.ps = engine.spec.page_size
         self.loads: dict[int, _Load] = {}  # in start order
@@ -90,8 +94,14 @@ class DecodeRanks:
             "step": self.step,
             "cancel": self.engine.cancel,
             "counters": self.counters,
-            "close": self.rt.close,
+            "close": self.close,
         }
+
+    def close(self) -> None:
+        try:
+            self.rt.run(self.draft.close(), timeout=10)
+        finally:
+            self.rt.close()
 
     def counters(self) -> dict:
         return self.rt.counters() | {"writeback_skipped_pages": self.writeback_skipped_pages}
@@ -121,16 +131,26 @@ class DecodeRanks:
         # page the admission makes; loads in flight have reserved theirs.
         need = pages_of(len(tokens) + params.max_new_tokens - 1, self.ps) + 1 - local
         room = pool.free_pages - self.reserved
-        fits = room >= need and self.rt.rows.free >= pages - local
+        # Draft pages of prompt + first token (with the MTP layer): the pool's, then rows.
+        draft_keys = self.draft.keys(request.prompt)
+        draft_hit = self.draft.pool_hits(draft_keys)
+        draft_need = len(draft_keys) - len(draft_hit)
+        fits = room >= need and self.rt.rows.free >= pages - local + draft_need
         if not self.rt.agree(fits):
             pool.release(hit)
+            if draft_hit:
+                self.engine.draft.pool.release(draft_hit)
             raise PoolExhausted(need, max(room, 0))
         rows = self.rt.rows.take(pages - local)
+        draft_rows = self.rt.rows.take(draft_need)
         self.reserved += need
+        draft = (draft_keys, len(draft_hit), draft_rows, item.get("draft_handles", []))
         pulls = asyncio.run_coroutine_threadsafe(
-            self._pull(item, keys, local, pages, rows), self.rt.loop
+            self._pull_both(item, keys, local, pages, rows, draft), self.rt.loop
         )
-        self.loads[load_id] = _Load(item, request, hit, local, rows, need, pulls)
+        self.loads[load_id] = _Load(
+            item, request, hit, local, rows, need, pulls, draft_hit, draft_rows
+        )
         return {"local_pages": local}
 
     async def _pull(self, item, keys, local, pages, rows) -> dict:
@@ -158,6 +178,16 @@ class DecodeRanks:
             "have": pages,
         }
 
+    async def _pull_both(self, item, keys, local, pages, rows, draft) -> dict:
+        """The target's pulls, then the draft's (best effort, never failing the load)."""
+        pulled = await self._pull(item, keys, local, pages, rows)
+        keys, first, rows, handles = draft
+        if self.draft.active:
+            counts = await self.draft.pull(keys, first, rows, handles)
+            pulled["draft"] = {"local_pages": first, "tier_pages": counts["tier"],
+                               "prefill_pages": counts["prefill"]}  # fmt: skip
+        return pulled
+
     def _finish_loads(self) -> list[dict]:
         """Loads whose pulls are done on every rank: scatter into the pool and
         admit, or fail (PullFailed on every rank). Answers per load."""
@@ -174,7 +204,8 @@ class DecodeRanks:
             ok = self.rt.agree(not why)
             if self.engine.parallel.rank == 0:
                 # In the background: a slow or dead prefill must not hold the batch.
-                asyncio.run_coroutine_threadsafe(self._release(load.item["handles"]), self.rt.loop)
+                handles = load.item["handles"] + load.item.get("draft_handles", [])
+                asyncio.run_coroutine_threadsafe(self._release(handles), self.rt.loop)
             answer = {"load_id": load_id, "local_pages": load.local}
             try:
                 if not ok:
@@ -187,6 +218,8 @@ class DecodeRanks:
                 if load.rows and have > load.local:
                     ids = [load.rows[0]] * load.local + load.rows
                     import_prefix(self.engine, tokens, self.rt.staging, ids)
+                if pulled.get("draft"):
+                    self._import_draft(load, pulled["draft"], answer)
                 answer["seq_id"] = self.engine.admit(load.request)
                 answer["tier_pages"] = self.rt.agree(pulled["tier_pages"])
                 answer["prefill_pages"] = pulled["prefill_pages"]
@@ -195,13 +228,23 @@ class DecodeRanks:
                 answer["error"] = [type(exc).__name__, str(exc)]
             finally:
                 del self.loads[load_id]
-                self.rt.rows.give_back(load.rows)
+                self.rt.rows.give_back(load.rows + load.draft_rows)
                 self.engine.pool.release(load.hit)
+                if load.draft_hit:
+                    self.engine.draft.pool.release(load.draft_hit)
                 self.reserved -= load.need
             answers.append(answer)
         if answers and not self.rt.options.local_cache:
             self.rt.clear_cache()
         return answers
+
+    def _import_draft(self, load: _Load, counts: dict, answer: dict) -> None:
+        """Index the draft pages pulled; the engine's admission restores them
+        with the target's (and recomputes from the first one missing)."""
+        local = counts["local_pages"]
+        have = local + counts["tier_pages"] + counts["prefill_pages"]
+        self.draft.import_rows(load.request.prompt, have, local, load.draft_rows)
+        answer["draft"] = counts
 
     async def _from_prefill(self, handles, start, pages, rows, local) -> int:
         """Each prefill writer's handle, narrowed to the overlap of its

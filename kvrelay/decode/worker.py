@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from kvrelay.decode.ranks import decode_rank_setup
 from kvrelay.model.errors import PoolExhausted, RequestError
 from kvrelay.rpc import Connection, Error, PeerError, pack_tokens
-from kvrelay.rpc.worker_ops import Decode, DecodeDone, Pulled, Role, TokenBatch
+from kvrelay.rpc.worker_ops import Decode, DecodeDone, DraftPulled, Pulled, Role, TokenBatch
 from kvrelay.worker.front import WorkerConfig, WorkerFront, log
 from kvrelay.worker.protocol import Busy, params_of, tokens_of
 
@@ -33,6 +33,7 @@ class _Job:
     written: list[int] = field(default_factory=list)  # pages each writer rank wrote back
     writing: set[int] = field(default_factory=set)  # ranks whose write-back still runs
     spec: dict | None = None  # speculation counts of the request (--speculative)
+    draft_pulled: dict | None = None  # draft pages restored, by source (--speculative)
 
 
 class DecodeWorker(WorkerFront):
@@ -73,9 +74,11 @@ class DecodeWorker(WorkerFront):
             | ({"pages": h.pages} if h.pages is not None else {})
             for h in request.handles
         ]
+        kinds = [h.draft for h in request.handles]
         item = {"tokens": tokens, "first_token": first, "params": params,
                 "tier_pages": request.tier_pages, "pages": request.pages,
-                "handles": handles}  # fmt: skip
+                "handles": [h for h, d in zip(handles, kinds, strict=True) if not d],
+                "draft_handles": [h for h, d in zip(handles, kinds, strict=True) if d]}  # fmt: skip
         job = _Job(rid, item)
         self._waiting.append(job)
         self._wake.set()
@@ -178,6 +181,8 @@ class DecodeWorker(WorkerFront):
                 continue
             job.seq_id = answer["seq_id"]
             job.pulled |= {k: answer[k] for k in ("tier_pages", "prefill_pages")}
+            # The draft's counts come from a rank of the last PP stage.
+            job.draft_pulled = next((r[i]["draft"] for r in per_rank if r[i].get("draft")), None)
             recomputed = answer.get("recomputed_pages", 0)
             if recomputed:  # neither the tier nor prefill had them: computed here
                 job.pulled["recomputed_pages"] = recomputed
@@ -247,5 +252,6 @@ class DecodeWorker(WorkerFront):
                 Pulled(**job.pulled),
                 min(job.written) if job.written else 0,
                 job.spec,
+                DraftPulled(**job.draft_pulled) if job.draft_pulled is not None else None,
             )
         )

@@ -140,7 +140,11 @@ class ClusterConfig:
     control_port: int = 0  # 0: a free port
     ready_timeout_s: float = 120.0
     extra_env: dict = field(default_factory=dict)
-    speculative: int = 0  # decode: MTP draft tokens per step (the model needs an MTP layer)
+    speculative: int = 0  # MTP draft tokens per step (decode); prefill moves draft pages
+    max_prefill_tokens: int = 0  # workers' tokens per prefill forward (0: their default)
+    # A long cold prompt's prefill on a CPU takes minutes: control's attempt
+    # and request deadlines and the workers' rank deadline (0: their defaults).
+    slow_prefill_s: float = 0.0
 
 
 def free_port() -> int:
@@ -191,6 +195,9 @@ class LocalCluster:
             args = ["launch", "control", "--listen", f"127.0.0.1:{port}"]
             if c.cache == "shared":
                 args += ["--cache", ",".join(self._start_cache())]
+            if c.slow_prefill_s:
+                args += ["--attempt-timeout-s", str(c.slow_prefill_s),
+                         "--request-timeout-s", str(2 * c.slow_prefill_s)]  # fmt: skip
             self._start("control", args).wait_ready(c.ready_timeout_s)
             self.control_url = f"http://127.0.0.1:{port}"
             self.start_pool("prefill", c.prefill)
@@ -221,6 +228,10 @@ class LocalCluster:
             "--backend", c.backend, "--page-size", str(c.page_size), "--dtype", c.dtype,
             "--num-pages", str(c.prefill_pages if role == "prefill" else c.decode_pages),
         ]  # fmt: skip
+        if c.max_prefill_tokens:
+            args += ["--max-prefill-tokens", str(c.max_prefill_tokens)]
+        if c.slow_prefill_s:
+            args += ["--rank-timeout-s", str(c.slow_prefill_s)]
         if pool.device != "cpu":
             args += ["--device", pool.device]
         if pool.staging:
@@ -231,7 +242,7 @@ class LocalCluster:
                 args.append("--write-back")
         elif c.cache == "none":
             args.append("--no-local-cache")
-        if role == "decode" and c.speculative:
+        if c.speculative:  # prefill: computes, stages and writes the draft pages too
             args += ["--speculative", str(c.speculative)]
         return args
 

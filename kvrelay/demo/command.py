@@ -12,53 +12,35 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
+from kvrelay.demo import phases, profiles
 from kvrelay.demo.cluster import ClusterConfig, LocalCluster, PoolConfig
-from kvrelay.demo.replay import TurnRecord, replay
-from kvrelay.demo.report import plot, summarize, table
+from kvrelay.demo.replay import TurnRecord, replay, replay_sample, sample_turns
+from kvrelay.demo.report import MODE_LABELS, plot, summarize, table
 from kvrelay.demo.workload import Session, WorkloadConfig, optimum_hit_tokens
 
-DEMO_MODEL = dict(layers=2, hidden=128, heads=4, kv_heads=2, vocab=256, max_positions=65536)
+DEMO_MODEL = profiles.MODELS["default"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        default=".kvrelay-demo/model",
-        help="model directory (a random demo model is written there if absent)",
-    )
+    profiles.add_arguments(parser)
     parser.add_argument("--out", default="demo-out", help="logs, JSON and PNG go here")
     parser.add_argument(
         "--modes", default="shared,local,none", help="comma list of: shared, local, none"
     )
-    parser.add_argument("--prefill", default="1xtp2", help="prefill pool, e.g. 2xtp1, 1xtp2")
-    parser.add_argument(
-        "--redeploy",
-        default="1xtp1pp2",
-        help="prefill pool config after the redeploy ('' for none)",
-    )
-    parser.add_argument(
-        "--redeploy-turns", type=int, default=2, help="turns replayed after the redeploy"
-    )
-    parser.add_argument("--decode", default="1xtp1", help="decode pool")
     parser.add_argument("--speculative", type=int, default=0, metavar="K",
                         help="speculative mode: decode drafts K tokens per step with an MTP "
                         "layer (a demo model with --mtp 1; --model must have one)")  # fmt: skip
     parser.add_argument("--backend", default=_default_backend(), choices=["tcp", "ucx"],
                         help="transfer backend of every process (ucx when built)")  # fmt: skip
-    parser.add_argument("--sessions", type=int, default=4)
-    parser.add_argument("--turns", type=int, default=16)
-    parser.add_argument("--system-tokens", type=int, default=8192)
-    parser.add_argument("--user-tokens", type=int, default=256)
-    parser.add_argument("--tool-tokens", type=int, default=512)
-    parser.add_argument("--answer-tokens", type=int, default=24)
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout-s", type=float, default=600.0, help="per request")
+    parser.add_argument("--timeout-s", type=float, default=3600.0, help="per request")
     parser.add_argument("--json", default=None, help="default: OUT/demo.json")
     parser.add_argument("--plot", default=None, help="default: OUT/demo.png")  # fmt: skip
 
@@ -69,12 +51,12 @@ def _default_backend() -> str:
     return "ucx" if importlib.util.find_spec("kvrelay._ucx") else "tcp"
 
 
-def ensure_model(path: Path, mtp: int = 0) -> Path:
+def ensure_model(path: Path, mtp: int = 0, profile: str = "default") -> Path:
     if not (path / "config.json").exists():
         from kvrelay.model.make_model import RandomModelSpec, write_model
 
         print(f"writing a random demo model to {path}", flush=True)
-        write_model(path, RandomModelSpec(**DEMO_MODEL, mtp=mtp))
+        write_model(path, RandomModelSpec(**profiles.MODELS[profile], mtp=mtp))
     return path
 
 
@@ -102,25 +84,54 @@ def optimum_by_turn(config: WorkloadConfig, records: list[TurnRecord], page_size
     return dict(zip(order, optimum_hit_tokens(pairs, page_size), strict=True))
 
 
-def run_mode(mode: str, args, workload: WorkloadConfig, model: Path, page_bytes: int):
+def cluster_config(mode: str, args, workload: WorkloadConfig, model: Path,
+                   page_bytes: int) -> ClusterConfig:  # fmt: skip
+    def pages(given: int) -> int:
+        if given:
+            return given
+        return profiles.pool_pages(args.pool_contexts, workload.final_context(),
+                                   workload.answer_tokens, args.page_size)  # fmt: skip
+
+    # Decode runs every session's sequence at once: its pool holds one
+    # context per session on top of the profile's share.
+    decode_contexts = args.pool_contexts + workload.sessions
+    decode_pages = args.decode_pages or profiles.pool_pages(
+        decode_contexts, workload.final_context(), workload.answer_tokens, args.page_size
+    )
+    return ClusterConfig(
+        model_dir=model, log_dir=Path(args.out) / "logs" / mode, cache=mode,
+        prefill=PoolConfig.parse(args.prefill), decode=PoolConfig.parse(args.decode),
+        page_bytes=page_bytes, page_size=args.page_size, backend=args.backend,
+        speculative=args.speculative, prefill_pages=pages(args.prefill_pages),
+        decode_pages=decode_pages, cache_gb=args.cache_gb,
+        max_prefill_tokens=args.max_prefill_tokens, slow_prefill_s=args.slow_prefill_s,
+    )  # fmt: skip
+
+
+def run_mode(mode: str, args, workload: WorkloadConfig, model: Path, page_bytes: int,
+             reference: list[TurnRecord] | None = None):  # fmt: skip
+    """The workload (or, with `reference`, its sampled turns) on a fresh cluster."""
     from tqdm import tqdm
 
-    prefill = PoolConfig.parse(args.prefill)
+    config = cluster_config(mode, args, workload, model, page_bytes)
     redeploy = PoolConfig.parse(args.redeploy) if args.redeploy else None
     split = workload.turns - args.redeploy_turns if redeploy else workload.turns
-    config = ClusterConfig(
-        model_dir=model, log_dir=Path(args.out) / "logs" / mode, cache=mode,
-        prefill=prefill, decode=PoolConfig.parse(args.decode), page_bytes=page_bytes,
-        page_size=args.page_size, backend=args.backend, speculative=args.speculative,
-    )  # fmt: skip
-    total = workload.sessions * workload.turns
+    picks = sample_turns(workload, args.sample) if reference is not None else None
+    total = len(picks) if picks is not None else workload.sessions * workload.turns
     with LocalCluster(config) as cluster:
         url = cluster.control_url
-        bar = tqdm(total=total, desc=f"{mode:>6} {prefill.label()}", unit="req", file=sys.stdout)
+        bar = tqdm(total=total, desc=f"{mode:>6} {config.prefill.label()}", unit="req",
+                   file=sys.stdout)  # fmt: skip
         start = time.perf_counter()
-        records, sessions = asyncio.run(
-            replay(url, workload, turns=range(split), timeout_s=args.timeout_s, progress=bar)
-        )
+        if picks is not None:
+            sample = replay_sample(url, workload, reference, picks, timeout_s=args.timeout_s,
+                                   progress=bar)  # fmt: skip
+            records = asyncio.run(sample)
+            redeploy = None
+        else:
+            records, sessions = asyncio.run(
+                replay(url, workload, turns=range(split), timeout_s=args.timeout_s, progress=bar)
+            )
         if redeploy:
             bar.set_description(f"{mode:>6} {redeploy.label()}")
             cluster.redeploy("prefill", redeploy)
@@ -157,22 +168,25 @@ def _print_speculation(stats: dict) -> None:
               f"mean accept length {length:.2f}")  # fmt: skip
 
 
-def compare_tokens(runs: dict[str, list[TurnRecord]]) -> list[str]:
-    """Differences between modes' generated tokens, turn by turn."""
+def compare_tokens(runs: dict[str, list[TurnRecord]], sampled=()) -> list[str]:
+    """Differences between modes' generated tokens, turn by turn, against the
+    first mode (a sampled mode on its own turns only)."""
     if len(runs) < 2:
         return []
     names = list(runs)
-    reference = {(r.session, r.turn): r.tokens for r in runs[names[-1]] if r.error is None}
+    reference = {(r.session, r.turn): r.tokens for r in runs[names[0]] if r.error is None}
     problems = []
-    for name in names[:-1]:
+    for name in names[1:]:
         tokens = {(r.session, r.turn): r.tokens for r in runs[name] if r.error is None}
-        for key in sorted(set(tokens) | set(reference)):
+        keys = set(tokens) if name in sampled else set(tokens) | set(reference)
+        for key in sorted(keys):
             if tokens.get(key) != reference.get(key):
-                problems.append(f"{name} vs {names[-1]}: session {key[0]} turn {key[1] + 1}")
+                problems.append(f"{name} vs {names[0]}: session {key[0]} turn {key[1] + 1}")
     return problems
 
 
 def run(args: argparse.Namespace) -> None:
+    profiles.resolve(args)
     workload = WorkloadConfig(
         sessions=args.sessions, turns=args.turns, system_tokens=args.system_tokens,
         user_tokens=args.user_tokens, tool_tokens=args.tool_tokens,
@@ -184,25 +198,41 @@ def run(args: argparse.Namespace) -> None:
         raise SystemExit(f"kvrelay demo: unknown modes {sorted(unknown)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.speculative < 0:
-        raise SystemExit("kvrelay demo: --speculative must be >= 0")
+    if args.speculative < 0 or args.sample < 0:
+        raise SystemExit("kvrelay demo: --speculative and --sample must be >= 0")
     if args.speculative and args.model == ".kvrelay-demo/model":
         args.model = ".kvrelay-demo/model-mtp"  # the plain demo model has no MTP layer
-    model = ensure_model(Path(args.model), mtp=1 if args.speculative else 0)
+    model = ensure_model(Path(args.model), mtp=1 if args.speculative else 0,
+                         profile=args.profile)  # fmt: skip
     page_bytes = page_bytes_of(model, "float32", args.page_size)
-    print(f"workload: {workload.sessions} sessions x {workload.turns} turns, context "
-          f"{workload.system_tokens + workload.user_tokens} -> {workload.final_context()} "
-          f"tokens; prefill {args.prefill} then {args.redeploy or 'no redeploy'}, "
-          f"decode {args.decode}, {args.backend}", flush=True)  # fmt: skip
-    runs, summaries, stats = {}, [], {}
+    print(f"workload ({args.profile}): {workload.sessions} sessions x {workload.turns} turns, "
+          f"context {workload.system_tokens + workload.user_tokens} -> "
+          f"{workload.final_context()} tokens; prefill {args.prefill} then "
+          f"{args.redeploy or 'no redeploy'}, decode {args.decode}, {args.backend}",
+          flush=True)  # fmt: skip
+    runs, summaries, stats, sampled = {}, [], {}, set()
+    optimum: dict = {}
     for mode in modes:
-        records, split, wall, stats[mode] = run_mode(mode, args, workload, model, page_bytes)
+        # No cache recomputes every context: with --sample, a few of the
+        # first full mode's prompts, spread over the turns, measure it.
+        reference = runs[modes[0]] if mode == "none" and args.sample and runs else None
+        records, split, wall, stats[mode] = run_mode(mode, args, workload, model, page_bytes,
+                                                     reference)  # fmt: skip
         runs[mode] = records
-        optimum = optimum_by_turn(workload, records, args.page_size)
+        if reference is None:
+            optimum = optimum or optimum_by_turn(workload, records, args.page_size)
+        else:
+            sampled.add(mode)
         summaries.append(summarize(mode, records, optimum, split, wall))
     print()
     print(table(summaries))
-    problems = compare_tokens(runs)
+    if sampled:
+        print(f"(sampled: {', '.join(sorted(sampled))}: {args.sample} requests of the same "
+              "prompts, one at a time)")  # fmt: skip
+    breakdowns = {mode: phases.breakdown(records) for mode, records in runs.items()}
+    print()
+    print(phases.table(breakdowns, MODE_LABELS))
+    problems = compare_tokens(runs, sampled)
     same = "identical" if not problems else f"DIFFERENT in {len(problems)} turns"
     print(f"\ngenerated tokens across modes ({', '.join(modes)}): {same}")
     for line in problems[:10]:
@@ -213,10 +243,13 @@ def run(args: argparse.Namespace) -> None:
     json_path = Path(args.json or out / "demo.json")
     json_path.write_text(json.dumps({
         "workload": asdict(workload), "args": vars(args) | {"func": None},
-        "summaries": [asdict(s) for s in summaries], "token_differences": problems,
+        "load_average": list(os.getloadavg()), "sampled_modes": sorted(sampled),
+        "summaries": [asdict(s) for s in summaries], "ttft_phases_s": breakdowns,
+        "token_differences": problems,
         "records": {m: [asdict(r) for r in rs] for m, rs in runs.items()}, "control_stats": stats,
     }, indent=1, default=str))  # fmt: skip
     plot(Path(args.plot or out / "demo.png"), runs, summaries)
+    print(f"load average {os.getloadavg()}")
     print(f"wrote {json_path} and {args.plot or out / 'demo.png'}; logs in {out / 'logs'}")
     if errors or problems:
         raise SystemExit(1)

@@ -30,6 +30,8 @@ class TurnRecord:
     cached_local: int = 0
     cached_tier: int = 0
     prefill_timings: dict = field(default_factory=dict)  # the prefill worker's breakdown
+    control_ttft_s: float = 0.0  # TTFT as control measured it
+    decode_first_s: float | None = None  # decode request -> its first token batch
     finish_reason: str | None = None
     error: str | None = None
 
@@ -71,6 +73,8 @@ async def _one_turn(client: httpx.AsyncClient, url: str, record: TurnRecord, bod
                 record.finish_reason = choice["finish_reason"]
             info = chunk.get("kvrelay") or {}
             record.prefill_timings = info.get("prefill_timings") or record.prefill_timings
+            record.control_ttft_s = info.get("ttft_s") or record.control_ttft_s
+            record.decode_first_s = info.get("decode_first_s") or record.decode_first_s
             cached = info.get("cached_tokens")
             if cached:
                 record.cached_local = int(cached.get("local", 0))
@@ -115,3 +119,49 @@ async def replay(
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
         await asyncio.gather(*(run_session(s, client) for s in sessions))
     return records, sessions
+
+
+def sample_turns(config: WorkloadConfig, count: int) -> list[tuple[int, int]]:
+    """`count` (session, turn) pairs spread evenly from the first turn to the
+    last, sessions taken in turn."""
+    if count <= 1:
+        return [(0, config.turns - 1)][:count]
+    step = (config.turns - 1) / (count - 1)
+    return [(i % config.sessions, round(i * step)) for i in range(count)]
+
+
+async def replay_sample(
+    url: str,
+    config: WorkloadConfig,
+    reference: list[TurnRecord],
+    picks: list[tuple[int, int]],
+    *,
+    timeout_s: float = 600.0,
+    progress=None,
+) -> list[TurnRecord]:
+    """Only the turns `picks`, one at a time, each with the prompt the
+    reference run sent (its answers rebuild the conversation): a mode too
+    slow to run the whole workload (no cache at 200K tokens on a CPU) is
+    measured on the same prompts."""
+    answers = {(r.session, r.turn): r.tokens for r in reference if r.error is None}
+    records = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s)) as client:
+        for index, turn in picks:
+            session = Session(index, config)
+            for earlier in range(turn):
+                if (index, earlier) not in answers:
+                    raise ReplayError(f"the reference has no session {index} turn {earlier + 1}")
+                session.answered(answers[index, earlier])
+            prompt = session.prompt()
+            record = TurnRecord(index, turn, len(prompt))
+            body = {"prompt": prompt, "max_tokens": config.answer_tokens, "temperature": 0.0,
+                    "stream": True}  # fmt: skip
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await _one_turn(client, url, record, body)
+            except (ReplayError, httpx.HTTPError, TimeoutError) as error:
+                record.error = f"{type(error).__name__}: {error}"
+            records.append(record)
+            if progress is not None:
+                progress.update(1)
+    return records

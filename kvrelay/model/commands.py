@@ -205,6 +205,13 @@ def add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--mtp", type=int, choices=[0, 1], default=0, help="DeepSeek-V3 style MTP layers"
     )
     parser.add_argument(
+        "--mtp-init",
+        choices=["random", "copy"],
+        default="random",
+        help="copy: build the MTP layer from the target's first layer (a draft that agrees "
+        "with a one-layer target on new prompts)",
+    )
+    parser.add_argument(
         "--mtp-fit-steps",
         type=int,
         default=0,
@@ -233,6 +240,7 @@ def run_make_model(args: argparse.Namespace) -> None:
         dtype=args.dtype,
         shards=args.shards,
         mtp=args.mtp,
+        mtp_init=args.mtp_init,
     )
     if args.mtp_fit_steps and not args.mtp:
         raise SystemExit("--mtp-fit-steps needs --mtp 1")

@@ -108,11 +108,8 @@ def prefix_pages(model_dir, sizes: ParallelConfig, prefix: list[int], **options)
 
 def prefix_unified_pages(model_dir, sizes: ParallelConfig, prefix: list[int], **options):
     """(target pages, draft pages or None) of `prefix` computed under `sizes`.
-    Draft pages come with `speculative` in `options`; speculation runs at
-    cp=1 only, so a CP prefix carries target pages alone (the run then
-    recomputes the pages whose draft state is missing)."""
-    if sizes.cp > 1:
-        options = {k: v for k, v in options.items() if k != "speculative"}
+    Draft pages come with `speculative` in `options` (under CP each draft
+    page is written by its owner CP rank, like the target's)."""
     with open_runner(model_dir, sizes, **options) as runner:
         runner.generate([Request(prefix, SamplingParams(1))])
         draft = runner.export_draft_prefix(prefix) if options.get("speculative") else None

@@ -28,9 +28,12 @@ def draft_keys(engine: Engine, tokens: list[int]) -> list[bytes]:
     return draft_page_keys(engine.draft.spec, engine.spec.page_keys(tokens), tokens)
 
 
-def export_draft_prefix(engine: Engine, tokens, arena: torch.Tensor, page_ids=None) -> int:
-    """Write this rank's rectangle of every draft page of `tokens` into
-    `arena` rows (default 0, 1, ...). Returns the number of draft pages."""
+def export_draft_prefix(
+    engine: Engine, tokens, arena: torch.Tensor, page_ids=None, first_page: int = 0
+) -> int:
+    """Write this rank's rectangle of draft pages [first_page, n) of `tokens`
+    into `arena` rows (default 0, 1, ...; row i holds page first_page + i).
+    Returns n, the number of draft pages of `tokens`."""
     tokens = [int(t) for t in tokens]
     keys = draft_keys(engine, tokens)
     draft = engine.draft
@@ -42,9 +45,18 @@ def export_draft_prefix(engine: Engine, tokens, arena: torch.Tensor, page_ids=No
         if len(pages) < len(keys):
             raise PrefixNotCached(f"{len(pages)} of {len(keys)} draft pages are cached")
         rect = draft_rectangle(draft.spec, engine.parallel)
-        if rect.writer:
-            ids = _arena_rows(range(len(pages)) if page_ids is None else page_ids, len(pages))
-            slots = _slot_mapping(engine, pages, 0, len(pages) * draft.page_size)
+        count = len(pages) - first_page
+        # Under CP every rank holds every draft page (the draft runs whole on
+        # each); draft page i is written by CP rank i % cp, as target page i.
+        owned = [
+            i - first_page for i in range(first_page, len(pages)) if engine.parallel.owns_page(i)
+        ]
+        if rect.writer and owned:
+            ids = _arena_rows(range(count) if page_ids is None else page_ids, count)
+            slots = _slot_mapping(
+                engine, pages[first_page:], first_page, len(pages) * draft.page_size
+            )
+            ids, slots = ids[owned].contiguous(), slots[owned].contiguous()
             geometry = rect_geometry(draft.spec, rect)
             gather_pages(pool.k_layers, pool.v_layers, arena, ids, slots, **geometry)
     finally:

@@ -94,8 +94,6 @@ def load_engine(
     parallel = parallel or ParallelConfig()
     if not isinstance(speculative, int) or speculative < 0:
         raise ModelLoadError(f"speculative must be a non-negative int, got {speculative!r}")
-    if speculative and parallel.cp != 1:
-        raise ModelLoadError("speculative decoding runs at cp=1 (decode keeps CP=1)")
     config = ModelConfig.from_dir(model_dir)
     try:
         spec = kv_spec(model_dir, config, dtype, page_size, key_scheme)

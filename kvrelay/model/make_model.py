@@ -43,6 +43,9 @@ class RandomModelSpec:
     dtype: str = "float32"
     shards: int = 1
     mtp: int = 0  # MTP layers (DeepSeek-V3 layout after the decoder layers): 0 or 1
+    # "random", or "copy": the MTP layer is built from the target's first
+    # layer (see `copy_target_layer`), a draft that agrees with a one-layer target.
+    mtp_init: str = "random"
 
     def config_json(self) -> dict:
         head_dim = self.head_dim or self.hidden // self.heads
@@ -103,8 +106,36 @@ def random_weights(spec: RandomModelSpec) -> dict[str, torch.Tensor]:
             p + "eh_proj.weight": normal(hidden, 2 * hidden),
             p + "shared_head.norm.weight": norm(),
         }
+        if spec.mtp_init == "copy":
+            tensors |= copy_target_layer(tensors, spec.layers)
     dtype = TORCH_DTYPES[spec.dtype]
     return {name: t.to(dtype).contiguous() for name, t in tensors.items()}
+
+
+def copy_target_layer(tensors: dict, layers: int) -> dict[str, torch.Tensor]:
+    """MTP tensors that make the layer re-run the target's first decoder layer
+    one token ahead: eh_proj passes the normed embedding through and drops h,
+    enorm scales it back to the embeddings' mean RMS (the target's residual
+    starts from the raw embedding), the decoder layer is layer 0's copy and
+    shared_head.norm is the target's final norm. The MTP slot i (token i + 1,
+    rotated at position i: relative positions are unchanged) then computes
+    what a one-layer target computes at position i + 1, short of attending to
+    token 0, and its argmax is mostly the target's next token (measured: about
+    85% of single proposals accepted on new prompts; deeper targets are not
+    emulated by one layer). The random draws stay, so the target's tensors do
+    not change."""
+    p, src = f"model.layers.{layers}.", "model.layers.0."
+    out = {p + n[len(src) :]: t.clone() for n, t in tensors.items() if n.startswith(src)}
+    embed = tensors["model.embed_tokens.weight"].to(torch.float64)
+    hidden = embed.size(1)
+    out[p + "enorm.weight"] = torch.full((hidden,), float(embed.pow(2).mean(-1).sqrt().mean()))
+    out[p + "hnorm.weight"] = torch.ones(hidden, dtype=torch.float64)
+    out[p + "eh_proj.weight"] = torch.cat(
+        [torch.eye(hidden, dtype=torch.float64), torch.zeros(hidden, hidden, dtype=torch.float64)],
+        1,
+    )
+    out[p + "shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
+    return out
 
 
 def _layer_tensors(spec: RandomModelSpec, p: str, normal, norm) -> dict[str, torch.Tensor]:
@@ -150,6 +181,8 @@ def write_model(directory: str | Path, spec: RandomModelSpec) -> Path:
         raise ValueError("shards must be >= 1")
     if spec.mtp not in (0, 1):
         raise ValueError("mtp must be 0 or 1")
+    if spec.mtp_init not in ("random", "copy"):
+        raise ValueError("mtp_init must be random or copy")
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(spec.config_json(), indent=2) + "\n")

@@ -34,16 +34,20 @@ def _arena_rows(page_ids, count: int) -> torch.Tensor:
     return ids[:count].contiguous()
 
 
-def _page_keys(engine: Engine, tokens: list[int], chain=None) -> list[bytes]:
-    """Index keys of every page of `tokens`: the chain for full pages (`chain`,
-    when the caller computed it already, at least as long), then the partial
-    key of a trailing partial page."""
-    full = len(tokens) // engine.spec.page_size
-    keys = list(chain[:full]) if chain is not None else engine.spec.page_keys(tokens)
-    tail = len(tokens) % engine.spec.page_size
+def _page_keys(engine: Engine, tokens, chain=None, first_page: int = 0) -> list[bytes]:
+    """Index keys of pages [first_page, ...) of `tokens`: the chain for full
+    pages (`chain`, when the caller computed it already, at least as long),
+    then the partial key of a trailing partial page. With `chain` only the
+    tail's tokens are read (a windowed import must not walk the context)."""
+    ps = engine.spec.page_size
+    full = len(tokens) // ps
+    if chain is None:
+        chain = engine.spec.page_keys([int(t) for t in tokens[: full * ps]])
+    keys = list(chain[first_page:full])
+    tail = len(tokens) % ps
     if tail:
-        parent = keys[-1] if keys else engine.namespace
-        keys.append(partial_page_key(parent, tokens[len(tokens) - tail :]))
+        parent = chain[full - 1] if full else engine.namespace
+        keys.append(partial_page_key(parent, [int(t) for t in tokens[full * ps :]]))
     return keys
 
 
@@ -65,7 +69,6 @@ def export_prefix(
     cached in the pool, a trailing partial page included) into `arena` rows
     `page_ids` (default 0, 1, ...; one per exported page). Returns the number
     of pages of `tokens`. `chain`: the full pages' keys, if already known."""
-    tokens = [int(t) for t in tokens]
     spec, pool = engine.spec, engine.pool
     keys = _page_keys(engine, tokens, chain)
     pages = pool.match_prefix(keys)
@@ -90,15 +93,21 @@ def export_prefix(
     return len(keys)
 
 
-def import_prefix(engine: Engine, tokens, arena: torch.Tensor, page_ids=None, chain=None) -> int:
-    """Read this rank's rectangle of the pages of `tokens` from `arena` into
-    fresh pool pages and index them. Pages already cached are kept, not
-    overwritten. Returns the number of pages now cached for `tokens`.
+def import_prefix(
+    engine: Engine, tokens, arena: torch.Tensor, page_ids=None, chain=None, first_page: int = 0
+) -> int:
+    """Read this rank's rectangle of pages [first_page, ...) of `tokens` from
+    `arena` rows `page_ids` (default 0, 1, ...; one per page from
+    `first_page` on) into fresh pool pages and index them. Pages already
+    cached are kept, not overwritten. Returns the number of pages of `tokens`.
     PoolExhausted (nothing taken) when the pool cannot hold them. `chain`:
-    the full pages' keys, if already known (a windowed import reuses them)."""
-    tokens = [int(t) for t in tokens]
+    the full pages' keys, if already known. A windowed import (`first_page`
+    > 0, pages before it imported by earlier windows) costs the window, not
+    the context: the tokens before it are not read nor matched (should an
+    earlier page have been evicted meanwhile, the prefix match stops there
+    and the engine computes from it)."""
     spec, pool = engine.spec, engine.pool
-    keys = _page_keys(engine, tokens, chain)
+    keys = _page_keys(engine, tokens, chain, first_page)
     ids = _arena_rows(range(len(keys)) if page_ids is None else page_ids, len(keys))
     have = pool.match_prefix(keys)
     try:
@@ -109,10 +118,10 @@ def import_prefix(engine: Engine, tokens, arena: torch.Tensor, page_ids=None, ch
     try:
         if fresh:
             rect = rank_rectangle(spec, engine.parallel)
-            slots = _slot_mapping(engine, fresh, len(have), len(tokens))
+            slots = _slot_mapping(engine, fresh, first_page + len(have), len(tokens))
             scatter_rect(pool, arena, ids[len(have) :].contiguous(), slots, spec, rect)
             for page, key in zip(fresh, keys[len(have) :], strict=True):
                 pool.register(page, key)
     finally:
         pool.release(have + fresh)
-    return len(keys)
+    return first_page + len(keys)

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from kvrelay.model.engine import Request
 from kvrelay.model.page_export import export_prefix, import_prefix
 from kvrelay.transfer import BlockHandle
+from kvrelay.worker.draft_pages import DraftPages
 from kvrelay.worker.protocol import pages_of, sampling
 from kvrelay.worker.rank import RankOptions, RankRuntime
 
@@ -23,6 +26,7 @@ TIER_WINDOW = 64
 class PrefillRanks:
     def __init__(self, engine, options: RankOptions) -> None:
         self.rt = RankRuntime(engine, options)
+        self.draft = DraftPages(self.rt)
         self.engine = engine
         self.ps = engine.spec.page_size
         # lease id -> staging rows the published handle covers
@@ -35,8 +39,14 @@ class PrefillRanks:
             "drop_handles": self.drop_handles,
             "counters": self.counters,
             "agent_address": lambda: self.rt.agent.address,
-            "close": self.rt.close,
+            "close": self.close,
         }
+
+    def close(self) -> None:
+        try:
+            self.rt.run(self.draft.close(), timeout=10)
+        finally:
+            self.rt.close()
 
     def counters(self) -> dict:
         self.sweep()  # rows of released or expired handles count as free
@@ -92,9 +102,10 @@ class PrefillRanks:
                     if not taken:
                         return [{"error": state["error"]}]  # answered; the front dequeues it
                     break
-                if not self.rt.agree(rows.free >= state["stage"]):
+                if not self.rt.agree(rows.free >= state["stage"] + state["draft_stage"]):
                     break  # the tier pages it imported stay cached for next time
                 state["rows"] = rows.take(state["stage"])
+                state["draft_rows"] = rows.take(state["draft_stage"])
                 taken.append(item)
                 states.append(state)
                 pool_need += pages
@@ -108,7 +119,7 @@ class PrefillRanks:
             results = self.engine.generate(requests)
         except BaseException:
             for state in states:
-                rows.give_back(state["rows"])
+                rows.give_back(state["rows"] + state["draft_rows"])
             raise
         computed = time.perf_counter()
         answers = [
@@ -147,11 +158,29 @@ class PrefillRanks:
         start = local + tier if self.rt.cache is not None else 0
         stage = pages - start
         state = {"keys": keys, "local": local, "tier": tier, "start": start, "stage": stage}
-        state |= {"rows": [], "timings": timings}
-        if stage > self.rt.rows.count:
+        state |= {"rows": [], "draft_rows": [], "timings": timings}
+        self._lookup_draft(tokens, state)
+        fits = stage + state["draft_stage"] <= self.rt.rows.count
+        if self.draft.enabled:  # only last-stage ranks stage draft pages: agree
+            fits = self.rt.agree(fits)
+        if not fits:
             state["error"] = ["PoolExhausted", f"{stage} new pages to stage, "
                               f"the staging arena holds {self.rt.rows.count}"]  # fmt: skip
         return state
+
+    def _lookup_draft(self, tokens, state: dict) -> None:
+        """With speculation: the draft pages restored ahead of the target's
+        cached prefix (pool, tier; the engine recomputes target pages past
+        them), and the draft pages to stage: those of prompt + first token,
+        (len(tokens) // page_size), from the first one the tier lacks."""
+        state["draft_first"] = state["draft_stage"] = 0
+        if not self.draft.enabled:
+            return
+        have = self.draft.lookup(tokens, state["local"] + state["tier"], TIER_WINDOW)
+        first = have if self.rt.cache is not None else 0
+        state["draft_first"] = first
+        if self.draft.active:
+            state["draft_stage"] = max(0, len(tokens) // self.ps - first)
 
     def _pull_tier(self, tokens, keys, local: int, usable: int) -> int:
         """Tier pages after `local`, through at most TIER_WINDOW staging rows
@@ -163,15 +192,18 @@ class PrefillRanks:
             return 0
         rows = self.rt.rows.take(window)
         position = local
+        # A view to slice per window in O(1) (a list slice copies the context).
+        tokens = np.asarray(tokens)
         try:
             while position < usable:
                 count = min(window, usable - position)
                 hit = self.rt.tier_lookup(keys[position : position + count], rows[:count])
                 if hit:
-                    # Pages before `position` are cached: their row ids are not read.
-                    ids = [rows[0]] * position + rows[:hit]
+                    # Pages before `position` are cached (earlier windows): only
+                    # this window's pages are read, matched and imported.
                     end = (position + hit) * self.ps
-                    import_prefix(self.engine, tokens[:end], self.rt.staging, ids, chain=keys)
+                    import_prefix(self.engine, tokens[:end], self.rt.staging, rows[:hit],
+                                  chain=keys, first_page=position)  # fmt: skip
                 position += hit
                 if hit < count:
                     break
@@ -214,9 +246,16 @@ class PrefillRanks:
         else:  # a replica (or a CP rank owning no page) publishes nothing;
             # a finished request needs no decode
             self.rt.rows.give_back(rows)
+        draft, lease = self.draft.publish(
+            [*tokens, first], state["draft_first"], state["draft_rows"],
+            float(item["lease_s"]), finished=finish is not None,
+        )  # fmt: skip
+        if lease is not None:
+            self.outstanding[lease] = state["draft_rows"]
         tier_tokens = min(tier * self.ps, result.cached_tokens)
         state["timings"] |= {"stage_s": staged - started, "publish_s": time.perf_counter() - staged}
         return {
+            "draft": draft,
             "first_token": first,
             "finish_reason": finish,
             "cached_local": result.cached_tokens - tier_tokens,

@@ -168,6 +168,7 @@ class PrefillWorker(WorkerFront):
             for r in per_rank
             if r["handle"] is not None
         ]
+        handles += [HandleRef(**r["draft"], draft=True) for r in per_rank if r.get("draft")]
         timings = dict(first["timings"])
         timings["queue_s"] = time.perf_counter() - pending.queued_at - sum(timings.values())
         return PrefillReply(

@@ -54,6 +54,9 @@ class HandleRef(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     # Only under context parallelism: the page indices the handle holds, in
     # its runs' order (CP rank r of C: pages i with i % C == r).
     pages: list[Count] | None = None
+    # A handle over draft (MTP) pages (`runs` within a draft page object;
+    # `pages` set): a decode without the MTP layer releases it unread.
+    draft: bool = False
 
 
 class WorkerWelcome(Message, tag="worker"):
@@ -128,6 +131,15 @@ class Pulled(msgspec.Struct):
     recomputed_pages: Count = 0  # neither the tier nor prefill had them: decode computed them
 
 
+class DraftPulled(msgspec.Struct):
+    """With `--speculative`: the draft pages of prompt + first token that decode
+    restored, by source (the engine recomputes the rest)."""
+
+    local_pages: Count = 0
+    tier_pages: Count = 0
+    prefill_pages: Count = 0
+
+
 class DecodeDone(Message, tag="done"):
     rid: str
     finish_reason: FinishReason
@@ -135,6 +147,7 @@ class DecodeDone(Message, tag="done"):
     written_back_pages: Count = 0
     # With `--speculative`: {"proposed", "accepted", "steps"} of the request.
     spec: dict[str, int] | None = None
+    draft_pulled: DraftPulled | None = None  # with `--speculative`
 
 
 class WorkerStats(Message, tag="stats"):

@@ -26,6 +26,7 @@ from kvrelay.rpc.agent_ops import (
 )
 from kvrelay.transfer.arena import Arena
 from kvrelay.transfer.base import AgentConfig, Peer, Transport
+from kvrelay.transfer.calibrate import FAST_COPIES, CopyPlan, fast_copy_plan
 from kvrelay.transfer.errors import (
     AuthError,
     PeerError,
@@ -45,6 +46,8 @@ class Agent:
     def __init__(self, config: AgentConfig, transport: Transport) -> None:
         if not config.token:
             raise ValueError("an agent needs a non-empty cluster token")
+        if config.fast_copy not in FAST_COPIES:
+            raise ValueError(f"fast_copy must be one of {FAST_COPIES}, not {config.fast_copy!r}")
         self.config = config
         self.transport = transport
         self.agent_id = uuid.uuid4().bytes
@@ -55,9 +58,13 @@ class Agent:
         self._peers: dict[str, Peer] = {}
         self._server: rpc.Server | None = None
         self.address = ""
+        self.copy_plan: CopyPlan | None = None  # the fast path's, set by start()
 
     # -- lifecycle ------------------------------------------------------------
     async def start(self) -> Agent:
+        if self.config.fast_path and self.transport.name != "loopback":
+            # Measured once per boot and cached (about half a second the first time).
+            self.copy_plan = await asyncio.to_thread(fast_copy_plan, self.config.fast_copy)
         if self.transport.name == "loopback":
             self.address = f"loopback:{self.agent_id.hex()}"
             _LOOPBACK[self.address] = self
@@ -191,7 +198,8 @@ class Agent:
                     handle.run_array, local_offsets, info.size, local.size
                 )
                 if peer.same_host and info.shm and not local.is_cuda:
-                    await copy_shared(peer, info, local, triples, read, nbytes)
+                    plan = self.copy_plan or fast_copy_plan(self.config.fast_copy)
+                    await copy_shared(peer, info, local, triples, read, nbytes, plan)
                 else:
                     await self.transport.move(peer, handle, local, triples, read)
         except TimeoutError:
@@ -226,6 +234,7 @@ class Agent:
             self._drop_peer(peer)  # maybe a new agent at that address: ask again
             peer = None
         if peer is None:
+            self._drop_closed_peers()
             peer = await self._connect(handle.agent)
             # Concurrent pulls from one agent may each have connected while
             # the other awaited: keep the first peer, close the extra socket.
@@ -237,6 +246,14 @@ class Agent:
         if peer.agent_id != handle.agent_id:
             raise UnknownArena(f"the handle names an earlier instance of agent {handle.agent}")
         return peer
+
+    def _drop_closed_peers(self) -> None:
+        # A peer that closed its connection (it exited or restarted) is
+        # otherwise dropped only when used again: until then its mappings
+        # would keep its arenas' memory alive here.
+        for peer in list(self._peers.values()):
+            if peer.conn is not None and peer.conn.closed_by_peer():
+                self._drop_peer(peer)
 
     async def _connect(self, address: str) -> Peer:
         if address.startswith("loopback:"):

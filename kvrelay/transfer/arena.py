@@ -179,22 +179,59 @@ class RemoteMapping:
 
 
 def copy_runs_reference(
-    dst_base: int, src_base: int, triples, threads: int = 1, stream_min_bytes: int = 0
+    dst_base: int,
+    src_base: int,
+    triples,
+    threads: int = 1,
+    stream_min_bytes: int = 0,
+    prefetch: bool = True,
 ) -> None:
     """memmove of uint64 (dst offset, src offset, length) rows, one ctypes call
     each: the reference of the compiled `kvrelay.transfer._runcopy.copy_runs`
-    (same signature; `threads` and `stream_min_bytes` change only its speed)."""
+    (same signature; `threads`, `stream_min_bytes` and `prefetch` change only
+    its speed)."""
     move = ctypes.memmove
     for dst, src, length in np.asarray(triples, dtype=np.uint64).reshape(-1, 3).tolist():
         move(dst_base + dst, src_base + src, length)
 
 
-def _compiled_copy_runs():
+def readv_runs_reference(
+    pid: int, local_base: int, remote_base: int, triples, threads: int = 1, write: bool = False
+) -> None:
+    """pread (pwrite) of /proc/<pid>/mem per uint64 (local offset, remote
+    offset, length) row: the reference of the compiled
+    `kvrelay.transfer._runcopy.readv_runs` (same signature; `threads` changes
+    only its speed), which has the kernel copy the runs with
+    process_vm_readv (writev)."""
+    fd = os.open(f"/proc/{pid}/mem", os.O_RDWR if write else os.O_RDONLY)
     try:
-        from kvrelay.transfer._runcopy import copy_runs
+        for local, remote, length in np.asarray(triples, dtype=np.uint64).reshape(-1, 3).tolist():
+            view = memoryview((ctypes.c_char * length).from_address(local_base + local)).cast("B")
+            at = remote_base + remote
+            while view:
+                n = os.pwrite(fd, view, at) if write else os.preadv(fd, [view], at)
+                if n <= 0:
+                    raise OSError(f"/proc/{pid}/mem moved nothing at {at:#x}")
+                view, at = view[n:], at + n
+    finally:
+        os.close(fd)
+
+
+def owner_pid(shm_path: str) -> int | None:
+    """The pid in a shared arena's `/proc/<pid>/fd/<fd>` path (None otherwise)."""
+    parts = shm_path.split("/")
+    if len(parts) == 5 and parts[:2] == ["", "proc"] and parts[3] == "fd" and parts[2].isdigit():
+        return int(parts[2])
+    return None
+
+
+def _compiled(name: str, reference):
+    try:
+        from kvrelay.transfer import _runcopy
     except ImportError:  # built without it: same results, slower
-        return copy_runs_reference
-    return copy_runs
+        return reference
+    return getattr(_runcopy, name, reference)
 
 
-copy_runs = _compiled_copy_runs()
+copy_runs = _compiled("copy_runs", copy_runs_reference)
+readv_runs = _compiled("readv_runs", readv_runs_reference)

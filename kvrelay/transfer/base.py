@@ -23,6 +23,10 @@ class AgentConfig:
     host: str = "127.0.0.1"
     port: int = 0
     fast_path: bool = True  # same-host peers copy straight out of shared arenas
+    # How the fast path copies: "calibrated" (what this host measured fastest,
+    # see calibrate.py), or forced: "map" (plain stores out of the mapped
+    # memfd, one thread) or "readv" (process_vm_readv, one thread).
+    fast_copy: str = "calibrated"
     timeout: float = 10.0  # default deadline of a read or write, seconds
     lease_seconds: float = DEFAULT_LEASE_S
 

@@ -1,9 +1,11 @@
 """Same-host fast path: copy straight out of (or into) a peer's shared arena.
 
 When both agents run on one host and in one PID namespace (`host_id`), the
-reader maps the owner's memfd through /proc/<pid>/fd/<fd> once per arena and
-copies runs with memmove: the host analogue of CUDA IPC, at memcpy speed
-instead of cma's.
+reader copies the runs in one call per batch, the way this host's
+calibration (`calibrate.py`) found fastest for the batch's shape: out of the
+owner's memfd mapped here through /proc/<pid>/fd/<fd> (once per arena; the
+host analogue of CUDA IPC), or by the kernel with process_vm_readv (writev)
+from the owner's pid, which needs no mapping.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ import functools
 import os
 
 import numpy as np
-import torch
 
-from kvrelay.transfer.arena import RemoteMapping, copy_runs
+from kvrelay.transfer.arena import RemoteMapping, owner_pid
+from kvrelay.transfer.calibrate import CopyChoice, CopyPlan, run_copy
 from kvrelay.transfer.errors import PeerError
 from kvrelay.transfer.handle import ArenaInfo
 
@@ -25,10 +27,11 @@ from kvrelay.transfer.handle import ArenaInfo
 # back cost 1-1.5 ms, a third of the copy. Larger ones block the loop for
 # too long (over ~6 ms) and go to an executor thread.
 _INLINE_COPY_BYTES = 64 << 20
-_BYTES_PER_COPY_THREAD = 64 << 20
-# Batches of at least this many bytes are copied with non-temporal stores: the
-# pulled pages are scattered into a pool later, long after they would have
-# left the cache, and streaming stores skip reading each destination line.
+# A second copying thread only for batches of at least this size: below it
+# starting the thread costs more than it saves.
+_BYTES_PER_COPY_THREAD = 4 << 20
+# Non-temporal stores (where chosen) only for batches of at least this size:
+# smaller pulls are often read right away, from the cache.
 _STREAM_MIN_BYTES = 8 << 20
 
 
@@ -45,8 +48,7 @@ def host_id() -> str:
     return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
 
 
-async def copy_shared(peer, info: ArenaInfo, local, triples, read, nbytes: int) -> None:
-    """Copies `triples` (`nbytes` in all) between `local` and the peer's mapped arena."""
+def _mapping(peer, info: ArenaInfo) -> RemoteMapping:
     mapping = peer.mappings.get(info.arena_id)
     if mapping is None:
         try:
@@ -54,26 +56,52 @@ async def copy_shared(peer, info: ArenaInfo, local, triples, read, nbytes: int) 
         except OSError as exc:
             raise PeerError(f"cannot map the peer's arena {info.shm}: {exc}") from None
         peer.mappings[info.arena_id] = mapping
+    return mapping
+
+
+def copy_job(peer, info: ArenaInfo, local, triples, read, nbytes: int, plan: CopyPlan):
+    """The batch's copy as a no-argument callable, chosen by `plan`."""
+    chosen = plan.choose(nbytes, len(triples))
+    threads = max(1, min(chosen.threads, nbytes // _BYTES_PER_COPY_THREAD))
+    pid = owner_pid(info.shm)
+    if chosen.method == "readv" and pid is not None:
+        # rows (local, remote, length); the owner's arena starts at info.base there.
+        rows = np.ascontiguousarray(triples[:, [1, 0, 2]])
+        choice = CopyChoice("readv", threads)
+        return functools.partial(_readv, choice, pid, local.address, info.base, rows, read)
+    mapping = _mapping(peer, info)
     rows = np.ascontiguousarray(triples[:, [1, 0, 2]] if read else triples)  # (dst, src, length)
     dst, src = (local.address, mapping.address) if read else (mapping.address, local.address)
-    # One copying thread per 64 MiB (at most as many as torch uses): from a
-    # cold cache one thread already runs at memory speed here, and a second
-    # one made a 32 MiB pull twice as slow whenever another process held a
-    # core. One call copies the whole batch.
-    threads = max(1, min(torch.get_num_threads(), nbytes // _BYTES_PER_COPY_THREAD))
+    stream = chosen.method == "map" and chosen.stream and nbytes >= _STREAM_MIN_BYTES
+    choice = CopyChoice("map", threads, stream, chosen.prefetch)
+    return functools.partial(run_copy, choice, 0, dst, src, rows, nbytes)
+
+
+def _readv(choice: CopyChoice, pid: int, local: int, remote: int, rows, read: bool) -> None:
+    from kvrelay.transfer.arena import readv_runs
+
+    try:
+        readv_runs(pid, local, remote, rows, choice.threads, not read)
+    except OSError as exc:  # the owner is gone (ESRCH) or unmapped its arena (EFAULT)
+        raise PeerError(f"cannot copy from process {pid}: {exc}") from None
+
+
+async def copy_shared(peer, info: ArenaInfo, local, triples, read, nbytes: int, plan) -> None:
+    """Copies `triples` (`nbytes` in all) between `local` and the peer's arena."""
+    job = copy_job(peer, info, local, triples, read, nbytes, plan)
     if nbytes <= _INLINE_COPY_BYTES:
-        copy_runs(dst, src, rows, threads, _STREAM_MIN_BYTES)
+        job()
         # Let the loop run its other tasks and timers: back-to-back inline
         # pulls would otherwise never give it a turn.
         await asyncio.sleep(0)
     else:
-        job = _copy_pool().submit(copy_runs, dst, src, rows, threads, _STREAM_MIN_BYTES)
+        future = _copy_pool().submit(job)
         try:
-            await asyncio.wrap_future(job)
+            await asyncio.wrap_future(future)
         except asyncio.CancelledError:
             # A running copy cannot be stopped; wait for it (it is bounded)
             # so nothing writes into `local` after we return.
-            concurrent.futures.wait([job])
+            concurrent.futures.wait([future])
             raise
     # A mapping outlives its owner; a dead owner cannot honour its lease.
     if peer.conn is not None and peer.conn.closed_by_peer():

@@ -49,6 +49,23 @@ class WorkerConfig:
         "memory (device; ucx only)",
         choices=["device", "pinned"],
     )
+    # The defaults are kvrelay.model.engine's and paged_attention's (not
+    # imported: parsing the command line must not load torch).
+    max_prefill_tokens: int = option(
+        4096,
+        help="tokens per prefill forward (chunked prefill): bounds activations and "
+        "attention state per layer, whatever the prompt's length",
+        minimum=1,
+    )
+    attention_chunk_tokens: int = option(
+        8192, help="cached-context tokens attended per block (paged attention)", minimum=1
+    )
+    rank_timeout_s: float = option(
+        300.0,
+        help="deadline of one engine command on the ranks (a batch's prefill: raise it "
+        "for long cold prompts on slow devices) and of their collectives",
+        positive=True,
+    )
     local_cache: bool = option(True, help="prefix reuse from the worker's own pool")
     max_batch: int = option(8, help="requests per batch (decode: running sequences)", minimum=1)
     max_queue: int = option(64, help="queued requests before Busy", minimum=1)
@@ -66,7 +83,10 @@ class WorkerConfig:
         30.0, help="on SIGTERM, how long in-flight requests may finish", positive=True
     )
     speculative: int = option(
-        0, help="decode: draft K tokens per step with the model's MTP layer (0: off)", minimum=0
+        0,
+        help="decode: draft K tokens per step with the model's MTP layer (0: off); "
+        "prefill: any K > 0 computes, stages and writes the MTP layer's draft pages too",
+        minimum=0,
     )
     batch_invariant_attention: bool = option(
         False,

@@ -72,6 +72,9 @@ class WorkerFront:
             speculative=c.speculative,
             key_scheme=c.key_scheme,
             batch_invariant_attention=c.batch_invariant_attention,
+            max_prefill_tokens=c.max_prefill_tokens,
+            timeout_s=c.rank_timeout_s,
+            attention_chunk_tokens=c.attention_chunk_tokens,
             rank_setup=functools.partial(self._rank_setup, c.rank_options()),
         )
         self.spec = self.engine.spec

@@ -13,7 +13,7 @@ from kvrelay.worker.config import WorkerConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    options.add_arguments(parser, WorkerConfig, skip=("write_back", "speculative"))
+    options.add_arguments(parser, WorkerConfig, skip=("write_back",))
 
 
 def add_decode_arguments(parser: argparse.ArgumentParser) -> None:

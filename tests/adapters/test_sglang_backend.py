@@ -161,9 +161,9 @@ def test_mla_one_writer_all_ranks_read_any_shape(cache_servers, opened):
         _read_and_check(rank, truth, keys, True)
 
 
+@pytest.mark.asyncio
 @pytest.mark.parametrize("cache_servers", [MHA_PAGE_BYTES], indirect=True)
-def test_plain_interface_kvrelay_client_and_killed_server(cache_servers, opened):
-    import asyncio
+async def test_plain_interface_kvrelay_client_and_killed_server(cache_servers, opened):
 
     from kvrelay.adapters.sglang.identity import kvrelay_key, sglang_page_keys
     from kvrelay.cache.client import CacheClient, CacheClientConfig
@@ -206,7 +206,7 @@ def test_plain_interface_kvrelay_client_and_killed_server(cache_servers, opened)
         await agent.close()
         return found, data
 
-    found, data = asyncio.run(own_read())
+    found, data = await own_read()
     assert found == PAGES and torch.equal(data, unified)
 
     # A cache server killed while a call waits on it: misses, within the bound.

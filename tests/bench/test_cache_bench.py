@@ -1,6 +1,7 @@
 import argparse
-import asyncio
 import json
+
+import pytest
 
 from kvrelay.bench import cache as cache_bench
 from kvrelay.cache.l3.file import FileStore, FileStoreConfig
@@ -88,34 +89,32 @@ class RottingStore(FileStore):
         return stored
 
 
-def replay_with(store_class, tmp_path):
+async def replay_with(store_class, tmp_path):
     trace = tmp_path / "trace.jsonl"
     write_trace(trace)
     requests = cache_bench.load_trace(trace)
     chain = cache_bench.KeyChain(512)
     key_lists = [chain.keys(r["hash_ids"]) for r in requests]
     args = argparse.Namespace(block_tokens=512, page_bytes=1 << 20)
-
-    async def run():
-        agent = await create_agent("loopback", token="t", fast_path=False)
-        stores = [store_class(FileStoreConfig(tmp_path / f"l3-{i}", 1 << 20)) for i in range(2)]
-        tiers = cache_bench._tiers(agent, 2, 4, 256, stores)
-        ring = HashRing(["a", "b"])
-        counts = cache_bench._replay_tiers(
-            tiers, lambda _n, k: ring.servers.index(ring.server_for(k)), requests, key_lists,
-            args, lambda: None,
-        )  # fmt: skip
-        await agent.close()
-        return counts
-
-    return asyncio.run(run())
+    agent = await create_agent("loopback", token="t", fast_path=False)
+    stores = [store_class(FileStoreConfig(tmp_path / f"l3-{i}", 1 << 20)) for i in range(2)]
+    tiers = cache_bench._tiers(agent, 2, 4, 256, stores)
+    ring = HashRing(["a", "b"])
+    counts = cache_bench._replay_tiers(
+        tiers, lambda _n, k: ring.servers.index(ring.server_for(k)), requests, key_lists,
+        args, lambda: None,
+    )  # fmt: skip
+    await agent.close()
+    return counts
 
 
-def test_a_wrong_page_from_l3_is_detected(tmp_path):
-    counts = replay_with(ShiftedStore, tmp_path)
+@pytest.mark.asyncio
+async def test_a_wrong_page_from_l3_is_detected(tmp_path):
+    counts = await replay_with(ShiftedStore, tmp_path)
     assert counts.wrong_pages > 0 and counts.promotions > 0
 
 
-def test_corrupt_l3_records_are_misses(tmp_path):
-    counts = replay_with(RottingStore, tmp_path)
+@pytest.mark.asyncio
+async def test_corrupt_l3_records_are_misses(tmp_path):
+    counts = await replay_with(RottingStore, tmp_path)
     assert counts.checksum_failures > 0 and counts.l3_hit_pages == 0 and counts.wrong_pages == 0

@@ -64,3 +64,6 @@ def test_info_reports_the_backend():
     info = json.loads(out.stdout)
     assert info["page_copy_backend"] in ("cpp", "numba")
     assert "torch" in info
+    # The fast path's copy calibration (measured or cached) and the host facts.
+    plan = info["fast_path_copy"]
+    assert plan["scattered"]["method"] in ("map", "readv") and plan["host"]["kernel"]

@@ -3,12 +3,18 @@ import json
 from kvrelay.cli import main
 
 
-def test_bench_transfer_writes_a_table_and_json(tmp_path, capsys):
+def test_bench_transfer_writes_a_table_and_json(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # its calibration, not the user's
     out = tmp_path / "transfer.json"
     args = ["bench", "transfer", "--arena-mib", "4", "--sizes-mib", "1", "--batch", "16"]
-    args += ["--runs", "2", "--modes", "tcp,fast path", "--no-perftest", "--json", str(out)]
+    args += ["--runs", "2", "--modes", "tcp,fast path", "--no-perftest", "--no-nixl"]
+    args += ["--json", str(out)]
     main(args)
-    assert "x memcpy" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "x memcpy" in printed and "process_vm_readv of the runs, 1 call" in printed
+    # Host facts, the load and the fast path's calibration are printed and kept.
+    assert "load average:" in printed and "shmem huge pages" in printed
+    assert "fast path copy (measured" in printed
     data = json.loads(out.read_text())
     cases = ["single 1 MiB", "batch 16 x 64 KiB", "batch 16 x 64 KiB, one run"]
     assert [r["case"] for r in data["results"]] == cases
@@ -17,3 +23,8 @@ def test_bench_transfer_writes_a_table_and_json(tmp_path, capsys):
         assert all(len(s["runs"]) == 2 for s in result["modes"].values())
         # The tcp backend's baseline: a plain loopback stream of the same bytes.
         assert result["tcp_stream"]["median"] > 0
+        assert result["process_vm_readv_of_runs_one_call"]["median"] > 0
+        assert all(s["first_pull_s"] > 0 for s in result["modes"].values())
+    assert data["host"]["kernel"] and data["copy_plan"]["source"] == "measured"
+    batch = data["goals"]["cases"]["batch 16 x 64 KiB"]
+    assert batch["tcp_gb_per_s"] > 0  # checked against the goal without NIXL too

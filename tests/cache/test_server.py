@@ -1,6 +1,5 @@
 """Real cache server processes (`kvrelay launch cache`) and CacheClients over tcp."""
 
-import asyncio
 import hashlib
 import os
 import signal
@@ -72,49 +71,47 @@ def expected(count: int) -> bytes:
     return b"".join(content(i) for i in range(count))
 
 
+@pytest.mark.asyncio
 @pytest.mark.parametrize("backend", ["tcp", "ucx"])
-def test_two_writer_configs_fill_pages_a_third_config_reads(servers, backend, monkeypatch):
+async def test_two_writer_configs_fill_pages_a_third_config_reads(servers, backend, monkeypatch):
     # UCX over shared memory and cma on one host; the server inherits the setting.
     monkeypatch.setenv("UCX_TLS", "sm,self")
     addresses = [servers(backend=backend).address, servers(backend=backend).address]
 
-    async def main():
-        # TP=2 x PP=2, stage 0 only (layers 0-1), then TP=1 x PP=2 stage 1 (layers 2-3).
-        stage0 = [r for r in ParallelConfig(tp=2, pp=2).all_ranks() if r.pp_rank == 0]
-        for rank in stage0:
-            agent, client, local = await rank_client(addresses, rank, backend=backend)
-            for i in range(PAGES):
-                local.buffer(i * PAGE, PAGE)[:] = content(i)
-            await client.write(KEYS, local, [i * PAGE for i in range(PAGES)])
-            await client.close()
-            await agent.close()
-        hits, _ = await read_pages(addresses, ParallelConfig(tp=4), PAGES, backend)
-        assert hits == [0, 0, 0, 0]  # half of every page: nothing sealed
-        agent, client, local = await rank_client(
-            addresses, ParallelConfig(tp=1, pp=2, pp_rank=1), backend=backend
-        )
+    stage0 = [r for r in ParallelConfig(tp=2, pp=2).all_ranks() if r.pp_rank == 0]
+    for rank in stage0:
+        agent, client, local = await rank_client(addresses, rank, backend=backend)
         for i in range(PAGES):
             local.buffer(i * PAGE, PAGE)[:] = content(i)
-        assert await client.write(KEYS, local, [i * PAGE for i in range(PAGES)]) == PAGES
+        await client.write(KEYS, local, [i * PAGE for i in range(PAGES)])
         await client.close()
         await agent.close()
-        hits, pages = await read_pages(addresses, ParallelConfig(tp=4), PAGES, backend)
-        assert hits == [PAGES] * 4
-        assert pages == expected(PAGES)
-        agent, client, _ = await rank_client(addresses, ParallelConfig(tp=1), backend=backend)
-        stats = await client.server_stats()
-        assert sum(s["tier"]["sealed_pages"] for s in stats.values()) == PAGES
-        assert sum(s["pages"] for s in stats.values()) == PAGES
-        await client.close()
-        await agent.close()
+    hits, _ = await read_pages(addresses, ParallelConfig(tp=4), PAGES, backend)
+    assert hits == [0, 0, 0, 0]  # half of every page: nothing sealed
+    agent, client, local = await rank_client(
+        addresses, ParallelConfig(tp=1, pp=2, pp_rank=1), backend=backend
+    )
+    for i in range(PAGES):
+        local.buffer(i * PAGE, PAGE)[:] = content(i)
+    assert await client.write(KEYS, local, [i * PAGE for i in range(PAGES)]) == PAGES
+    await client.close()
+    await agent.close()
+    hits, pages = await read_pages(addresses, ParallelConfig(tp=4), PAGES, backend)
+    assert hits == [PAGES] * 4
+    assert pages == expected(PAGES)
+    agent, client, _ = await rank_client(addresses, ParallelConfig(tp=1), backend=backend)
+    stats = await client.server_stats()
+    assert sum(s["tier"]["sealed_pages"] for s in stats.values()) == PAGES
+    assert sum(s["pages"] for s in stats.values()) == PAGES
+    await client.close()
+    await agent.close()
 
-    asyncio.run(main())
 
-
-def test_restart_with_file_l3_keeps_pages_and_corruption_is_a_miss(servers, tmp_path):
+@pytest.mark.asyncio
+async def test_restart_with_file_l3_keeps_pages_and_corruption_is_a_miss(servers, tmp_path):
     l3 = ["--l3", f"file:{tmp_path / 'l3'}", "--l3-gb", "0.01", "--l3-policy", "write-through"]
     first = servers(*l3)
-    assert asyncio.run(write_pages([first.address], ParallelConfig(tp=2), range(8))) == 16
+    assert await write_pages([first.address], ParallelConfig(tp=2), range(8)) == 16
     first.stop()
     second = servers(*l3)
 
@@ -122,7 +119,7 @@ def test_restart_with_file_l3_keeps_pages_and_corruption_is_a_miss(servers, tmp_
         hits, pages = await read_pages([second.address], ParallelConfig(tp=1), 8)
         assert hits == [8] and pages == expected(8)
 
-    asyncio.run(main())
+    await main()
     second.stop()
     # Flip a byte of page 5's file; a fresh server promotes pages 0-4 only.
     path = next((tmp_path / "l3").glob(f"*/??/{KEYS[5].hex()}.page"))
@@ -135,31 +132,33 @@ def test_restart_with_file_l3_keeps_pages_and_corruption_is_a_miss(servers, tmp_
         hits, pages = await read_pages([third.address], ParallelConfig(tp=2), 8)
         assert hits == [5, 5] and pages[: 5 * PAGE] == expected(5)
 
-    asyncio.run(again())
+    await again()
     assert not path.exists()
 
 
-def test_restart_with_valkey_l3_keeps_pages(servers, valkey_server):
+@pytest.mark.asyncio
+async def test_restart_with_valkey_l3_keeps_pages(servers, valkey_server):
     l3 = ["--l3", f"valkey://127.0.0.1:{valkey_server.port}"]
     first = servers(*l3)  # write-back: pages reach valkey when evicted or at a clean stop
-    assert asyncio.run(write_pages([first.address], ParallelConfig(tp=1), range(8))) == 8
+    assert await write_pages([first.address], ParallelConfig(tp=1), range(8)) == 8
     first.stop(signal.SIGKILL)
     # Killed before any eviction: nothing was demoted.
     second = servers(*l3)
-    hits, _ = asyncio.run(read_pages([second.address], ParallelConfig(tp=1), 8))
+    hits, _ = await read_pages([second.address], ParallelConfig(tp=1), 8)
     assert hits == [0]
-    assert asyncio.run(write_pages([second.address], ParallelConfig(tp=1), range(8))) == 8
+    assert await write_pages([second.address], ParallelConfig(tp=1), range(8)) == 8
     second.stop()  # SIGTERM: demotes its sealed pages
     # A third server, another machine's in spirit, finds them in the shared store.
     third = servers(*l3)
-    hits, pages = asyncio.run(read_pages([third.address], ParallelConfig(tp=2), 8))
+    hits, pages = await read_pages([third.address], ParallelConfig(tp=2), 8)
     assert hits == [8, 8] and pages == expected(8)
 
 
-def test_killed_server_degrades_to_misses(servers):
+@pytest.mark.asyncio
+async def test_killed_server_degrades_to_misses(servers):
     a, b = servers(), servers()
     addresses = [a.address, b.address]
-    assert asyncio.run(write_pages(addresses, ParallelConfig(tp=1), range(PAGES))) == PAGES
+    assert await write_pages(addresses, ParallelConfig(tp=1), range(PAGES)) == PAGES
     a.stop(signal.SIGKILL)
 
     async def main():
@@ -187,7 +186,7 @@ def test_killed_server_degrades_to_misses(servers):
         await client.close()
         await agent.close()
 
-    asyncio.run(main())
+    await main()
 
 
 def test_cli_needs_a_token():

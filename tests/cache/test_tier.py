@@ -1,6 +1,5 @@
 """CacheTier over a real registered arena (loopback agent) and a real file L3."""
 
-import asyncio
 import hashlib
 
 import pytest
@@ -28,10 +27,6 @@ class FakeClock:
 
 def content(i: int) -> bytes:
     return hashlib.shake_128(i.to_bytes(4, "little")).digest(PAGE)
-
-
-def run(coro):
-    return asyncio.run(coro)
 
 
 async def make_tier(tmp_path, slots: int, l3: bool = True, clock=None, **config):
@@ -62,7 +57,8 @@ def test_arena_config_and_slots():
     assert ArenaConfig(PAGE, capacity_bytes=3 * PAGE + 5).num_slots() == 3
 
 
-def test_writers_fill_through_handles_and_reader_pulls_sealed_pages(tmp_path):
+@pytest.mark.asyncio
+async def test_writers_fill_through_handles_and_reader_pulls_sealed_pages(tmp_path):
     async def main():
         agent, tier = await make_tier(tmp_path, slots=4, l3=False)
         writer = await create_agent("loopback", token="t")
@@ -89,10 +85,11 @@ def test_writers_fill_through_handles_and_reader_pulls_sealed_pages(tmp_path):
         for a in (agent, writer, reader):
             await a.close()
 
-    run(main())
+    await main()
 
 
-def test_eviction_demotes_to_l3_and_lookup_promotes_back(tmp_path):
+@pytest.mark.asyncio
+async def test_eviction_demotes_to_l3_and_lookup_promotes_back(tmp_path):
     async def main():
         agent, tier = await make_tier(tmp_path, slots=3)
         for i in range(6):
@@ -113,10 +110,11 @@ def test_eviction_demotes_to_l3_and_lookup_promotes_back(tmp_path):
         ]
         await agent.close()
 
-    run(main())
+    await main()
 
 
-def test_write_through_puts_on_seal(tmp_path):
+@pytest.mark.asyncio
+async def test_write_through_puts_on_seal(tmp_path):
     async def main():
         agent, tier = await make_tier(tmp_path, slots=3, l3_policy="write-through")
         fill(tier, 0)
@@ -124,10 +122,11 @@ def test_write_through_puts_on_seal(tmp_path):
         assert tier.stats.demotions == 0
         await agent.close()
 
-    run(main())
+    await main()
 
 
-def test_corrupt_l3_page_ends_the_promoted_run(tmp_path):
+@pytest.mark.asyncio
+async def test_corrupt_l3_page_ends_the_promoted_run(tmp_path):
     async def main():
         agent, tier = await make_tier(tmp_path, slots=2)
         for i in range(4):
@@ -138,10 +137,11 @@ def test_corrupt_l3_page_ends_the_promoted_run(tmp_path):
         assert tier.l3.stats.checksum_failures == 1 and KEYS[1] not in tier.l3
         await agent.close()
 
-    run(main())
+    await main()
 
 
-def test_full_arena_refuses_then_reclaims_abandoned_reservations(tmp_path):
+@pytest.mark.asyncio
+async def test_full_arena_refuses_then_reclaims_abandoned_reservations(tmp_path):
     async def main():
         clock = FakeClock()
         agent, tier = await make_tier(tmp_path, slots=2, l3=False, clock=clock)
@@ -154,10 +154,11 @@ def test_full_arena_refuses_then_reclaims_abandoned_reservations(tmp_path):
         assert KEYS[0] not in tier.index or KEYS[1] not in tier.index
         await agent.close()
 
-    run(main())
+    await main()
 
 
-def test_flush_drops_unpinned_pages(tmp_path):
+@pytest.mark.asyncio
+async def test_flush_drops_unpinned_pages(tmp_path):
     async def main():
         agent, tier = await make_tier(tmp_path, slots=3, l3=False)
         fill(tier, 0)
@@ -169,10 +170,11 @@ def test_flush_drops_unpinned_pages(tmp_path):
         tier.release(hit.lease.lease_id)
         await agent.close()
 
-    run(main())
+    await main()
 
 
-def test_demote_all_writes_sealed_pages_back(tmp_path):
+@pytest.mark.asyncio
+async def test_demote_all_writes_sealed_pages_back(tmp_path):
     async def main():
         agent, tier = await make_tier(tmp_path, slots=4)
         fill(tier, 0)
@@ -183,10 +185,11 @@ def test_demote_all_writes_sealed_pages_back(tmp_path):
         assert tier.l3.get(KEYS[1]) == content(1) and KEYS[2] not in tier.l3
         await agent.close()
 
-    run(main())
+    await main()
 
 
-def test_flush_one_namespace_drops_its_pages_from_l2_and_l3(tmp_path):
+@pytest.mark.asyncio
+async def test_flush_one_namespace_drops_its_pages_from_l2_and_l3(tmp_path):
     async def main():
         agent, tier = await make_tier(tmp_path, slots=6, l3_policy="write-through")
         other = hashlib.sha256(b"tenant b").digest()
@@ -210,10 +213,11 @@ def test_flush_one_namespace_drops_its_pages_from_l2_and_l3(tmp_path):
         assert tier.arena.free_slots == 6
         await agent.close()
 
-    run(main())
+    await main()
 
 
-def test_l3_pages_are_found_in_their_own_namespace_only(tmp_path):
+@pytest.mark.asyncio
+async def test_l3_pages_are_found_in_their_own_namespace_only(tmp_path):
     async def main():
         agent, tier = await make_tier(tmp_path, slots=1)
         fill(tier, 0, namespace=NS)
@@ -225,10 +229,11 @@ def test_l3_pages_are_found_in_their_own_namespace_only(tmp_path):
         assert tier.index.get(KEYS[0]).namespace == NS
         await agent.close()
 
-    run(main())
+    await main()
 
 
-def test_flush_reaches_pages_only_l3_holds(tmp_path):
+@pytest.mark.asyncio
+async def test_flush_reaches_pages_only_l3_holds(tmp_path):
     async def main():
         agent, tier = await make_tier(tmp_path, slots=2)
         other = hashlib.sha256(b"tenant b").digest()
@@ -246,4 +251,4 @@ def test_flush_reaches_pages_only_l3_holds(tmp_path):
         assert tier.flush(other) == (2, 4) and len(tier.l3) == 0
         await agent.close()
 
-    run(main())
+    await main()

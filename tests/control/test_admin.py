@@ -1,7 +1,6 @@
 """Registry liveness, drain, /stats and /metrics, flush through a real cache
 server, and the `kvrelay launch control` process."""
 
-import asyncio
 import json
 import os
 import select
@@ -16,6 +15,7 @@ import pytest
 
 from kvrelay.cli import build_parser
 from kvrelay.control.launch import bind, config_from_args
+from kvrelay.control.stats import TTFT_PHASES, request_class, ttft_phases
 from kvrelay.layout import ParallelConfig
 from kvrelay.layout.ring import HashRing
 from tests.cache.server_process import TOKEN as CACHE_TOKEN
@@ -94,6 +94,13 @@ def test_stats_and_metrics(cluster):
     assert stats["ttft_s"]["count"] == 3
     assert 0 < stats["ttft_s"]["p50"] <= stats["ttft_s"]["p90"] <= stats["ttft_s"]["p99"]
     assert stats["inter_token_s"]["count"] == 12  # 4 decode tokens per request
+    # TTFT by phase, per request class (8-token prompts: the smallest class).
+    phases = stats["ttft_phases_s"]
+    assert list(phases) == ["<8K"]
+    assert list(phases["<8K"]) == [*TTFT_PHASES, "decode_pull"]
+    assert all(p["count"] == 3 for p in phases["<8K"].values())
+    # The fake's phases are 0: control's share is the whole TTFT.
+    assert phases["<8K"]["control"]["p50"] == stats["ttft_s"]["p50"]
     assert stats["bytes_moved"] == {
         "bytes_from_tier": 0, "bytes_to_tier": 4096, "bytes_from_prefill": 1000
     }  # fmt: skip
@@ -119,6 +126,8 @@ def test_stats_and_metrics(cluster):
     assert samples["kvrelay_inter_token_seconds_count"] == 12
     assert samples['kvrelay_prefill_phase_seconds_count{phase="lookup"}'] == 3
     assert samples["kvrelay_kv_transfer_seconds_count"] == 3  # one per decode
+    phase = 'kvrelay_ttft_phase_seconds_count{phase="%s",request_class="<8K"}'
+    assert samples[phase % "compute"] == samples[phase % "decode_pull"] == 3
     assert samples['kvrelay_worker_events_total{counter="bytes_to_tier"}'] == 4096
     assert samples[f'kvrelay_node_queue_depth{{node="{prefill.node_id}",role="prefill"}}'] == 2
     assert samples['kvrelay_nodes{role="decode",state="live"}'] == 1
@@ -128,12 +137,13 @@ def test_stats_and_metrics(cluster):
     assert "kvrelay_requests_total 0.0" in other.http.get("/metrics").text
 
 
-def test_tier_probe_and_flush_through_real_cache_servers(cluster):
+@pytest.mark.asyncio
+async def test_tier_probe_and_flush_through_real_cache_servers(cluster):
     servers = [ServerProcess(), ServerProcess()]
     addresses = sorted(s.address for s in servers)
     pages = 6
     try:
-        assert asyncio.run(write_pages(addresses, ParallelConfig(tp=1), range(pages))) == pages
+        assert await write_pages(addresses, ParallelConfig(tp=1), range(pages)) == pages
         # One cluster token opens control, the workers and the cache servers.
         control = cluster.control(cache=tuple(addresses), token=CACHE_TOKEN)
         auth = {"Authorization": f"Bearer {CACHE_TOKEN}"}
@@ -165,7 +175,7 @@ def test_tier_probe_and_flush_through_real_cache_servers(cluster):
         assert prefill.ops == ["flush"] and decode.ops == ["flush"]
         assert probed_pages() == pages  # nothing more found after the flush
         # Pages back, then one server dies: the hit ends at its first key.
-        assert asyncio.run(write_pages(addresses, ParallelConfig(tp=1), range(pages))) == pages
+        assert await write_pages(addresses, ParallelConfig(tp=1), range(pages)) == pages
         dead = next(s for s in servers if s.address == ring.server_for(KEYS[2]))
         dead.stop(signal.SIGKILL)
         expected = next(i for i, k in enumerate(KEYS) if ring.server_for(k) == dead.address)
@@ -240,3 +250,16 @@ def test_launch_control_refuses_a_taken_address():
             bind(f"127.0.0.1:{port}")
     with pytest.raises(SystemExit, match="--listen must be HOST:PORT"):
         bind("8000")
+
+
+def test_request_classes_and_ttft_phases():
+    assert [request_class(n) for n in (1, 8191, 8192, 200_000, 524_288, 1 << 20)] == [
+        "<8K", "<8K", "8K-32K", "128K-512K", ">=512K", ">=512K"
+    ]  # fmt: skip
+    timings = {"queue_s": 0.5, "lookup_s": 0.25, "compute_s": 1.0, "publish_s": 0.25}
+    phases = ttft_phases(2.5, timings)
+    assert list(phases) == list(TTFT_PHASES)
+    assert phases["control"] == 0.5 and phases["tier_pull"] == 0.0
+    assert sum(phases.values()) == 2.5
+    # Clocks of two processes: control's share never goes below zero.
+    assert ttft_phases(1.0, timings)["control"] == 0.0

@@ -344,3 +344,17 @@ def test_concurrent_requests_spread_by_in_flight_load(cluster):
     # before heartbeats could report any queue.
     assert min(len(w.requests) for w in prefills) >= 2
     assert all(n.inflight == 0 for n in control.registry.nodes.values())
+
+
+def test_job_keys_of_the_prompt_and_what_follows_extend_the_prompt_chain():
+    from types import SimpleNamespace
+
+    from kvrelay.control.dispatch import Job
+    from kvrelay.layout.keys import page_keys
+
+    node = SimpleNamespace(namespace=b"n" * 32, page_size=4)
+    prompt = list(range(10))
+    job = Job("r", "m", prompt, {})
+    assert job.page_keys(node) == page_keys(node.namespace, prompt, 4)
+    for longer in (prompt, [*prompt, 7], [*prompt, 7, 8, 9, 1, 2, 3], [1, *prompt[1:], 5]):
+        assert job.page_keys(node, longer) == page_keys(node.namespace, longer, 4)

@@ -24,6 +24,8 @@ def test_job_keys_follow_the_nodes_key_scheme(scheme):
     assert len(want) == 2
     assert job.page_keys(node) == want
     assert job.page_keys(node, tokens[:4]) == want[:1]
+    longer = tokens + list(range(50, 57))  # the prompt and what was generated
+    assert job.page_keys(node, longer) == scheme_page_keys(scheme, NS, longer, 4)
     assert node.describe()["key_scheme"] == scheme
 
 

@@ -1,8 +1,11 @@
+import argparse
+
 import pytest
 
+from kvrelay.demo import phases, profiles
 from kvrelay.demo.cluster import PoolConfig
-from kvrelay.demo.command import compare_tokens, optimum_by_turn
-from kvrelay.demo.replay import TurnRecord
+from kvrelay.demo.command import add_arguments, compare_tokens, optimum_by_turn
+from kvrelay.demo.replay import TurnRecord, sample_turns
 from kvrelay.demo.report import summarize, table
 from kvrelay.demo.workload import Session, WorkloadConfig, optimum_hit_tokens
 
@@ -79,7 +82,11 @@ def test_compare_tokens_and_table():
     same = [TurnRecord(0, 0, 10, tokens=[1, 2])]
     other = [TurnRecord(0, 0, 10, tokens=[1, 3])]
     assert compare_tokens({"shared": same, "none": list(same)}) == []
-    assert compare_tokens({"shared": other, "none": same}) == ["shared vs none: session 0 turn 1"]
+    assert compare_tokens({"shared": other, "none": same}) == ["none vs shared: session 0 turn 1"]
+    # A sampled mode is compared on its own turns only.
+    two = [*same, TurnRecord(0, 1, 12, tokens=[4])]
+    assert compare_tokens({"shared": two, "none": same}, sampled={"none"}) == []
+    assert compare_tokens({"shared": two, "none": same}) == ["none vs shared: session 0 turn 2"]
     shared = [TurnRecord(0, t, 100, tokens=[1], ttft_s=0.1, cached_tier=80) for t in range(2)]
     none = [TurnRecord(0, t, 100, tokens=[1], ttft_s=1.0) for t in range(2)]
     optimum = {(0, 0): 0, (0, 1): 90}
@@ -90,3 +97,33 @@ def test_compare_tokens_and_table():
     text = table(rows)
     assert "shared tier" in text and "no cache" in text
     assert "10.0x" in text  # p50 TTFT 1.0 s vs 0.1 s
+
+
+def test_long_profile_fills_only_unset_flags_and_sizes_pools_in_contexts():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = profiles.resolve(parser.parse_args(["--profile", "long", "--turns", "5"]))
+    assert (args.turns, args.sessions, args.tool_tokens) == (5, 3, 6144)
+    assert args.system_tokens + args.user_tokens == 32768
+    assert profiles.MODELS["long"]["max_positions"] > 1 << 20
+    full = WorkloadConfig(sessions=3, turns=28, system_tokens=30720, user_tokens=2048,
+                          tool_tokens=6144, answer_tokens=16)  # fmt: skip
+    assert 190_000 < full.final_context() < 210_000  # the profile's 32K -> 200K
+    # 1.5 contexts of 100 pages (+1 for the answer's page): 151 pages.
+    assert profiles.pool_pages(1.5, 100 * 64 - 16, 16, 64) == 151
+    assert profiles.pool_pages(0.5, 6400, 16, 64) == 103  # never below one context
+    default = profiles.resolve(parser.parse_args([]))
+    assert (default.turns, default.prefill_pages, default.slow_prefill_s) == (16, 1024, 0.0)
+
+
+def test_sample_turns_and_phase_breakdown():
+    assert sample_turns(SMALL, 3) == [(0, 0), (1, 1), (2, 2)]
+    assert sample_turns(SMALL, 1) == [(0, 2)] and sample_turns(SMALL, 0) == []
+    record = TurnRecord(0, 0, 100, tokens=[1], ttft_s=2.0, control_ttft_s=1.75,
+                        decode_first_s=0.5,
+                        prefill_timings={"queue_s": 0.25, "compute_s": 1.0})  # fmt: skip
+    got = phases.record_phases(record)
+    assert got["control"] == 0.5 and got["first_token"] == 0.25 and got["decode_pull"] == 0.5
+    assert sum(got[name] for name in phases.PHASES) == pytest.approx(2.0)
+    assert phases.breakdown([record, record])["compute"] == 1.0
+    assert "decode pull*" in phases.table({"shared": got}, {})

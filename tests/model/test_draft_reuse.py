@@ -79,10 +79,12 @@ def test_local_cache_and_unified_pages_restore_the_draft(cold):
     same_speculation(moved, expected)
 
 
-def test_pages_written_under_tp2_pp2_restore_the_draft(cold):
+@pytest.mark.parametrize("sizes", [{"tp": 2, "pp": 2}, {"cp": 2}])
+def test_pages_written_under_another_config_restore_the_draft(cold, sizes):
+    """TP=2 x PP=2, and CP=2 (each draft page written by its owner CP rank)."""
     model_dir, prompt, expected = cold
     with ParallelEngine(
-        model_dir, tp=2, pp=2, dtype="float64", page_size=PAGE, num_pages=64, speculative=K
+        model_dir, **sizes, dtype="float64", page_size=PAGE, num_pages=64, speculative=K
     ) as group:
         group.generate([Request(prompt, SamplingParams(1))])
         target = group.export_prefix(prompt[:PREFIX])

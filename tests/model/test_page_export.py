@@ -5,6 +5,7 @@ every exported page is compared, at the byte position the layout gives it,
 with HF transformers' cache (post-RoPE K, V) for the same prompt.
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -120,6 +121,30 @@ def test_import_then_generate_reuses_the_pages(model_dirs):
     free = reader.pool.free_pages
     assert import_prefix(reader, prompt[:80], arena, rows) == 5
     assert reader.pool.free_pages == free
+
+
+def test_windowed_import_reads_only_its_window_and_matches_a_whole_import(model_dirs):
+    """The tier pull's window: pages [first_page, ...) from rows of their
+    own, the context before never read (a numpy view of the tokens, sliced
+    per window), the same tokens as a one-shot import."""
+    model_dir = model_dirs("llama-gqa")
+    prompt = prompt_tokens(90, seed=14)
+    source = load_engine(model_dir, dtype="float64", page_size=16, num_pages=32)
+    want = source.generate([Request(prompt, SamplingParams(8))])[0]
+    arena = torch.zeros(6, source.spec.page_bytes, dtype=torch.uint8)
+    export_prefix(source, prompt[:80], arena)
+    keys = source.spec.page_keys(prompt)
+    reader = load_engine(model_dir, dtype="float64", page_size=16, num_pages=32)
+    view = np.asarray(prompt)
+    assert import_prefix(reader, view[:32], arena, [0, 1], chain=keys) == 2
+    # The second window: arena rows 2..4 hold pages 2..4; rows are per window.
+    window = torch.zeros(3, source.spec.page_bytes, dtype=torch.uint8)
+    window.copy_(arena[2:5])
+    assert import_prefix(reader, view[:80], window, [0, 1, 2], chain=keys, first_page=2) == 5
+    assert reader.pool.cached_pages == 5
+    got = reader.generate([Request(prompt, SamplingParams(8))])[0]
+    assert got.cached_tokens == 80
+    assert got.tokens == want.tokens
 
 
 def test_export_of_an_uncached_prefix_is_an_error(model_dirs):

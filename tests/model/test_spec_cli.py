@@ -7,6 +7,7 @@ import json
 import pytest
 
 from kvrelay.cli import main
+from kvrelay.model import Request, SamplingParams, load_engine
 from tests.model.conftest import prompt_tokens
 
 MAKE = ["--arch", "llama", "--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2"]
@@ -38,6 +39,11 @@ def test_generate_speculative_json_and_reuse_across_configs(mtp_model, capsys):
     carried = generate(capsys, *common, "--speculative", "2", "--reuse-prefix", "33",
                        "--prefix-parallel", "tp=2,pp=1")  # fmt: skip
     assert carried == spec
+    # CP=2 prefill, then speculation; and a prefix (target and draft) written at CP=2.
+    assert generate(capsys, *common, "--speculative", "2", "--cp", "2") == spec
+    carried = generate(capsys, *common, "--speculative", "2", "--reuse-prefix", "33",
+                       "--prefix-parallel", "cp=2")  # fmt: skip
+    assert carried == spec
 
 
 def test_speculation_needs_an_mtp_layer(tmp_path, capsys):
@@ -47,6 +53,18 @@ def test_speculation_needs_an_mtp_layer(tmp_path, capsys):
         main(["generate", "--model", str(plain), "--prompt-ids", "1,2,3", "--speculative", "1"])
     with pytest.raises(SystemExit, match="--mtp 1"):
         main(["make-model", *MAKE, "--vocab", "128", "--mtp-fit-steps", "5", str(tmp_path / "x")])
+
+
+def test_copied_mtp_layer_agrees_with_a_one_layer_target_on_new_prompts(tmp_path, capsys):
+    directory = tmp_path / "copy"
+    one_layer = [*MAKE[:2], "--layers", "1", *MAKE[4:], "--vocab", "128", "--std", "0.2"]
+    main(["make-model", *one_layer, "--mtp", "1", "--mtp-init", "copy", str(directory)])
+    engine = load_engine(directory, dtype="float32", page_size=16, num_pages=32, speculative=1)
+    prompts = [prompt_tokens(24, vocab=128, seed=s) for s in (5, 6)]
+    results = engine.generate([Request(p, SamplingParams(24)) for p in prompts])
+    accepted = sum(r.spec["accepted"] for r in results)
+    proposed = sum(r.spec["proposed"] for r in results)
+    assert accepted >= 0.5 * proposed  # a random MTP layer accepts a few percent
 
 
 def test_mtp_fit_raises_agreement_on_its_fitting_data(tmp_path, capsys):

@@ -82,6 +82,22 @@ def test_tp_pp_speculation_matches_one_process(model_dirs):
     assert [r.spec for r in results] == [r.spec for r in single]
 
 
+def test_speculation_after_a_context_parallel_prefill_matches_one_process(model_dirs):
+    """CP=2 prefill (the MTP layer runs whole on each CP rank over the
+    gathered hidden states), then CP=1-style decode steps on every rank."""
+    model_dir = model_dirs("parallel", mtp=1)
+    prompts = [prompt_tokens(3 * PAGE + 9, seed=22), prompt_tokens(PAGE + 5, seed=23)]
+    requests = [Request(p, SamplingParams(NEW // 2)) for p in prompts]
+    expected = [r.tokens for r in engine(model_dir).generate(requests)]
+    single = engine(model_dir, 2).generate(requests)
+    with ParallelEngine(
+        model_dir, cp=2, dtype="float64", page_size=PAGE, num_pages=64, speculative=2
+    ) as group:
+        results = group.generate(requests)
+    assert [r.tokens for r in results] == expected
+    assert [r.spec for r in results] == [r.spec for r in single]
+
+
 def test_rejected_tokens_leave_no_trace_in_the_pages(plain):
     """The pages of prompt + answer after speculation equal a plain run's."""
     model_dir, prompts, expected = plain

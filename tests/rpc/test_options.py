@@ -58,3 +58,14 @@ def test_every_process_config_has_help_for_every_field():
         options.add_arguments(parser, cls)
         flags = {a.dest for a in parser._actions if a.dest != "help"}
         assert flags == set(cls.__dataclass_fields__), cls
+
+
+def test_worker_prefill_bounds_default_to_the_engines():
+    """The flags restate two engine defaults (the CLI must not load torch to
+    read them): they must not drift apart."""
+    from kvrelay.model.engine import DEFAULT_MAX_PREFILL_TOKENS
+    from kvrelay.model.paged_attention import DEFAULT_CHUNK_TOKENS
+
+    config = WorkerConfig(model_dir="m", token="t")
+    assert config.max_prefill_tokens == DEFAULT_MAX_PREFILL_TOKENS
+    assert config.attention_chunk_tokens == DEFAULT_CHUNK_TOKENS

@@ -39,62 +39,57 @@ async def _server(**kwargs) -> rpc.Server:
     return await server.start()
 
 
-def test_calls_errors_and_a_malformed_request_keep_the_connection():
-    async def main():
-        server = await _server()
-        conn, welcome = await rpc.connect(server.address, TOKEN, Welcome, 5)
-        assert welcome.name == "echo"
-        assert (await rpc.call(conn, Echo("hi"), Echoed, 5)).text == "hi"
-        with pytest.raises(rpc.RemoteError) as refused:
-            await rpc.call(conn, Echo("fail"), Echoed, 5)
-        assert refused.value.error == "ValueError" and "asked to fail" in str(refused.value)
-        await conn.send({"op": "echo", "text": 3})  # mistyped: answered, not dropped
-        reply = await conn.recv()
-        assert reply["op"] == "error" and reply["error"] == "MalformedMessage"
-        assert "text" in reply["message"]
-        assert (await rpc.call(conn, Echo("again"), Echoed, 5)).text == "again"
-        with pytest.raises(rpc.RpcTimeout):
-            await rpc.call(conn, Echo("slow", sleep_s=5), Echoed, 0.2)
-        conn.close()
-        await server.close()
-
-    asyncio.run(main())
+@pytest.mark.asyncio
+async def test_calls_errors_and_a_malformed_request_keep_the_connection():
+    server = await _server()
+    conn, welcome = await rpc.connect(server.address, TOKEN, Welcome, 5)
+    assert welcome.name == "echo"
+    assert (await rpc.call(conn, Echo("hi"), Echoed, 5)).text == "hi"
+    with pytest.raises(rpc.RemoteError) as refused:
+        await rpc.call(conn, Echo("fail"), Echoed, 5)
+    assert refused.value.error == "ValueError" and "asked to fail" in str(refused.value)
+    await conn.send({"op": "echo", "text": 3})  # mistyped: answered, not dropped
+    reply = await conn.recv()
+    assert reply["op"] == "error" and reply["error"] == "MalformedMessage"
+    assert "text" in reply["message"]
+    assert (await rpc.call(conn, Echo("again"), Echoed, 5)).text == "again"
+    with pytest.raises(rpc.RpcTimeout):
+        await rpc.call(conn, Echo("slow", sleep_s=5), Echoed, 0.2)
+    conn.close()
+    await server.close()
 
 
-def test_bad_token_and_no_hello_are_refused():
-    async def main():
-        server = await _server()
-        with pytest.raises(rpc.AuthError):
-            await rpc.connect(server.address, "wrong", Welcome, 5)
-        conn = await rpc.Connection.open(*rpc.split_address(server.address))
-        await conn.send(Echo("skip the hello"))
-        assert (await conn.recv())["error"] == "AuthError"
-        with pytest.raises(rpc.PeerError):  # and the server closed it
-            await conn.recv()
-        conn.close()
-        await server.close()
-
-    asyncio.run(main())
+@pytest.mark.asyncio
+async def test_bad_token_and_no_hello_are_refused():
+    server = await _server()
+    with pytest.raises(rpc.AuthError):
+        await rpc.connect(server.address, "wrong", Welcome, 5)
+    conn = await rpc.Connection.open(*rpc.split_address(server.address))
+    await conn.send(Echo("skip the hello"))
+    assert (await conn.recv())["error"] == "AuthError"
+    with pytest.raises(rpc.PeerError):  # and the server closed it
+        await conn.recv()
+    conn.close()
+    await server.close()
 
 
-def test_a_peer_of_the_old_wire_version_gets_a_clear_refusal():
-    async def main():
-        server = await _server()
-        # A version-1 client: its hello, its way of reading the reply.
-        conn = await rpc.Connection.open(*rpc.split_address(server.address))
-        await conn.send({"op": "hello", "v": 1, "token": TOKEN})
-        reply = await conn.recv()
-        assert reply["ok"] is False and reply["error"] == "WireVersionError"
-        assert reply["message"] == (
-            f"this peer speaks wire version {rpc.WIRE_VERSION}, the hello says 1"
-        )
-        conn.close()
-        await server.close()
-
-    asyncio.run(main())
+@pytest.mark.asyncio
+async def test_a_peer_of_the_old_wire_version_gets_a_clear_refusal():
+    server = await _server()
+    # A version-1 client: its hello, its way of reading the reply.
+    conn = await rpc.Connection.open(*rpc.split_address(server.address))
+    await conn.send({"op": "hello", "v": 1, "token": TOKEN})
+    reply = await conn.recv()
+    assert reply["ok"] is False and reply["error"] == "WireVersionError"
+    assert reply["message"] == (
+        f"this peer speaks wire version {rpc.WIRE_VERSION}, the hello says 1"
+    )
+    conn.close()
+    await server.close()
 
 
-def test_a_server_of_the_old_wire_version_is_named_as_such():
+@pytest.mark.asyncio
+async def test_a_server_of_the_old_wire_version_is_named_as_such():
     """A version-1 server answers a hello it does not accept with an untagged map."""
 
     async def old_server(reader, writer):
@@ -105,53 +100,46 @@ def test_a_server_of_the_old_wire_version_is_named_as_such():
         await writer.drain()
         writer.close()
 
-    async def main():
-        listener = await asyncio.start_server(old_server, "127.0.0.1", 0)
-        port = listener.sockets[0].getsockname()[1]
-        with pytest.raises(rpc.WireVersionError, match="another wire format"):
-            await rpc.connect(f"127.0.0.1:{port}", TOKEN, Welcome, 5)
-        listener.close()
-
-    asyncio.run(main())
+    listener = await asyncio.start_server(old_server, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    with pytest.raises(rpc.WireVersionError, match="another wire format"):
+        await rpc.connect(f"127.0.0.1:{port}", TOKEN, Welcome, 5)
+    listener.close()
 
 
-def test_oversized_and_garbage_frames_are_refused_and_dropped():
-    async def main():
-        server = await _server()
-        for raw in (struct.pack(">I", MAX_FRAME + 1), struct.pack(">I", 3) + b"\xc1\xc1\xc1"):
-            conn, _ = await rpc.connect(server.address, TOKEN, Welcome, 5)
-            await conn.send_bytes(raw)
-            refusal = await asyncio.wait_for(conn.recv(), 5)  # why, then the close
-            assert refusal["op"] == "error" and refusal["error"] == "ProtocolError"
-            with pytest.raises(rpc.PeerError):
-                await asyncio.wait_for(conn.recv(), 5)
-            conn.close()
-        with pytest.raises(rpc.ProtocolError):  # nor does a sender build one
-            await conn.send(Echo("x" * (MAX_FRAME + 1)))
-        await server.close()
-
-    asyncio.run(main())
+@pytest.mark.asyncio
+async def test_oversized_and_garbage_frames_are_refused_and_dropped():
+    server = await _server()
+    for raw in (struct.pack(">I", MAX_FRAME + 1), struct.pack(">I", 3) + b"\xc1\xc1\xc1"):
+        conn, _ = await rpc.connect(server.address, TOKEN, Welcome, 5)
+        await conn.send_bytes(raw)
+        refusal = await asyncio.wait_for(conn.recv(), 5)  # why, then the close
+        assert refusal["op"] == "error" and refusal["error"] == "ProtocolError"
+        with pytest.raises(rpc.PeerError):
+            await asyncio.wait_for(conn.recv(), 5)
+        conn.close()
+    with pytest.raises(rpc.ProtocolError):  # nor does a sender build one
+        await conn.send(Echo("x" * (MAX_FRAME + 1)))
+    await server.close()
 
 
-def test_a_silent_peer_is_a_timeout_not_a_hang():
+@pytest.mark.asyncio
+async def test_a_silent_peer_is_a_timeout_not_a_hang():
     async def silent(reader, writer):
         await reader.read()  # accepts, never answers
         writer.close()
 
-    async def main():
-        listener = await asyncio.start_server(silent, "127.0.0.1", 0)
-        port = listener.sockets[0].getsockname()[1]
-        with pytest.raises(rpc.RpcTimeout):
-            await rpc.connect(f"127.0.0.1:{port}", TOKEN, Welcome, 0.3)
-        listener.close()
-        server = await _server(hello_timeout_s=0.3)
-        conn = await rpc.Connection.open(*rpc.split_address(server.address))
-        with pytest.raises(rpc.PeerError):  # the server gave up on our hello
-            await asyncio.wait_for(conn.recv(), 10)
-        conn.close()
-        await server.close()
-
-    asyncio.run(main())
+    listener = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    with pytest.raises(rpc.RpcTimeout):
+        await rpc.connect(f"127.0.0.1:{port}", TOKEN, Welcome, 0.3)
+    listener.close()
+    server = await _server(hello_timeout_s=0.3)
+    conn = await rpc.Connection.open(*rpc.split_address(server.address))
+    with pytest.raises(rpc.PeerError):  # the server gave up on our hello
+        await asyncio.wait_for(conn.recv(), 10)
+    conn.close()
+    await server.close()
 
 
 def test_tokens_travel_packed():

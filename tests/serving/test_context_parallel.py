@@ -5,7 +5,6 @@ wrote are a full tier hit for a CP=1 prefill, and decode refuses --cp."""
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 
@@ -48,12 +47,13 @@ async def bytes_to_tier(process) -> int:
     return reply["stats"]["bytes_to_tier"]
 
 
-def test_cp2_prefill_serves_decode_and_writes_each_page_once(cluster, model_dir, page_bytes):
+@pytest.mark.asyncio
+async def test_cp2_prefill_serves_decode_and_writes_each_page_once(cluster, model_dir, page_bytes):
     prompt = prompt_tokens(3 * PAGE + 5, seed=61)
     sampling = fc.params(10)
-    before = asyncio.run(bytes_to_tier(cluster["prefill_cp2"]))
-    got = asyncio.run(
-        fc.serve(addr(cluster["prefill_cp2"]), addr(cluster["decode"]), "c1", prompt, sampling)
+    before = await bytes_to_tier(cluster["prefill_cp2"])
+    got = await fc.serve(
+        addr(cluster["prefill_cp2"]), addr(cluster["decode"]), "c1", prompt, sampling
     )
     assert got["ok"], got
     assert got["tokens"] == reference(model_dir, prompt, sampling)
@@ -63,26 +63,25 @@ def test_cp2_prefill_serves_decode_and_writes_each_page_once(cluster, model_dir,
     assert sorted(h["pages"] for h in answer["handles"]) == [[0, 2], [1, 3]]
     assert answer["tier_pages"] == 3
     # Three full pages through to the tier, each by one CP rank: written once.
-    assert asyncio.run(bytes_to_tier(cluster["prefill_cp2"])) - before == 3 * page_bytes
+    assert await bytes_to_tier(cluster["prefill_cp2"]) - before == 3 * page_bytes
     assert got["done"]["pulled"] == {"local_pages": 0, "tier_pages": 3, "prefill_pages": 1,
                                      "recomputed_pages": 0}  # fmt: skip
 
     # Written at CP=2, a full hit for a CP=1 prefill worker (no CP in any key).
-    again = asyncio.run(
-        fc.serve(addr(cluster["prefill"]), addr(cluster["decode"]), "c2", prompt, sampling)
+    again = await fc.serve(
+        addr(cluster["prefill"]), addr(cluster["decode"]), "c2", prompt, sampling
     )
     assert again["ok"], again
     assert again["prefill"]["cached_tokens"] == {"local": 0, "tier": 3 * PAGE}
     assert again["tokens"] == got["tokens"]
 
 
-def test_decode_reads_every_page_from_the_cp_ranks_handles(cluster, model_dir):
+@pytest.mark.asyncio
+async def test_decode_reads_every_page_from_the_cp_ranks_handles(cluster, model_dir):
     prompt = prompt_tokens(4 * PAGE + 3, seed=62)
     sampling = fc.params(8, temperature=0.8, top_k=20, seed=4)
-    got = asyncio.run(
-        fc.serve(
-            addr(cluster["prefill_cp2"]), addr(cluster["decode_no_tier"]), "c3", prompt, sampling
-        )
+    got = await fc.serve(
+        addr(cluster["prefill_cp2"]), addr(cluster["decode_no_tier"]), "c3", prompt, sampling
     )
     assert got["ok"], got
     assert got["done"]["pulled"]["prefill_pages"] == 5  # pages 0-4 from two handles

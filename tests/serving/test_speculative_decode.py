@@ -20,7 +20,8 @@ def mtp_model(tmp_path_factory):
     return write_model(tmp_path_factory.mktemp("spec") / "llama-mtp", replace(MODEL, mtp=1))
 
 
-def test_speculating_decode_worker_equals_plain_greedy(launch, control, mtp_model):
+@pytest.mark.asyncio
+async def test_speculating_decode_worker_equals_plain_greedy(launch, control, mtp_model):
     prefill = launch(*worker_args("prefill", mtp_model, control))
     decode = launch(*worker_args("decode", mtp_model, control, extra=["--speculative", 2]))
     prompts = [prompt_tokens(2 * PAGE + 7, seed=41), prompt_tokens(PAGE + 3, seed=42)]
@@ -36,13 +37,13 @@ def test_speculating_decode_worker_equals_plain_greedy(launch, control, mtp_mode
             )
         )
 
-    results = asyncio.run(both())
+    results = await both()
     for got, tokens in zip(results, expected, strict=True):
         assert got["ok"], got
         assert got["tokens"] == tokens
         spec = got["done"]["spec"]
         assert spec["steps"] > 0 and 0 <= spec["accepted"] <= spec["proposed"]
-    reply = asyncio.run(fc.call(decode.info["address"], {"op": "stats"}))
+    reply = await fc.call(decode.info["address"], {"op": "stats"})
     stats = reply["stats"]
     assert stats["spec_proposed"] == sum(r["done"]["spec"]["proposed"] for r in results)
     assert stats["spec_accepted"] == sum(r["done"]["spec"]["accepted"] for r in results)

@@ -31,23 +31,25 @@ def pair(launch, control, model_dir):
     return prefill, decode
 
 
-def test_ucx_pair_matches_one_process_without_any_cache(pair, model_dir):
+@pytest.mark.asyncio
+async def test_ucx_pair_matches_one_process_without_any_cache(pair, model_dir):
     prefill, decode = pair
     prompt = prompt_tokens(3 * PAGE + 7, seed=31)
     sampling = fc.params(10, temperature=0.8, top_p=0.95, seed=8)
     engine = load_engine(model_dir, dtype=DTYPE, page_size=PAGE, num_pages=64)
     want = engine.generate([Request(prompt, fc_params(sampling))])[0].tokens
     for rid in ("u1", "u2"):  # the same prompt twice: the baseline computes it twice
-        got = asyncio.run(fc.serve(addr(prefill), addr(decode), rid, prompt, sampling))
+        got = await fc.serve(addr(prefill), addr(decode), rid, prompt, sampling)
         assert got["ok"], got
         assert got["tokens"] == want
         assert got["prefill"]["cached_tokens"] == {"local": 0, "tier": 0}
         assert got["done"]["pulled"]["prefill_pages"] + got["done"]["pulled"]["local_pages"] == 4
-    stats = asyncio.run(fc.call(addr(prefill), {"op": "stats"}))["stats"]
+    stats = (await fc.call(addr(prefill), {"op": "stats"}))["stats"]
     assert stats["computed_tokens"] == 2 * len(prompt) and stats["local_hit_tokens"] == 0
 
 
-def test_staging_rows_held_by_handles_hold_back_the_queue(pair):
+@pytest.mark.asyncio
+async def test_staging_rows_held_by_handles_hold_back_the_queue(pair):
     prefill, _ = pair
     prompt = prompt_tokens(3 * PAGE + 2, seed=40)  # 4 pages: two fit in staging
 
@@ -59,7 +61,7 @@ def test_staging_rows_held_by_handles_hold_back_the_queue(pair):
             )
         )
 
-    replies = asyncio.run(burst())
+    replies = await burst()
     served = [r for r in replies if r["ok"]]
     busy = [r for r in replies if not r["ok"]]
     assert busy and all(r["error"] == "Busy" for r in busy)
@@ -67,7 +69,7 @@ def test_staging_rows_held_by_handles_hold_back_the_queue(pair):
     # The third waited for the first two handles' leases to run out.
     assert max(r["timings"]["queue_s"] for r in served) > 0.5
     # Nine new pages can never fit eight staging rows: refused up front.
-    too_big = asyncio.run(fc.prefill(addr(prefill), "big", prompt_tokens(9 * PAGE), fc.params()))
+    too_big = await fc.prefill(addr(prefill), "big", prompt_tokens(9 * PAGE), fc.params())
     assert too_big["error"] == "StagingTooSmall"
 
     async def staging_free():
@@ -78,13 +80,14 @@ def test_staging_rows_held_by_handles_hold_back_the_queue(pair):
             while await staging_free() != STAGING:
                 await asyncio.sleep(0.1)
 
-    asyncio.run(wait_for_rows())  # every lease expired: every row is back
+    await wait_for_rows()  # every lease expired: every row is back
 
 
-def test_drain_then_sigterm_deregisters(pair, control):
+@pytest.mark.asyncio
+async def test_drain_then_sigterm_deregisters(pair, control):
     prefill, decode = pair
-    assert asyncio.run(fc.call(addr(prefill), {"op": "drain"}))["op"] == "ok"
-    reply = asyncio.run(fc.prefill(addr(prefill), "late", [1, 2, 3], fc.params(4)))
+    assert (await fc.call(addr(prefill), {"op": "drain"}))["op"] == "ok"
+    reply = await fc.prefill(addr(prefill), "late", [1, 2, 3], fc.params(4))
     assert reply["error"] == "Busy"
     for worker in (prefill, decode):
         node_id = worker.info["node_id"]

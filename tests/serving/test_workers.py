@@ -62,10 +62,6 @@ def addr(process) -> str:
     return process.info["address"]
 
 
-def run(coro):
-    return asyncio.run(coro)
-
-
 async def stats(process) -> dict:
     reply = await fc.call(addr(process), {"op": "stats"})
     assert reply["ok"], reply
@@ -100,19 +96,20 @@ def test_workers_register_with_control(cluster, control):
         time.sleep(0.1)
 
 
+@pytest.mark.asyncio
 @pytest.mark.parametrize(
     ("sampling", "seed"),
     [(fc.params(12), 1), (fc.params(12, temperature=0.9, top_k=40, top_p=0.9, seed=3), 2)],
     ids=["greedy", "sampled"],
 )
-def test_prefill_then_decode_equals_one_process(cluster, reference, sampling, seed):
+async def test_prefill_then_decode_equals_one_process(cluster, reference, sampling, seed):
     prompt = prompt_tokens(3 * PAGE + 5, seed=seed)
-    got = run(fc.serve(addr(cluster["prefill"]), addr(cluster["decode"]), "r1", prompt, sampling))
+    got = await fc.serve(addr(cluster["prefill"]), addr(cluster["decode"]), "r1", prompt, sampling)
     assert got["ok"], got
     assert got["tokens"] == reference(prompt, sampling)
     answer = got["prefill"]
     # decode released prefill's handle: its staging rows are free again
-    assert run(stats(cluster["prefill"]))["staging_free"] == 128
+    assert (await stats(cluster["prefill"]))["staging_free"] == 128
     assert answer["pages"] == 4 and answer["tier_pages"] == 3
     assert answer["spec"] == {"tp": 1, "pp": 1, "cp": 1} and len(answer["handles"]) == 1
     pulled = got["done"]["pulled"]
@@ -120,14 +117,17 @@ def test_prefill_then_decode_equals_one_process(cluster, reference, sampling, se
     assert pulled == {"local_pages": 0, "tier_pages": 3, "prefill_pages": 1, "recomputed_pages": 0}
 
 
+@pytest.mark.asyncio
 @pytest.mark.parametrize(
     ("prefill", "decode", "seed"),
     [("prefill_tp2", "decode", 10), ("prefill_pp2", "decode_tp2", 11)],
 )
-def test_other_parallel_configs_give_the_same_tokens(cluster, reference, prefill, decode, seed):
+async def test_other_parallel_configs_give_the_same_tokens(
+    cluster, reference, prefill, decode, seed
+):
     prompt = prompt_tokens(2 * PAGE + 9, seed=seed)
     sampling = fc.params(10, temperature=0.7, seed=5)
-    got = run(fc.serve(addr(cluster[prefill]), addr(cluster[decode]), "r2", prompt, sampling))
+    got = await fc.serve(addr(cluster[prefill]), addr(cluster[decode]), "r2", prompt, sampling)
     assert got["ok"], got
     assert got["tokens"] == reference(prompt, sampling)
     answer = got["prefill"]
@@ -136,10 +136,11 @@ def test_other_parallel_configs_give_the_same_tokens(cluster, reference, prefill
         assert got["done"]["pulled"]["prefill_pages"] == answer["pages"]
 
 
-def test_second_turn_hits_the_tier_for_the_whole_conversation(cluster, reference):
+@pytest.mark.asyncio
+async def test_second_turn_hits_the_tier_for_the_whole_conversation(cluster, reference):
     sampling = fc.params(20)
     turn1 = prompt_tokens(2 * PAGE + 3, seed=77)
-    got = run(fc.serve(addr(cluster["prefill"]), addr(cluster["decode"]), "t1", turn1, sampling))
+    got = await fc.serve(addr(cluster["prefill"]), addr(cluster["decode"]), "t1", turn1, sampling)
     assert got["ok"], got
     conversation = turn1 + got["tokens"]
     # decode wrote back every full page of prompt + answer that has KV
@@ -147,8 +148,8 @@ def test_second_turn_hits_the_tier_for_the_whole_conversation(cluster, reference
     assert got["done"]["written_back_pages"] == written - 2  # prefill sealed the first 2
     turn2 = conversation + prompt_tokens(11, seed=78)
     # Another prefill worker (nothing in its pool): the tier holds the context.
-    got2 = run(fc.serve(addr(cluster["prefill_tp2"]), addr(cluster["decode"]), "t2", turn2,
-                        sampling))  # fmt: skip
+    got2 = await fc.serve(addr(cluster["prefill_tp2"]), addr(cluster["decode"]), "t2", turn2,
+                        sampling)  # fmt: skip
     assert got2["ok"], got2
     assert got2["prefill"]["cached_tokens"] == {"local": 0, "tier": written * PAGE}
     assert got2["tokens"] == reference(turn2, sampling)
@@ -156,80 +157,86 @@ def test_second_turn_hits_the_tier_for_the_whole_conversation(cluster, reference
     assert got2["done"]["pulled"]["local_pages"] >= written - 1
 
 
-def test_a_redeployed_prefill_with_another_config_still_hits(cluster, reference):
+@pytest.mark.asyncio
+async def test_a_redeployed_prefill_with_another_config_still_hits(cluster, reference):
     prompt = prompt_tokens(4 * PAGE + 2, seed=90)
     sampling = fc.params(6)
     # Nobody decodes this one: a short lease gives its staging rows back soon.
-    first = run(fc.prefill(addr(cluster["prefill"]), "d1", prompt, sampling, lease_s=1.0))
+    first = await fc.prefill(addr(cluster["prefill"]), "d1", prompt, sampling, lease_s=1.0)
     assert first["ok"] and first["cached_tokens"]["tier"] == 0
     # Same model, PP=2 in its own process group: the tier serves the prompt.
-    again = run(fc.serve(addr(cluster["prefill_pp2"]), addr(cluster["decode"]), "d2", prompt,
-                         sampling))  # fmt: skip
+    again = await fc.serve(addr(cluster["prefill_pp2"]), addr(cluster["decode"]), "d2", prompt,
+                         sampling)  # fmt: skip
     assert again["ok"], again
     assert again["prefill"]["cached_tokens"] == {"local": 0, "tier": 4 * PAGE}
     assert again["tokens"] == reference(prompt, sampling)
 
 
-def test_flush_drops_the_pool_cache(cluster):
+@pytest.mark.asyncio
+async def test_flush_drops_the_pool_cache(cluster):
     prompt = prompt_tokens(3 * PAGE + 4, seed=91)
     sampling = fc.params(3)
     decode = cluster["decode_tp2"]  # no tier: reuse comes only from its pool
 
-    def pulled() -> dict:
-        got = run(fc.serve(addr(cluster["prefill_pp2"]), addr(decode), "f", prompt, sampling))
+    async def pulled() -> dict:
+        got = await fc.serve(addr(cluster["prefill_pp2"]), addr(decode), "f", prompt, sampling)
         assert got["ok"], got
         return got["done"]["pulled"]
 
-    assert pulled()["local_pages"] == 0
+    assert (await pulled())["local_pages"] == 0
     # prefill's pool holds the 3 full pages (written through to the tier), so
     # it stages only the partial one; decode's pool has the others.
-    assert pulled() == {"local_pages": 3, "tier_pages": 0, "prefill_pages": 1,
+    assert (await pulled()) == {"local_pages": 3, "tier_pages": 0, "prefill_pages": 1,
                         "recomputed_pages": 0}  # fmt: skip
-    assert run(fc.call(addr(decode), {"op": "flush"}))["op"] == "ok"
+    assert (await fc.call(addr(decode), {"op": "flush"}))["op"] == "ok"
     # Now decode (no tier) cannot get the 3 pages prefill did not stage: it
     # recomputes the prompt instead of every prefill staging them.
-    assert pulled() == {"local_pages": 0, "tier_pages": 0, "prefill_pages": 0,
+    assert (await pulled()) == {"local_pages": 0, "tier_pages": 0, "prefill_pages": 0,
                         "recomputed_pages": 4}  # fmt: skip
 
 
-def test_decode_recomputes_pages_it_cannot_get(cluster, reference):
+@pytest.mark.asyncio
+async def test_decode_recomputes_pages_it_cannot_get(cluster, reference):
     """Prefill stages only what the tier does not hold; a decode that cannot
     get the rest (its tier lost them, or it has none) computes them itself,
     with the same tokens."""
     prompt = prompt_tokens(3 * PAGE + 6, seed=95)
     sampling = fc.params(8)
-    first = run(fc.serve(addr(cluster["prefill"]), addr(cluster["decode"]), "l1", prompt, sampling))
+    first = await fc.serve(
+        addr(cluster["prefill"]), addr(cluster["decode"]), "l1", prompt, sampling
+    )
     assert first["ok"], first
-    answer = run(fc.prefill(addr(cluster["prefill"]), "l2", prompt, sampling))
+    answer = await fc.prefill(addr(cluster["prefill"]), "l2", prompt, sampling)
     assert answer["ok"] and answer["cached_tokens"]["local"] == 3 * PAGE
     assert answer["tier_pages"] == 3
     # decode_tp2 has no tier and none of these pages: the 3 unstaged pages are recomputed.
-    got = run(fc.decode(addr(cluster["decode_tp2"]), "l3", prompt, sampling, answer))
+    got = await fc.decode(addr(cluster["decode_tp2"]), "l3", prompt, sampling, answer)
     assert got["ok"], got
     assert got["done"]["pulled"] == {"local_pages": 0, "tier_pages": 0, "prefill_pages": 0,
                                      "recomputed_pages": 4}  # fmt: skip
     assert got["tokens"] == reference(prompt, sampling)
 
 
-def test_bad_requests_get_typed_errors(cluster):
+@pytest.mark.asyncio
+async def test_bad_requests_get_typed_errors(cluster):
     address = addr(cluster["prefill"])
-    reply = run(fc.call(address, {"op": "prefill", "rid": "x", "tokens": [1, 999],
-                                  "params": fc.params(), "lease_s": 5}))  # fmt: skip
+    reply = await fc.call(address, {"op": "prefill", "rid": "x", "tokens": [1, 999],
+                                  "params": fc.params(), "lease_s": 5})  # fmt: skip
     assert reply["error"] == "RequestError" and reply["rid"] == "x"
-    reply = run(fc.call(address, {"op": "prefill", "rid": "y", "tokens": [1, 2],
-                                  "params": fc.params(max_new_tokens=0)}))  # fmt: skip
+    reply = await fc.call(address, {"op": "prefill", "rid": "y", "tokens": [1, 2],
+                                  "params": fc.params(max_new_tokens=0)})  # fmt: skip
     assert reply["error"] == "MalformedMessage"  # the params type bounds it
     assert "max_new_tokens" in reply["message"]
-    reply = run(fc.call(address, {"op": "prefill", "rid": "v", "tokens": [1, 2],
-                                  "params": fc.params(stop=[999])}))  # fmt: skip
+    reply = await fc.call(address, {"op": "prefill", "rid": "v", "tokens": [1, 2],
+                                  "params": fc.params(stop=[999])})  # fmt: skip
     assert reply["error"] == "RequestError"  # outside this model's vocabulary
-    reply = run(fc.call(address, {"op": "decode"}))  # no fields: refused by its type
+    reply = await fc.call(address, {"op": "decode"})  # no fields: refused by its type
     assert reply["error"] == "MalformedMessage"
-    reply = run(fc.call(address, {"op": "decode", "rid": "w", "tokens": [1], "first_token": 2,
-                                  "pages": 1}))  # fmt: skip
+    reply = await fc.call(address, {"op": "decode", "rid": "w", "tokens": [1], "first_token": 2,
+                                  "pages": 1})  # fmt: skip
     assert reply["error"] == "RequestError" and reply["rid"] == "w"  # not a decode worker
     huge = prompt_tokens(129 * PAGE, seed=1)  # more pages than the pool has
-    reply = run(fc.prefill(address, "z", huge, fc.params()))
+    reply = await fc.prefill(address, "z", huge, fc.params())
     assert reply["error"] == "PoolExhausted"
 
     async def bad_token():
@@ -237,10 +244,11 @@ def test_bad_requests_get_typed_errors(cluster):
         conn.close()
 
     with pytest.raises(RuntimeError, match="AuthError"):
-        run(bad_token())
+        await bad_token()
 
 
-def test_prefill_abandoned_by_control_returns_its_staging_rows(cluster):
+@pytest.mark.asyncio
+async def test_prefill_abandoned_by_control_returns_its_staging_rows(cluster):
     prefill = cluster["prefill"]
 
     async def send_and_close(rid, length):
@@ -256,35 +264,38 @@ def test_prefill_abandoned_by_control_returns_its_staging_rows(cluster):
             while (await stats(prefill))["staging_free"] != 128:
                 await asyncio.sleep(0.1)
 
-    run(abandon())  # the 300 s leases ended at once, not by expiry
+    await abandon()  # the 300 s leases ended at once, not by expiry
 
 
+@pytest.mark.asyncio
 @pytest.mark.parametrize("length", [1, 2 * PAGE], ids=["one-token", "whole-pages"])
-def test_prompts_without_full_or_partial_pages(cluster, reference, length):
+async def test_prompts_without_full_or_partial_pages(cluster, reference, length):
     prompt = prompt_tokens(length, seed=60 + length)
     sampling = fc.params(7)
-    got = run(fc.serve(addr(cluster["prefill_tp2"]), addr(cluster["decode"]), "e", prompt,
-                       sampling))  # fmt: skip
+    got = await fc.serve(addr(cluster["prefill_tp2"]), addr(cluster["decode"]), "e", prompt,
+                       sampling)  # fmt: skip
     assert got["ok"], got
     assert got["tokens"] == reference(prompt, sampling)
     assert got["prefill"]["pages"] == -(-length // PAGE)
 
 
-def test_a_first_token_that_stops_needs_no_decode(cluster, reference):
+@pytest.mark.asyncio
+async def test_a_first_token_that_stops_needs_no_decode(cluster, reference):
     prompt = prompt_tokens(PAGE + 3, seed=61)
     first = reference(prompt, fc.params(1))[0]
-    answer = run(fc.prefill(addr(cluster["prefill"]), "s", prompt, fc.params(5, stop=[first])))
+    answer = await fc.prefill(addr(cluster["prefill"]), "s", prompt, fc.params(5, stop=[first]))
     assert answer["ok"] and answer["first_token"] == first
     assert answer["finish_reason"] == "stop" and answer["handles"] == []
-    assert run(stats(cluster["prefill"]))["staging_free"] == 128
+    assert (await stats(cluster["prefill"]))["staging_free"] == 128
 
 
-def test_cancelled_decode_returns_its_pages(cluster):
+@pytest.mark.asyncio
+async def test_cancelled_decode_returns_its_pages(cluster):
     decode = cluster["decode"]
-    start = run(stats(decode))["free_pages"]
+    start = (await stats(decode))["free_pages"]
     prompt = prompt_tokens(PAGE + 4, seed=123)
     sampling = fc.params(300)
-    answer = run(fc.prefill(addr(cluster["prefill"]), "c1", prompt, sampling))
+    answer = await fc.prefill(addr(cluster["prefill"]), "c1", prompt, sampling)
 
     async def read_then_close():
         conn = await fc.open_worker(addr(decode))
@@ -297,21 +308,24 @@ def test_cancelled_decode_returns_its_pages(cluster):
         conn.close()
         return during
 
-    during = run(read_then_close())
+    during = await read_then_close()
     assert during < start
     deadline = time.monotonic() + 15
-    while run(stats(decode))["free_pages"] != start:
+    while (await stats(decode))["free_pages"] != start:
         assert time.monotonic() < deadline, "the cancelled sequence kept its pages"
         time.sleep(0.1)
 
 
-def test_killed_prefill_fails_fast_and_decode_returns_pages(cluster, launch, control, model_dir):
+@pytest.mark.asyncio
+async def test_killed_prefill_fails_fast_and_decode_returns_pages(
+    cluster, launch, control, model_dir
+):
     victim = launch(*worker_args("prefill", model_dir, control, cache=()))
     decode = cluster["decode_tp2"]  # no tier: every page comes from prefill
-    start = run(stats(decode))["free_pages"]
+    start = (await stats(decode))["free_pages"]
     prompt = prompt_tokens(3 * PAGE + 1, seed=55)
     sampling = fc.params(8)
-    answer = run(fc.prefill(addr(victim), "k1", prompt, sampling))
+    answer = await fc.prefill(addr(victim), "k1", prompt, sampling)
     assert answer["ok"]
 
     async def kill_mid_request():
@@ -326,22 +340,23 @@ def test_killed_prefill_fails_fast_and_decode_returns_pages(cluster, launch, con
         conn.close()
         return caught.value, time.monotonic() - began
 
-    error, waited = run(kill_mid_request())
+    error, waited = await kill_mid_request()
     assert not isinstance(error, TimeoutError) and waited < 10
     victim.process.wait(10)
     # decode asked to pull from the dead worker: a typed error, pages back
     began = time.monotonic()
-    failed = run(fc.decode(addr(decode), "k1", prompt, sampling, answer))
+    failed = await fc.decode(addr(decode), "k1", prompt, sampling, answer)
     assert not failed["ok"] and failed["error"] == "PullFailed"
     assert time.monotonic() - began < 15
-    assert run(stats(decode))["free_pages"] == start
+    assert (await stats(decode))["free_pages"] == start
 
 
-def test_a_stalled_pull_does_not_stall_the_running_batch(cluster, control):
+@pytest.mark.asyncio
+async def test_a_stalled_pull_does_not_stall_the_running_batch(cluster, control):
     """A prefill agent that accepts connections and never answers: decode's
     pull waits for its deadline (5 s) while the running sequence streams."""
     decode = cluster["decode_tp2"]  # no tier: every page comes from the handles
-    start = run(stats(decode))["free_pages"]
+    start = (await stats(decode))["free_pages"]
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)  # the kernel completes connections nobody serves
@@ -358,7 +373,7 @@ def test_a_stalled_pull_does_not_stall_the_running_batch(cluster, control):
                       "handles": [{"handle": fake.to_bytes(), "runs": runs}]}  # fmt: skip
     healthy_prompt = prompt_tokens(PAGE + 5, seed=56)
     long_run = fc.params(400)
-    healthy = run(fc.prefill(addr(cluster["prefill_pp2"]), "h", healthy_prompt, long_run))
+    healthy = await fc.prefill(addr(cluster["prefill_pp2"]), "h", healthy_prompt, long_run)
 
     async def stalled_pull_beside_a_running_sequence():
         conn = await fc.open_worker(addr(decode))
@@ -382,16 +397,19 @@ def test_a_stalled_pull_does_not_stall_the_running_batch(cluster, control):
         return stalled, sum(began <= t <= ended for t in frames), ended - began
 
     try:
-        stalled, during, waited = run(stalled_pull_beside_a_running_sequence())
+        stalled, during, waited = await stalled_pull_beside_a_running_sequence()
     finally:
         silent.close()
     assert not stalled["ok"] and stalled["error"] == "PullFailed"
     assert "TransferTimeout" in stalled["message"] and 4 < waited < 15
     assert during >= 20  # tokens streamed while the pull waited
-    assert run(stats(decode))["free_pages"] == start
+    assert (await stats(decode))["free_pages"] == start
 
 
-def test_write_back_without_free_staging_rows_is_counted(launch, control, model_dir, page_bytes):
+@pytest.mark.asyncio
+async def test_write_back_without_free_staging_rows_is_counted(
+    launch, control, model_dir, page_bytes
+):
     """Staging of 3 rows, a 4-page conversation: the first 3 pages are written
     back and the 4th is counted in the decode's stats, not skipped silently."""
     cache = launch(*cache_args(page_bytes)).info["listen"]
@@ -399,10 +417,10 @@ def test_write_back_without_free_staging_rows_is_counted(launch, control, model_
     decode = launch(*worker_args("decode", model_dir, control, cache=[cache],
                                  extra=["--write-back", "--staging-pages", 3]))  # fmt: skip
     prompt = prompt_tokens(2 * PAGE + 3, seed=123)  # 3 pages: the load takes all 3 rows
-    got = run(fc.serve(addr(prefill), addr(decode), "wb", prompt, fc.params(40)))
+    got = await fc.serve(addr(prefill), addr(decode), "wb", prompt, fc.params(40))
     assert got["ok"], got
     full = (len(prompt) + len(got["tokens"]) - 1) // PAGE
     assert full == 4
     assert got["done"]["written_back_pages"] == 3
-    assert run(stats(decode))["writeback_skipped_pages"] == 1
-    assert run(stats(decode))["staging_free"] == 3
+    assert (await stats(decode))["writeback_skipped_pages"] == 1
+    assert (await stats(decode))["staging_free"] == 3

@@ -6,14 +6,17 @@ import pytest
 
 from tests.transfer.peer import serve
 
-# (backend, UCX_TLS or None, fast path): every way two processes on one host move pages.
+# (backend, UCX_TLS or None, the fast path's copy or None): every way two
+# processes on one host move pages. The fast path's two copies are forced
+# (the calibrated plan picks one of them per host and batch shape).
 MODES = {
-    "tcp": ("tcp", None, False),
-    "ucx-shm": ("ucx", "sm,self", False),
-    "ucx-tcp": ("ucx", "tcp,self", False),
-    "fastpath": ("ucx", None, True),
+    "tcp": ("tcp", None, None),
+    "ucx-shm": ("ucx", "sm,self", None),
+    "ucx-tcp": ("ucx", "tcp,self", None),
+    "fastpath-map": ("ucx", None, "map"),
+    "fastpath-readv": ("ucx", None, "readv"),
     # GPU memory: cuda_copy (host <-> GPU), cuda_ipc (GPU <-> GPU across processes).
-    "ucx-gpu": ("ucx", "sm,self,cuda_copy,cuda_ipc", False),
+    "ucx-gpu": ("ucx", "sm,self,cuda_copy,cuda_ipc", None),
 }
 
 
@@ -27,7 +30,7 @@ class PeerProcess:
             target=serve, args=(child, backend, size, runs_list, env, options), daemon=True
         )
         self.process.start()
-        if not self.pipe.poll(60):
+        if not self.pipe.poll(120):  # spawn + torch import on a loaded 2-core host
             self.process.kill()
             raise RuntimeError("peer process did not start")
         info = msgpack.unpackb(self.pipe.recv_bytes())
@@ -60,7 +63,7 @@ def start_peer(monkeypatch):
             monkeypatch.setenv("UCX_TLS", tls)
         else:
             monkeypatch.delenv("UCX_TLS", raising=False)
-        peer = PeerProcess(backend, size, runs_list, env, fast_path=fast, **options)
+        peer = PeerProcess(backend, size, runs_list, env, fast_path=fast is not None, **options)
         peers.append(peer)
         return peer
 
@@ -71,4 +74,6 @@ def start_peer(monkeypatch):
 
 def mode_agent_kwargs(mode):
     backend, _, fast = MODES[mode]
-    return backend, {"fast_path": fast}
+    if fast is None:
+        return backend, {"fast_path": False}
+    return backend, {"fast_path": True, "fast_copy": fast}

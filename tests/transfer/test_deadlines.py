@@ -17,8 +17,9 @@ from tests.transfer.peer import NAMESPACE, TOKEN, pattern
 SIZE = 8 << 20
 
 
+@pytest.mark.asyncio
 @pytest.mark.parametrize("mode", ["tcp", "ucx-tcp"])
-def test_a_stalled_peer_times_out(mode, start_peer):
+async def test_a_stalled_peer_times_out(mode, start_peer):
     peer = start_peer(mode, SIZE, [[(0, SIZE)]])
     backend, kwargs = mode_agent_kwargs(mode)
 
@@ -39,10 +40,11 @@ def test_a_stalled_peer_times_out(mode, start_peer):
         await agent.read(peer.handles[0], local, [0], namespace=NAMESPACE, timeout=20)
         await agent.close()
 
-    asyncio.run(pull())
+    await pull()
 
 
-def test_a_cancelled_pull_stops_and_releases_the_peer(start_peer):
+@pytest.mark.asyncio
+async def test_a_cancelled_pull_stops_and_releases_the_peer(start_peer):
     peer = start_peer("tcp", SIZE, [[(0, SIZE)]])
 
     async def pull():
@@ -66,18 +68,19 @@ def test_a_cancelled_pull_stops_and_releases_the_peer(start_peer):
         assert _sha(local.tensor) == _sha(pattern(SIZE, 0))
         await agent.close()
 
-    asyncio.run(pull())
+    await pull()
 
 
 def _sha(tensor) -> bytes:
     return hashlib.sha256(tensor.numpy().tobytes()).digest()
 
 
-def test_ucx_backend_without_the_binding_says_what_to_install(monkeypatch):
+@pytest.mark.asyncio
+async def test_ucx_backend_without_the_binding_says_what_to_install(monkeypatch):
     import kvrelay
 
     monkeypatch.setitem(sys.modules, "kvrelay._ucx", None)  # as if it was not built
     monkeypatch.delattr(kvrelay, "_ucx", raising=False)
     monkeypatch.delitem(sys.modules, "kvrelay.transfer.backends.ucx", raising=False)
     with pytest.raises(BackendUnavailable, match=r"libucx-cu12.*UCX_HOME"):
-        asyncio.run(create_agent("ucx", token=TOKEN))
+        await create_agent("ucx", token=TOKEN)

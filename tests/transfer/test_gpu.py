@@ -1,7 +1,6 @@
 """GPU arenas through UCX (cuda_copy, cuda_ipc): pulls and pushes between GPU
 and host memory of two processes. Skipped without CUDA."""
 
-import asyncio
 import hashlib
 
 import pytest
@@ -27,12 +26,13 @@ def local_arena(agent, where: str):
     return agent.register_tensor(torch.zeros(SIZE, dtype=torch.uint8, device=where))
 
 
+@pytest.mark.asyncio
 @pytest.mark.parametrize(
     ("remote", "local"),
     [("host", "cuda:0"), ("cuda:0", "host"), ("cuda:0", "gpu2")],
     ids=["host-to-gpu", "gpu-to-host", "gpu-to-gpu"],
 )
-def test_pull_runs_between_gpu_and_host_arenas(start_peer, remote, local):
+async def test_pull_runs_between_gpu_and_host_arenas(start_peer, remote, local):
     local = second_gpu() if local == "gpu2" else local
     device = None if remote == "host" else remote
     peer = start_peer("ucx-gpu", SIZE, [RUNS], device=device, seed=3)
@@ -44,15 +44,16 @@ def test_pull_runs_between_gpu_and_host_arenas(start_peer, remote, local):
             await agent.read(peer.handles[0], arena, offsets, namespace=NAMESPACE, timeout=30)
             return arena.tensor.cpu()
 
-    got = asyncio.run(pull())
+    got = await pull()
     source = pattern(SIZE, 3)
     for (start, length), at in zip(RUNS, offsets, strict=True):
         assert torch.equal(got[at : at + length], source[start : start + length])
     assert got[: offsets[-1]].eq(0).all()  # nothing written outside the runs
 
 
+@pytest.mark.asyncio
 @pytest.mark.parametrize("remote", ["host", "cuda:0"])
-def test_push_from_a_gpu_arena(start_peer, remote):
+async def test_push_from_a_gpu_arena(start_peer, remote):
     """What a GPU rank does to the tier (host) or a GPU peer: one-sided PUTs."""
     device = None if remote == "host" else remote
     peer = start_peer("ucx-gpu", SIZE, [[(0, SIZE)]], device=device, seed=4)
@@ -63,14 +64,15 @@ def test_push_from_a_gpu_arena(start_peer, remote):
             arena = agent.register_tensor(mine.to(second_gpu()))
             await agent.write(peer.handles[0], arena, [0], namespace=NAMESPACE, timeout=30)
 
-    asyncio.run(push())
+    await push()
     assert peer.digest() == hashlib.sha256(mine.numpy().tobytes()).digest()
 
 
-def test_host_only_backends_refuse_gpu_tensors():
+@pytest.mark.asyncio
+async def test_host_only_backends_refuse_gpu_tensors():
     async def register():
         async with await create_agent("tcp", token=TOKEN) as agent:
             with pytest.raises(ValueError, match="host memory only"):
                 agent.register_tensor(torch.zeros(16, dtype=torch.uint8, device="cuda"))
 
-    asyncio.run(register())
+    await register()

@@ -1,3 +1,4 @@
+import os
 import time
 
 import numpy as np
@@ -6,7 +7,7 @@ import torch
 
 from kvrelay.layout import ModelKVSpec, ParallelConfig, rank_rectangle
 from kvrelay.transfer import BlockHandle, MalformedHandle, coalesce
-from kvrelay.transfer.arena import copy_runs_reference
+from kvrelay.transfer.arena import copy_runs_reference, owner_pid, readv_runs_reference
 from kvrelay.transfer.errors import RunOutOfBounds
 from kvrelay.transfer.handle import plan, plan_checked, plan_runs_reference
 from kvrelay.transfer.lease import LeaseTable
@@ -154,8 +155,8 @@ def test_coalesce_merges_runs_adjacent_on_both_sides_only():
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 7])
-@pytest.mark.parametrize("stream_min", [0, 1 << 62])
-def test_compiled_run_copier_matches_the_reference_bit_for_bit(threads, stream_min):
+@pytest.mark.parametrize(("stream_min", "prefetch"), [(0, True), (0, False), (1 << 62, True)])
+def test_compiled_run_copier_matches_the_reference_bit_for_bit(threads, stream_min, prefetch):
     compiled = pytest.importorskip("kvrelay.transfer._runcopy").copy_runs
     rng = np.random.default_rng(threads)
     src = torch.from_numpy(rng.integers(0, 256, 4 << 20, dtype=np.uint8))
@@ -167,9 +168,50 @@ def test_compiled_run_copier_matches_the_reference_bit_for_bit(threads, stream_m
     expected = torch.zeros(4 << 20, dtype=torch.uint8)
     got = torch.zeros(4 << 20, dtype=torch.uint8)
     copy_runs_reference(expected.data_ptr(), src.data_ptr(), rows)
-    compiled(got.data_ptr(), src.data_ptr(), rows, threads, stream_min)
+    compiled(got.data_ptr(), src.data_ptr(), rows, threads, stream_min, prefetch)
     assert torch.equal(got, expected)
     assert int(expected[5:1005].sum()) > 0
+
+
+# Odd lengths and offsets, a zero-length row, runs over 1 MiB (cut for threads).
+_KERNEL_ROWS = [[5, 17, 1000], [2000, 99, 0], [3001, 4000, 70001], [90000, 1, 3],
+                [100000, 300000, 600000], [1100000, 1000003, 2500001]]  # fmt: skip
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("write", [False, True])
+def test_kernel_run_copier_matches_the_reference_bit_for_bit(threads, write):
+    """readv_runs (process_vm_readv / writev) against pread / pwrite of
+    /proc/<pid>/mem, on this process (the multiprocess tests cover a peer)."""
+    compiled = pytest.importorskip("kvrelay.transfer._runcopy").readv_runs
+    rng = np.random.default_rng(threads)
+    local = torch.from_numpy(rng.integers(0, 256, 4 << 20, dtype=np.uint8))
+    rows = np.array(_KERNEL_ROWS, dtype=np.uint64)
+    expected = torch.from_numpy(rng.integers(0, 256, 4 << 20, dtype=np.uint8))
+    got = expected.clone()
+    if write:  # local -> remote ("remote" is `expected` / `got` here)
+        readv_runs_reference(os.getpid(), local.data_ptr(), expected.data_ptr(), rows, 1, True)
+        compiled(os.getpid(), local.data_ptr(), got.data_ptr(), rows, threads, True)
+    else:  # remote -> local: `local` is the remote side, read into expected / got
+        readv_runs_reference(os.getpid(), expected.data_ptr(), local.data_ptr(), rows, 1, False)
+        compiled(os.getpid(), got.data_ptr(), local.data_ptr(), rows, threads, False)
+    assert torch.equal(got, expected)
+
+
+def test_kernel_run_copier_raises_on_an_unmapped_remote_address():
+    compiled = pytest.importorskip("kvrelay.transfer._runcopy").readv_runs
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    rows = np.array([[0, 0, 4096]], dtype=np.uint64)
+    with pytest.raises(OSError):
+        compiled(os.getpid(), buf.data_ptr(), 4096, rows, 1, False)  # page 1 is never mapped
+    with pytest.raises(ValueError):
+        compiled(os.getpid(), buf.data_ptr(), buf.data_ptr(), np.zeros(4, dtype=np.uint64), 1, 0)
+
+
+def test_owner_pid_reads_only_proc_fd_paths():
+    assert owner_pid("/proc/123/fd/7") == 123
+    assert owner_pid("") is None and owner_pid("/proc/self/fd/7") is None
+    assert owner_pid("/dev/shm/x") is None
 
 
 def test_compiled_run_copier_refuses_malformed_rows():

@@ -38,8 +38,9 @@ def patch_raw(raw: bytes, **changes) -> bytes:
     return msgpack.packb(fields, use_bin_type=True)
 
 
+@pytest.mark.asyncio
 @pytest.mark.parametrize("mode", ["ucx-shm", "tcp"])
-def test_hostile_handles_are_refused_before_any_byte_moves(mode, start_peer):
+async def test_hostile_handles_are_refused_before_any_byte_moves(mode, start_peer):
     peer = start_peer(mode, SIZE, [[(0, 4096)]], lease_seconds=60)
     peer_short = start_peer(mode, SIZE, [[(0, 4096)]], lease_seconds=0.3)
     good = peer.handles[0]
@@ -83,10 +84,11 @@ def test_hostile_handles_are_refused_before_any_byte_moves(mode, start_peer):
             with pytest.raises(AuthError):
                 await stranger.read(good, local, [0], namespace=NAMESPACE, timeout=10)
 
-    asyncio.run(check())
+    await check()
 
 
-def test_tcp_server_checks_requests_itself(start_peer):
+@pytest.mark.asyncio
+async def test_tcp_server_checks_requests_itself(start_peer):
     """A client that skips its own checks still cannot read outside the arena."""
     peer = start_peer("tcp", SIZE, [[(0, 4096)]])
     handle = BlockHandle.from_bytes(peer.handles[0])
@@ -120,4 +122,4 @@ def test_tcp_server_checks_requests_itself(start_peer):
             with pytest.raises(LeaseExpired):  # released: the owner refuses it
                 await agent.read(handle, local, [0], namespace=NAMESPACE, timeout=10)
 
-    asyncio.run(raw_requests())
+    await raw_requests()

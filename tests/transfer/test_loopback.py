@@ -19,7 +19,8 @@ from kvrelay.transfer import (
 NS = hashlib.sha256(b"ns").digest()
 
 
-def test_loopback_reads_and_writes_batches():
+@pytest.mark.asyncio
+async def test_loopback_reads_and_writes_batches():
     async def main():
         owner = await create_agent("loopback", token="t")
         reader = await create_agent("loopback", token="t")
@@ -56,7 +57,7 @@ def test_loopback_reads_and_writes_batches():
         for agent in (owner, reader, stranger):
             await agent.close()
 
-    asyncio.run(main())
+    await main()
 
 
 def test_backends_are_chosen_by_name():
@@ -65,6 +66,7 @@ def test_backends_are_chosen_by_name():
         make_transport("carrier-pigeon")
 
 
-def test_agents_need_a_cluster_token():
+@pytest.mark.asyncio
+async def test_agents_need_a_cluster_token():
     with pytest.raises(ValueError, match="token"):
-        asyncio.run(create_agent("loopback", token=""))
+        await create_agent("loopback", token="")

@@ -25,8 +25,9 @@ def small_runs(count=256, seed=1):
     return [(2 * RUN * s, RUN) for s in slots]
 
 
+@pytest.mark.asyncio
 @pytest.mark.parametrize("mode", list(MODES))
-def test_pull_single_large_run_and_a_batch_of_small_runs(mode, start_peer):
+async def test_pull_single_large_run_and_a_batch_of_small_runs(mode, start_peer):
     single = [(RUN, SIZE - 2 * RUN)]
     batch = small_runs()
     peer = start_peer(mode, SIZE, [single, batch])
@@ -46,14 +47,16 @@ def test_pull_single_large_run_and_a_batch_of_small_runs(mode, start_peer):
             for offset, (remote, n) in zip(offsets, batch, strict=True):
                 want = expected[remote : remote + n]
                 assert _sha(local.tensor[offset : offset + n]) == _sha(want)
-            assert agent.stats()["mappings"] == (1 if MODES[mode][2] else 0)
+            # Only the mapped copy maps the peer's memfd; readv needs no mapping.
+            assert agent.stats()["mappings"] == (1 if MODES[mode][2] == "map" else 0)
 
-    asyncio.run(pull())
+    await pull()
 
 
-def test_fast_path_splits_a_large_pull_over_threads(start_peer):
-    size = 24 << 20  # above 2 x 8 MiB: copied by two threads where torch has two
-    peer = start_peer("fastpath", size, [[(4096, size - 4096)]])
+@pytest.mark.asyncio
+async def test_fast_path_splits_a_large_pull_over_threads(start_peer):
+    size = 24 << 20  # copied by two threads where the calibration chose two
+    peer = start_peer("fastpath-map", size, [[(4096, size - 4096)]])
 
     async def pull():
         async with await create_agent("ucx", token=TOKEN) as agent:
@@ -62,11 +65,12 @@ def test_fast_path_splits_a_large_pull_over_threads(start_peer):
             want = pattern(size, 0)[4096:]
             assert _sha(local.tensor[: size - 4096]) == _sha(want)
 
-    asyncio.run(pull())
+    await pull()
 
 
+@pytest.mark.asyncio
 @pytest.mark.parametrize("mode", list(MODES))
-def test_push_a_batch_into_the_peer_arena(mode, start_peer):
+async def test_push_a_batch_into_the_peer_arena(mode, start_peer):
     batch = small_runs(64, seed=2)
     peer = start_peer(mode, SIZE, [batch])
     backend, kwargs = mode_agent_kwargs(mode)
@@ -80,14 +84,15 @@ def test_push_a_batch_into_the_peer_arena(mode, start_peer):
             offsets = [i * RUN for i in range(len(batch))]
             await agent.write(peer.handles[0], local, offsets, namespace=NAMESPACE, timeout=20)
 
-    asyncio.run(push())
+    await push()
     for i, (remote, n) in enumerate(batch):
         expected[remote : remote + n] = source[i * RUN : (i + 1) * RUN]
     assert peer.digest() == hashlib.sha256(expected.numpy().tobytes()).digest()
 
 
+@pytest.mark.asyncio
 @pytest.mark.parametrize("mode", list(MODES))
-def test_peer_killed_mid_transfer_fails_within_the_timeout(mode, start_peer):
+async def test_peer_killed_mid_transfer_fails_within_the_timeout(mode, start_peer):
     size = 32 << 20
     batch = [(i * 65536, 65536) for i in range(512)]
     peer = start_peer(mode, size, [batch])
@@ -115,7 +120,38 @@ def test_peer_killed_mid_transfer_fails_within_the_timeout(mode, start_peer):
         assert stats.get("ucx_endpoints", 0) == 0 and stats.get("ucx_rkeys", 0) == 0
         await agent.close()
 
-    asyncio.run(pull_until_killed())
+    await pull_until_killed()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("mode", ["fastpath-map", "fastpath-readv"])
+async def test_fast_path_reads_a_restarted_peer_arena(mode, start_peer):
+    """One reader pulls from a peer, the peer exits and a new one (new pid,
+    new memfd, other bytes) takes its place: the reader, whose mapping or pid
+    was of the first, gets the new arena's bytes bit for bit."""
+    batch = small_runs(64, seed=3)
+    offsets = [i * RUN for i in range(len(batch))]
+    backend, kwargs = mode_agent_kwargs(mode)
+
+    async def pull_from(agent, local, peer, seed):
+        local.tensor.zero_()
+        await agent.read(peer.handles[0], local, offsets, namespace=NAMESPACE, timeout=20)
+        expected = pattern(SIZE, seed)
+        for offset, (remote, n) in zip(offsets, batch, strict=True):
+            assert _sha(local.tensor[offset : offset + n]) == _sha(expected[remote : remote + n])
+
+    async def pull():
+        async with await create_agent(backend, token=TOKEN, **kwargs) as agent:
+            local = agent.allocate_arena(len(batch) * RUN)
+            first = start_peer(mode, SIZE, [batch], seed=4)
+            await pull_from(agent, local, first, 4)
+            first.stop()
+            second = start_peer(mode, SIZE, [batch], seed=5)
+            await pull_from(agent, local, second, 5)
+            await pull_from(agent, local, second, 5)  # the second mapping, reused
+            assert agent.stats()["mappings"] == (1 if mode == "fastpath-map" else 0)
+
+    await pull()
 
 
 def _sha(tensor) -> bytes:

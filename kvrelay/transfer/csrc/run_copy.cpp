@@ -4,10 +4,14 @@
 // plan_runs(remote_runs, local_offsets, remote_size, local_size) -> (rows, n)
 //   bounds checks and coalescing of a pull's runs (see plan_runs below;
 //   reference: kvrelay.transfer.handle.plan_runs_reference).
-// copy_runs(dst_base, src_base, triples, threads, stream_min_bytes) -> None
+// copy_runs(dst_base, src_base, triples, threads, stream_min_bytes[, prefetch]) -> None
 //   triples: a C-contiguous buffer of uint64 (dst offset, src offset, length)
 //   rows, already bounds-checked by the caller against both regions
 //   (reference: kvrelay.transfer.arena.copy_runs_reference).
+// readv_runs(pid, local_base, remote_base, triples, threads, write) -> None
+//   the same rows (local offset, remote offset, length) copied by the kernel
+//   out of (write: into) process `pid` with process_vm_readv (writev), up to
+//   1024 runs a call (reference: kvrelay.transfer.arena.readv_runs_reference).
 //
 // The same-host fast path used ctypes.memmove per run: one GIL round trip per
 // 64 KiB run, and plain stores, which read every destination line before
@@ -18,6 +22,9 @@
 // they are scattered, so caching them only evicts other data.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <sys/uio.h>
+
+#include <cerrno>
 
 #include <algorithm>
 #include <atomic>
@@ -43,7 +50,7 @@ struct Piece {
 
 constexpr uint64_t kPrefetchAhead = 1024;
 
-void stream_copy(uint8_t* dst, const uint8_t* src, uint64_t len) {
+void stream_copy(uint8_t* dst, const uint8_t* src, uint64_t len, bool prefetch) {
 #if KVRELAY_HAVE_STREAM
   // Head up to 16-byte alignment of dst with plain stores, then 64 bytes a step.
   const uint64_t head = std::min<uint64_t>(len, (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15);
@@ -56,7 +63,7 @@ void stream_copy(uint8_t* dst, const uint8_t* src, uint64_t len) {
     // The source too is read once: fetched non-temporally it does not evict
     // what the process works with (after a 32 MiB pull the interpreter ran
     // from a cold cache). A prefetch past the run's end never faults.
-    _mm_prefetch(reinterpret_cast<const char*>(src + i + kPrefetchAhead), _MM_HINT_NTA);
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(src + i + kPrefetchAhead), _MM_HINT_NTA);
     const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
     const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
@@ -76,11 +83,12 @@ void stream_copy(uint8_t* dst, const uint8_t* src, uint64_t len) {
 // take work as they come: a static split left the whole batch waiting for a
 // thread that started late on a busy machine (a 16 MiB pull ran at half of
 // memcpy's speed on two cores while another process ran).
-void copy_pieces(const std::vector<Piece>& pieces, std::atomic<size_t>& next, bool stream) {
+void copy_pieces(const std::vector<Piece>& pieces, std::atomic<size_t>& next, bool stream,
+                 bool prefetch) {
   for (size_t k = next.fetch_add(1); k < pieces.size(); k = next.fetch_add(1)) {
     const Piece& p = pieces[k];
     if (stream) {
-      stream_copy(p.dst, p.src, p.len);
+      stream_copy(p.dst, p.src, p.len, prefetch);
     } else {
       std::memmove(p.dst, p.src, p.len);
     }
@@ -111,8 +119,9 @@ constexpr uint64_t kChunkBytes = 1 << 20;
 PyObject* copy_runs(PyObject*, PyObject* args) {
   unsigned long long dst_base = 0, src_base = 0, stream_min = 0;
   Py_buffer view;
-  int threads = 1;
-  if (!PyArg_ParseTuple(args, "KKy*iK", &dst_base, &src_base, &view, &threads, &stream_min)) {
+  int threads = 1, prefetch = 1;
+  if (!PyArg_ParseTuple(args, "KKy*iK|p", &dst_base, &src_base, &view, &threads, &stream_min,
+                        &prefetch)) {
     return nullptr;
   }
   if (view.len % (3 * sizeof(uint64_t)) != 0 || threads < 1) {
@@ -137,18 +146,105 @@ PyObject* copy_runs(PyObject*, PyObject* args) {
   Py_BEGIN_ALLOW_THREADS;
   std::atomic<size_t> next{0};
   if (threads == 1) {
-    copy_pieces(pieces, next, stream);
+    copy_pieces(pieces, next, stream, prefetch);
   } else {
     const std::vector<Piece> chunks = cut(pieces, kChunkBytes);
     const size_t helpers = std::min<size_t>(threads, chunks.size()) - 1;
     std::vector<std::thread> workers;
     for (size_t w = 0; w < helpers; ++w) {
-      workers.emplace_back(copy_pieces, std::cref(chunks), std::ref(next), stream);
+      workers.emplace_back(copy_pieces, std::cref(chunks), std::ref(next), stream,
+                           static_cast<bool>(prefetch));
     }
-    copy_pieces(chunks, next, stream);
+    copy_pieces(chunks, next, stream, prefetch);
     for (auto& w : workers) w.join();
   }
   Py_END_ALLOW_THREADS;
+  Py_RETURN_NONE;
+}
+
+// Up to this many runs per process_vm_readv call (Linux's UIO_MAXIOV).
+constexpr size_t kIovMax = 1024;
+
+struct VmJob {
+  pid_t pid;
+  bool write;
+  std::vector<iovec> local, remote;
+  size_t group = kIovMax;  // runs per call
+};
+
+// Moves groups of `job.group` runs taken from a shared counter; returns 0 or
+// the errno of the first failure. A call moves fewer bytes than asked only
+// when it failed part way (an unmapped page of the peer): that is an error.
+int vm_groups(VmJob& job, std::atomic<size_t>& next, std::atomic<int>& failed) {
+  const size_t n = job.local.size();
+  for (size_t g = next.fetch_add(1); g * job.group < n && failed.load() == 0;
+       g = next.fetch_add(1)) {
+    const size_t at = g * job.group, count = std::min(job.group, n - at);
+    size_t want = 0;
+    for (size_t i = at; i < at + count; ++i) want += job.local[i].iov_len;
+    const ssize_t moved =
+        job.write ? process_vm_writev(job.pid, &job.local[at], count, &job.remote[at], count, 0)
+                  : process_vm_readv(job.pid, &job.local[at], count, &job.remote[at], count, 0);
+    if (moved < 0 || static_cast<size_t>(moved) != want) {
+      int expected = 0;
+      failed.compare_exchange_strong(expected, moved < 0 ? errno : EFAULT);
+    }
+  }
+  return failed.load();
+}
+
+PyObject* readv_runs(PyObject*, PyObject* args) {
+  long pid = 0;
+  unsigned long long local_base = 0, remote_base = 0;
+  Py_buffer view;
+  int threads = 1, write = 0;
+  if (!PyArg_ParseTuple(args, "lKKy*ip", &pid, &local_base, &remote_base, &view, &threads,
+                        &write)) {
+    return nullptr;
+  }
+  if (view.len % (3 * sizeof(uint64_t)) != 0 || threads < 1 || pid <= 0) {
+    PyBuffer_Release(&view);
+    PyErr_SetString(PyExc_ValueError, "triples must be uint64 rows of 3; threads >= 1; pid > 0");
+    return nullptr;
+  }
+  VmJob job{static_cast<pid_t>(pid), write != 0, {}, {}, kIovMax};
+  const size_t rows = view.len / (3 * sizeof(uint64_t));
+  const auto* t = static_cast<const uint64_t*>(view.buf);
+  // With several threads, runs over 1 MiB are cut so that threads share them.
+  const uint64_t chunk = threads > 1 ? kChunkBytes : UINT64_MAX;
+  for (size_t r = 0; r < rows; ++r) {
+    uint64_t local = local_base + t[3 * r], remote = remote_base + t[3 * r + 1];
+    for (uint64_t left = t[3 * r + 2]; left > 0;) {
+      const uint64_t len = std::min(left, chunk);
+      job.local.push_back({reinterpret_cast<void*>(local), len});
+      job.remote.push_back({reinterpret_cast<void*>(remote), len});
+      local += len;
+      remote += len;
+      left -= len;
+    }
+  }
+  PyBuffer_Release(&view);
+  // Threads take groups of runs from a shared counter; a group is at most
+  // kIovMax runs and small enough that every thread gets one.
+  const size_t n = job.local.size();
+  job.group = std::max<size_t>(1, std::min(kIovMax, (n + threads - 1) / threads));
+  const size_t groups = (n + job.group - 1) / job.group;
+  int err = 0;
+  Py_BEGIN_ALLOW_THREADS;
+  std::atomic<size_t> next{0};
+  std::atomic<int> failed{0};
+  std::vector<std::thread> workers;
+  for (size_t w = 1; w < std::min<size_t>(threads, groups); ++w) {
+    workers.emplace_back([&job, &next, &failed] { vm_groups(job, next, failed); });
+  }
+  vm_groups(job, next, failed);
+  for (auto& w : workers) w.join();
+  err = failed.load();
+  Py_END_ALLOW_THREADS;
+  if (err != 0) {
+    errno = err;
+    return PyErr_SetFromErrno(PyExc_OSError);
+  }
   Py_RETURN_NONE;
 }
 
@@ -284,8 +380,11 @@ PyMethodDef methods[] = {
     {"set_bounds_error", set_bounds_error, METH_O,
      "set_bounds_error(cls): the exception plan_runs raises for a run outside its region"},
     {"copy_runs", copy_runs, METH_VARARGS,
-     "copy_runs(dst_base, src_base, triples, threads, stream_min_bytes): copy uint64 "
-     "(dst offset, src offset, length) rows; bounds are the caller's job"},
+     "copy_runs(dst_base, src_base, triples, threads, stream_min_bytes[, prefetch]): copy "
+     "uint64 (dst offset, src offset, length) rows; bounds are the caller's job"},
+    {"readv_runs", readv_runs, METH_VARARGS,
+     "readv_runs(pid, local_base, remote_base, triples, threads, write): the kernel copies "
+     "uint64 (local offset, remote offset, length) rows out of (write: into) process pid"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_runcopy", nullptr, -1, methods};

@@ -5,6 +5,7 @@ import time
 
 import redis
 
+from kvrelay.cache.l3 import valkey as valkey_module
 from kvrelay.cache.l3.record import HEADER_BYTES, NO_NAMESPACE
 from kvrelay.cache.l3.valkey import ValkeyStore, ValkeyStoreConfig
 
@@ -74,23 +75,24 @@ def test_killed_server_gives_misses_not_errors(valkey_server):
         assert store.stats.errors >= 1
 
 
-def test_stopped_server_times_out_to_a_miss_and_recovers(valkey_server):
+def test_stopped_server_times_out_to_a_miss_and_recovers(valkey_server, fake_clock, monkeypatch):
+    # The back-off runs on a fake clock: no sleeping past it, no wall-clock window.
+    fake_clock.install(monkeypatch, valkey_module)
     with make(valkey_server, timeout_s=0.2, backoff_s=0.3) as store:
         store.put(key(0), PAGE)
         valkey_server.pause()
         try:
-            start = time.monotonic()
-            assert store.get(key(0)) is None
-            elapsed = time.monotonic() - start
-            assert 0.15 < elapsed < 1.5, elapsed
-            # Within the back-off the store is not asked at all.
-            start = time.monotonic()
-            assert store.get(key(0)) is None
-            assert time.monotonic() - start < 0.1
+            assert store.get(key(0)) is None  # the socket timeout: a miss, not a hang
+            assert store.stats.errors == 1
+            # Within the back-off the store is not asked at all (asking would
+            # time out again and count a second error).
+            fake_clock.advance(0.29)
+            assert store.get(key(0)) is None and store.stats.errors == 1
         finally:
             valkey_server.resume()
-        time.sleep(0.35)
+        fake_clock.advance(0.02)  # past the back-off: asked again, and it answers
         assert store.get(key(0)) == PAGE
+        assert store.stats.errors == 1
 
 
 def test_flush_scans_one_namespace_and_leaves_the_rest(valkey_server):
