@@ -182,7 +182,7 @@ def _node_routes(app, registry, config, admin) -> None:
             role=body.role, address=body.address, model=body.model,
             namespace=bytes.fromhex(body.namespace), page_size=body.page_size,
             vocab_size=body.vocab_size, tp=body.tp, pp=body.pp, num_pages=body.num_pages,
-            cache=body.cache, model_dir=body.model_dir,
+            cache=body.cache, model_dir=body.model_dir, key_scheme=body.key_scheme,
         )  # fmt: skip
         return {"node_id": node.node_id, "heartbeat_s": config.heartbeat_s,
                 "missed_heartbeats_allowed": MISSED_HEARTBEATS}  # fmt: skip

@@ -95,6 +95,7 @@ class Node:
     inflight: int = 0  # requests control has open on this node right now
     counters: dict[str, float] = field(default_factory=dict)
     model_dir: str = ""  # where the worker loads the model (tokenizer files), if sent
+    key_scheme: str = "kvrelay"  # how its page keys derive from tokens
 
     @property
     def load(self) -> int:
@@ -104,6 +105,7 @@ class Node:
         return {
             "node_id": self.node_id, "role": self.role, "address": self.address,
             "model": self.model, "namespace": self.namespace.hex(), "page_size": self.page_size,
+            "key_scheme": self.key_scheme,
             "vocab_size": self.vocab_size, "tp": self.tp, "pp": self.pp,
             "num_pages": self.num_pages, "cache": self.cache, "state": self.state,
             "queued": self.queued, "active": self.active, "inflight": self.inflight,
@@ -139,7 +141,8 @@ class Registry:
 
     def register(self, *, role: str, address: str, model: str, namespace: bytes,
                  page_size: int, vocab_size: int, tp: int, pp: int, num_pages: int,
-                 cache: bool, model_dir: str = "") -> Node:  # fmt: skip
+                 cache: bool, model_dir: str = "",
+                 key_scheme: str = "kvrelay") -> Node:  # fmt: skip
         # A worker restarted on the same address replaces its old entry.
         for old in [n for n in self.nodes.values() if n.address == address and n.role == role]:
             self._remove(old.node_id, "deregistered")
@@ -150,7 +153,7 @@ class Registry:
             page_size=page_size, vocab_size=vocab_size, tp=tp, pp=pp, num_pages=num_pages,
             cache=cache, registered_at=now, last_heartbeat=now,
             estimate=PageEstimate(min(num_pages, MAX_ESTIMATE_PAGES)), free_pages=num_pages,
-            model_dir=model_dir,
+            model_dir=model_dir, key_scheme=key_scheme,
         )  # fmt: skip
         self.nodes[node_id] = node
         self.capacity_changed()

@@ -228,6 +228,8 @@ class ParallelEngine:
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
         attention_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         speculative: int = 0,
+        key_scheme: str = "kvrelay",
+        batch_invariant_attention: bool = False,
     ) -> None:
         """`rank_setup(engine) -> service` (picklable, e.g. a module-level
         function or a partial of one) runs in each rank after its engine
@@ -255,6 +257,10 @@ class ParallelEngine:
         }
         if speculative:
             options["speculative"] = speculative
+        if key_scheme != "kvrelay":
+            options["key_scheme"] = key_scheme
+        if batch_invariant_attention:
+            options["batch_invariant_attention"] = True
         self._rendezvous = rendezvous()
         self._procs = []
         options["collective"] = collective_backend(devices)

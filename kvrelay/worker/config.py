@@ -86,6 +86,18 @@ class WorkerConfig:
         "prefill: any K > 0 computes, stages and writes the MTP layer's draft pages too",
         minimum=0,
     )
+    batch_invariant_attention: bool = option(
+        False,
+        help="attention whose bits do not depend on the batch: pages byte-identical "
+        "whatever --cp computed them (slower prefill attention)",
+    )
+    # The choices are kvrelay.layout.KEY_SCHEMES (not imported: see staging).
+    key_scheme: str = option(
+        "kvrelay",
+        help="how page keys derive from token ids: kvrelay, or sglang to hit the pages "
+        "SGLang ranks write through kvrelay's HiCache backend (same model identity)",
+        choices=["kvrelay", "sglang"],
+    )
 
     def checked(self, role: Role) -> WorkerConfig:
         """This config with the backend and device resolved; SystemExit for
