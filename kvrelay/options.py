@@ -7,16 +7,18 @@ given on the command line wins, then the environment, then the default.
 Nothing else restates a default.
 
 Field types understood: int, float, str, bool (`--x/--no-x`), `str | None`,
-and `tuple[str, ...]` (comma-separated on the command line and in the
-environment). Metadata: `flag` (another option name), `scale` (the command
-line takes the value in larger units, e.g. GiB, and the field holds it
-times `scale`), `choices`, `minimum`/`maximum` (inclusive bounds), `positive`.
+a `StrEnum` (its values are the choices), and `tuple[str, ...]`
+(comma-separated on the command line and in the environment). Metadata:
+`flag` (another option name), `scale` (the command line takes the value in
+larger units, e.g. GiB, and the field holds it times `scale`), `choices`,
+`minimum`/`maximum` (inclusive bounds), `positive`.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import os
 import types
 import typing
@@ -35,7 +37,7 @@ def option(default: Any = dataclasses.MISSING, *, help: str, **meta) -> Any:
 def _kind(cls, field: dataclasses.Field):
     hint = typing.get_type_hints(cls)[field.name]
     args = typing.get_args(hint)
-    if hint in (int, float, str, bool):
+    if hint in (int, float, str, bool) or (isinstance(hint, type) and issubclass(hint, enum.Enum)):
         return hint
     if typing.get_origin(hint) is tuple:
         return tuple
@@ -73,6 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = 
             )
             if field.metadata.get("choices"):
                 kwargs["choices"] = field.metadata["choices"]
+            elif issubclass(kind, enum.Enum):
+                kwargs["choices"] = list(kind)
         parser.add_argument(flag_of(field), **kwargs)
 
 

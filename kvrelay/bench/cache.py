@@ -163,9 +163,7 @@ def _replay_tiers(tiers: list[CacheTier], route, requests, key_lists, args, prog
             if taken[t] >= len(found[t]):
                 break
             # What a reader would pull: the page must be this key's bytes.
-            if tiers[t].arena.view(found[t][taken[t]].location.slot) != page_content(
-                key, slot_bytes
-            ):
+            if tiers[t].arena.view(found[t][taken[t]].slot) != page_content(key, slot_bytes):
                 counts.wrong_pages += 1
                 break
             taken[t] += 1
@@ -280,6 +278,13 @@ async def _run(args: argparse.Namespace) -> dict:
             results["capacities"].append(entry)
     bar.close()
     await agent.close()
+    return _report(args, requests, unique, results)
+
+
+def _report(args: argparse.Namespace, requests, unique: int, results: dict) -> dict:
+    """Prints the tables, returns the JSON payload; SystemExit if any hit
+    page had the wrong bytes."""
+    with_l3, page_bytes = args.l3 != "none", args.page_bytes
     payload = {
         "bench": "cache",
         "trace": str(args.trace),

@@ -158,16 +158,10 @@ def run(args: argparse.Namespace) -> dict:
     threads = [int(t) for t in str(args.threads or "1,2").split(",") if t]
     if device.type == "cuda":
         threads = [1]  # one launch per call; the row's thread count is the host's
-    spec = ModelKVSpec(
-        model_id="bench",
-        weights_fingerprint="",
-        num_layers=args.layers,
-        num_kv_heads=args.kv_heads,
-        k_head_dim=args.head_dim,
-        v_head_dim=args.head_dim,
-        kv_dtype=args.dtype,
-        page_size=args.page_size,
-    )
+    spec = ModelKVSpec(model_id="bench", weights_fingerprint="", num_layers=args.layers,
+                       num_kv_heads=args.kv_heads, k_head_dim=args.head_dim,
+                       v_head_dim=args.head_dim, kv_dtype=args.dtype,
+                       page_size=args.page_size)  # fmt: skip
     cases = [("full (TP=1)", ParallelConfig())]
     if args.tp > 1:
         cases.append((f"TP={args.tp} rank 0", ParallelConfig(tp=args.tp)))
@@ -186,21 +180,9 @@ def run(args: argparse.Namespace) -> dict:
             )
             rows.append(_row(name, n, work.bytes_moved, m))
         del work
-    print(
-        format_table(
-            [
-                "case",
-                "thr",
-                "MiB",
-                "memcpy GB/s",
-                "gather GB/s",
-                "x memcpy",
-                "scatter GB/s",
-                "x memcpy",
-            ],
-            rows,
-        )
-    )
+    headers = ["case", "thr", "MiB", "memcpy GB/s", "gather GB/s", "x memcpy",
+               "scatter GB/s", "x memcpy"]  # fmt: skip
+    print(format_table(headers, rows))
     baseline = "device-to-device copy_" if device.type == "cuda" else "memcpy (copy_)"
     print(f"on {device}; memcpy = {baseline} of the same bytes in the same run")
     print("GB/s and ratios: median of runs [min-max]; ratio = memcpy time / op time per run")

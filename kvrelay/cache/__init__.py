@@ -3,8 +3,6 @@ tier, server and client (import those from their modules)."""
 
 from kvrelay.cache.index import (
     CacheIndexError,
-    L2Slot,
-    L3Object,
     LookupResult,
     PageEntry,
     PageIndex,
@@ -13,8 +11,6 @@ from kvrelay.cache.index import (
 
 __all__ = [
     "CacheIndexError",
-    "L2Slot",
-    "L3Object",
     "LookupResult",
     "PageEntry",
     "PageIndex",

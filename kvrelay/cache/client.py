@@ -25,6 +25,7 @@ import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvrelay.cache.policy import WritePolicy
 from kvrelay.cache.writeback import WriteBackQueue
 from kvrelay.layout import HashRing, ModelKVSpec, Rectangle, ring_prefix
 from kvrelay.rpc import Channel, Unavailable
@@ -48,8 +49,6 @@ from kvrelay.rpc.cache_ops import (
 )
 from kvrelay.transfer import Agent, Arena, TransferError
 
-WRITE_POLICIES = ("write-through", "write-back")
-
 
 @dataclass(frozen=True, slots=True)
 class CacheClientConfig:
@@ -57,7 +56,7 @@ class CacheClientConfig:
     token: str
     timeout_s: float = 2.0
     lease_s: float = DEFAULT_LEASE_S
-    write_policy: str = "write-through"  # or "write-back"
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
     # Write-back: pages the client can hold (its staging arena holds this many
     # rectangles; pages offered beyond it are dropped, not waited for) ...
     write_back_pages: int = 64
@@ -66,8 +65,7 @@ class CacheClientConfig:
     write_back_delay_s: float = 0.05
 
     def __post_init__(self) -> None:
-        if self.write_policy not in WRITE_POLICIES:
-            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}")
+        object.__setattr__(self, "write_policy", WritePolicy.of(self.write_policy, "write_policy"))
         if not 0 < self.write_back_batch <= self.write_back_pages:
             raise ValueError("need 0 < write_back_batch <= write_back_pages")
         if self.write_back_delay_s < 0 or self.timeout_s <= 0:
@@ -223,7 +221,7 @@ class CacheClient:
             raise ValueError(f"{len(page_offsets)} page offsets for {len(keys)} keys")
         if not self.rect.writer or not keys:
             return 0
-        if self.config.write_policy == "write-back":
+        if self.config.write_policy is WritePolicy.WRITE_BACK:
             return self._enqueue(keys, src, page_offsets)
         offsets = [[page_offsets[p] + o for o, _ in self.runs] for p in range(len(keys))]
         written, _ = await self._push(keys, src, offsets)

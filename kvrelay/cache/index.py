@@ -1,9 +1,10 @@
 """The page index of one cache server (DESIGN.md section 5).
 
-Maps a page key to where its bytes live (an L2 arena slot or an L3 object),
-tracks which byte runs of the page have been written so a page is sealed only
-once every rectangle is in (DESIGN.md section 3), and holds pins, leases and
-last use for LRU eviction.
+Maps a page key to the L2 arena slot that holds its bytes (L3 is probed by
+the tier, never indexed: `kvrelay.cache.tier`), tracks which byte runs of
+the page have been written so a page is sealed only once every rectangle is
+in (DESIGN.md section 3), and holds pins, leases and last use for LRU
+eviction.
 
 The index moves no bytes and owns no memory: the arena and the L3 stores act
 on what it returns (slots to free, pages to demote).
@@ -27,27 +28,10 @@ class CacheIndexError(LookupError):
     """A request the index cannot honour (unknown key, pinned page, bad run)."""
 
 
-@dataclass(frozen=True, slots=True)
-class L2Slot:
-    """A page slot of the host arena."""
-
-    slot: int
-
-
-@dataclass(frozen=True, slots=True)
-class L3Object:
-    """A page held by an L3 store under its key."""
-
-    store: str
-
-
-Location = L2Slot | L3Object
-
-
 @dataclass(slots=True)
 class PageEntry:
     key: bytes
-    location: Location
+    slot: int  # the L2 arena slot of its bytes
     page_bytes: int
     last_use: float
     # Disjoint, sorted [start, end) byte intervals written so far.
@@ -57,9 +41,6 @@ class PageEntry:
     # The namespace digest its writer or promoter named (b"": unknown); keys
     # are opaque digests, so this is what lets admin flush one tenant.
     namespace: bytes = b""
-
-    def filled_bytes(self) -> int:
-        return sum(end - start for start, end in self.filled)
 
 
 @dataclass(slots=True)
@@ -86,8 +67,7 @@ class LookupResult:
 
     @property
     def slots(self) -> list[int]:
-        """The L2 slots of the entries (the tier's index holds L2 pages only)."""
-        return [e.location.slot for e in self.entries]
+        return [e.slot for e in self.entries]
 
 
 def _check_key(key: bytes) -> None:
@@ -115,7 +95,7 @@ def _add_interval(intervals: list[tuple[int, int]], start: int, end: int) -> Non
 
 
 class PageIndex:
-    """Page key -> location, seal state, pins, leases and LRU order.
+    """Page key -> L2 slot, seal state, pins, leases and LRU order.
 
     `clock` returns seconds (monotonic by default); tests pass a fake one.
     Expired leases are dropped lazily at the start of every public call.
@@ -132,10 +112,6 @@ class PageIndex:
         self._leases: dict[int, PinLease] = {}
         self._expiries: list[tuple[float, int]] = []
         self._lease_ids = itertools.count(1)
-
-    @classmethod
-    def for_spec(cls, spec: ModelKVSpec, clock: Callable[[], float] = time.monotonic) -> PageIndex:
-        return cls(spec.page_bytes, clock)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -157,14 +133,14 @@ class PageIndex:
     # -- pages -------------------------------------------------------------------------
 
     def insert(
-        self, key: bytes, location: Location, *, sealed: bool = False, namespace: bytes = b""
+        self, key: bytes, slot: int, *, sealed: bool = False, namespace: bytes = b""
     ) -> PageEntry:
-        """Add a page at `location`, empty (to be written) or already sealed (promoted)."""
+        """Add a page at `slot`, empty (to be written) or already sealed (promoted)."""
         _check_key(key)
         self.expire_leases()
         if key in self._entries:
             raise CacheIndexError(f"page {key.hex()[:16]} is already indexed")
-        entry = PageEntry(key, location, self.page_bytes, self._clock(), namespace=namespace)
+        entry = PageEntry(key, slot, self.page_bytes, self._clock(), namespace=namespace)
         self._entries[key] = entry
         if sealed:
             entry.filled = [(0, self.page_bytes)]
@@ -195,10 +171,6 @@ class PageIndex:
             )
         return self.record_runs(key, rect.byte_runs(spec))
 
-    def move(self, key: bytes, location: Location) -> None:
-        """Point a page at a new location (demoted to L3, promoted to L2)."""
-        self._require(key).location = location
-
     def remove(self, key: bytes) -> PageEntry:
         """Drop a page from the index; refused while it is pinned."""
         entry = self._require(key)
@@ -214,8 +186,8 @@ class PageIndex:
     ) -> list[PageEntry]:
         """Remove up to `count` sealed, unpinned pages, least recently used first.
 
-        `where` restricts the choice (e.g. to pages in L2); the caller frees or
-        demotes what comes back.
+        `where` restricts the choice (e.g. to one namespace); the caller frees
+        or demotes what comes back.
         """
         self.expire_leases()
         victims: list[PageEntry] = []

@@ -1,11 +1,15 @@
-"""`kvrelay launch cache`: run one cache server until SIGTERM or SIGINT."""
+"""`kvrelay launch cache`: run one cache server until SIGTERM or SIGINT;
+`CacheServerProcess` starts one as a child process (tests, benches)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import select
 import signal
+import subprocess
+import sys
 
 from kvrelay import options
 from kvrelay.cache.server import CacheServer, CacheServerConfig
@@ -31,3 +35,42 @@ async def _serve(config: CacheServerConfig) -> None:
         await stop.wait()
     finally:
         await server.close()
+
+
+class CacheServerProcess:
+    """`kvrelay launch cache` in a process of its own: an L2 arena of `pages`
+    pages of `page_bytes`, more flags in `args`; `address` is where it listens."""
+
+    def __init__(self, *args: str, token: str, page_bytes: int, pages: int = 64,
+                 listen: str = "127.0.0.1:0", backend: str = "tcp",
+                 start_timeout_s: float = 60.0) -> None:  # fmt: skip
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "kvrelay.cli", "launch", "cache", "--token", token,
+             "--page-bytes", str(page_bytes), "--arena-gb", str(pages * page_bytes / (1 << 30)),
+             "--listen", listen, "--backend", backend, *args],
+            stdout=subprocess.PIPE,
+        )  # fmt: skip
+        ready, _, _ = select.select([self.process.stdout], [], [], start_timeout_s)
+        if not ready:
+            self.process.kill()
+            self.process.wait(5)
+            raise RuntimeError(f"cache server did not start within {start_timeout_s:.0f} s")
+        self.address = json.loads(self.process.stdout.readline())["listen"]
+
+    def stop(self, sig=signal.SIGTERM) -> None:
+        """Sends `sig` (a stopped server is resumed first), waits, kills after 15 s."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        self.process.stdout.close()
+
+    def pause(self) -> None:
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.process.send_signal(signal.SIGCONT)

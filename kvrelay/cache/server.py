@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from kvrelay import rpc
 from kvrelay.cache.arena import ArenaConfig, PageArena
 from kvrelay.cache.l3 import open_store
+from kvrelay.cache.policy import WritePolicy
 from kvrelay.cache.tier import CacheTier, TierConfig
 from kvrelay.options import option
 from kvrelay.rpc import MalformedMessage
@@ -54,9 +55,8 @@ class CacheServerConfig:
     l3_capacity_bytes: int | None = option(
         None, help="capacity of a file L3 in GiB", flag="--l3-gb", scale=GIB
     )
-    l3_policy: str = option(
-        "write-back", help="when L3 gets pages", choices=["write-back", "write-through"]
-    )
+    # option() is a dataclasses.field: the enum member is the default itself.
+    l3_policy: WritePolicy = option(WritePolicy.WRITE_BACK, help="when L3 gets pages")  # noqa: RUF009
     timeout_s: float = option(
         10.0, help="hello deadline, frame stall limit, transfer deadline", positive=True
     )
@@ -168,7 +168,7 @@ class CacheServer:
         arena = self.tier.arena
         runs = []
         for key in keys[: request.count]:
-            runs += arena.runs(self.tier.index.get(key).location.slot, page_runs)
+            runs += arena.runs(self.tier.index.get(key).slot, page_runs)
         # The handle lives as long as the pins that keep its slots from reuse.
         remaining = self.tier.index.seconds_left(live)
         handle = self.agent.publish(arena.arena, runs, request.ns, max(remaining, 0.001))

@@ -18,10 +18,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvrelay.cache.arena import PageArena
-from kvrelay.cache.index import L2Slot, LookupResult, PageEntry, PageIndex, PinLease
+from kvrelay.cache.index import LookupResult, PageEntry, PageIndex, PinLease
 from kvrelay.cache.l3 import L3Store
-
-L3_POLICIES = ("write-back", "write-through")
+from kvrelay.cache.policy import WritePolicy
 
 
 @dataclass(slots=True)
@@ -40,13 +39,12 @@ class TierStats:
 
 @dataclass(frozen=True, slots=True)
 class TierConfig:
-    l3_policy: str = "write-back"
+    l3_policy: WritePolicy = WritePolicy.WRITE_BACK
     # A lookup asks L3 for at most this many pages past its L2 hits.
     max_promote: int = 256
 
     def __post_init__(self) -> None:
-        if self.l3_policy not in L3_POLICIES:
-            raise ValueError(f"l3_policy must be one of {L3_POLICIES}, got {self.l3_policy!r}")
+        object.__setattr__(self, "l3_policy", WritePolicy.of(self.l3_policy, "l3_policy"))
 
 
 class CacheTier:
@@ -102,9 +100,9 @@ class CacheTier:
                     self.stats.no_room += 1
                     slots.append(None)
                     continue
-                entry = self.index.insert(key, L2Slot(slot), namespace=namespace)
+                entry = self.index.insert(key, slot, namespace=namespace)
                 self.stats.reserved_pages += 1
-            slots.append(entry.location.slot)
+            slots.append(entry.slot)
             pinned.append(key)
         return slots, self.index.pin(pinned, lease_s)
 
@@ -114,9 +112,9 @@ class CacheTier:
         sealed = self.index.record_runs(key, runs)
         if sealed and not was_sealed:
             self.stats.sealed_pages += 1
-            if self.l3 is not None and self.config.l3_policy == "write-through":
+            if self.l3 is not None and self.config.l3_policy is WritePolicy.WRITE_THROUGH:
                 entry = self.index.get(key)
-                self.l3.put(key, self.arena.view(entry.location.slot), entry.namespace)
+                self.l3.put(key, self.arena.view(entry.slot), entry.namespace)
         return sealed
 
     def release(self, lease_id: int) -> bool:
@@ -136,7 +134,7 @@ class CacheTier:
         dropped = self.index.evict(len(self.index), where=chosen)
         dropped += self.index.drop_abandoned(where=chosen)
         for entry in dropped:
-            self.arena.free(entry.location.slot)
+            self.arena.free(entry.slot)
             self._clean.discard(entry.key)
         # Pinned pages that stay lose their L3 copy below.
         self._clean -= {e.key for e in self.index.entries() if chosen(e)}
@@ -148,13 +146,13 @@ class CacheTier:
 
         Pages stay in L2; with write-through they are there already.
         """
-        if self.l3 is None or self.config.l3_policy != "write-back":
+        if self.l3 is None or self.config.l3_policy is not WritePolicy.WRITE_BACK:
             return 0
         stored = 0
         for entry in list(self.index.entries()):
             if not entry.sealed or entry.key in self._clean:
                 continue
-            view = self.arena.view(entry.location.slot)
+            view = self.arena.view(entry.slot)
             if self.l3.put(entry.key, view, entry.namespace):
                 stored += 1
         self.stats.demotions += stored
@@ -169,11 +167,11 @@ class CacheTier:
         for entry in self.index.evict(1):
             self.stats.evictions += 1
             self._demote(entry)
-            self.arena.free(entry.location.slot)
+            self.arena.free(entry.slot)
             return self.arena.alloc()
         # Nothing evictable: reclaim slots of writers whose leases ran out.
         for entry in self.index.drop_abandoned():
-            self.arena.free(entry.location.slot)
+            self.arena.free(entry.slot)
         return self.arena.alloc()
 
     def _demote(self, entry: PageEntry) -> None:
@@ -181,9 +179,9 @@ class CacheTier:
             self._clean.discard(entry.key)
             self.stats.clean_evictions += 1
             return
-        if self.l3 is None or self.config.l3_policy != "write-back":
+        if self.l3 is None or self.config.l3_policy is not WritePolicy.WRITE_BACK:
             return
-        if self.l3.put(entry.key, self.arena.view(entry.location.slot), entry.namespace):
+        if self.l3.put(entry.key, self.arena.view(entry.slot), entry.namespace):
             self.stats.demotions += 1
 
     def _promote(self, keys: Sequence[bytes], namespace: bytes) -> None:
@@ -200,7 +198,7 @@ class CacheTier:
             if slot is None:
                 break
             self.arena.view(slot)[:] = page
-            self.index.insert(key, L2Slot(slot), sealed=True, namespace=namespace)
+            self.index.insert(key, slot, sealed=True, namespace=namespace)
             self._clean.add(key)
             leases.append(self.index.pin([key], lease_s=60.0).lease_id)
             self.stats.promotions += 1

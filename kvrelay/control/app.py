@@ -28,7 +28,7 @@ from kvrelay.control.openapi import (
     UNKNOWN_NODE,
     openapi_without_422,
 )
-from kvrelay.control.registry import MISSED_HEARTBEATS, Registry
+from kvrelay.control.registry import MISSED_HEARTBEATS, NodeState, Registry
 from kvrelay.control.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -117,7 +117,14 @@ def create_app(config: ControlConfig) -> FastAPI:
         if not hmac.compare_digest(given, config.token.encode()):
             raise HTTPException(403, "wrong token")
 
-    admin = [Depends(authorized)]
+    _serving_routes(app, registry, stats, tier, runner, prometheus)
+    _node_routes(app, registry, config, [Depends(authorized)])
+    _admin_routes(app, registry, tier, config, [Depends(authorized)])
+    return app
+
+
+def _serving_routes(app, registry, stats, tier, runner, prometheus) -> None:
+    """Completions, models, health, stats and metrics (no token needed)."""
 
     @app.post("/v1/completions", responses=COMPLETION)
     async def completions(body: CompletionRequest, request: Request):
@@ -142,7 +149,7 @@ def create_app(config: ControlConfig) -> FastAPI:
     async def health() -> dict:
         live = {"prefill": 0, "decode": 0}
         for node in registry.nodes.values():
-            live[node.role] += node.state == "live"
+            live[node.role] += node.state is NodeState.LIVE
         return {"status": "ok", "live_nodes": live, "ready": all(live.values())}
 
     @app.get("/stats")
@@ -165,13 +172,17 @@ def create_app(config: ControlConfig) -> FastAPI:
     async def metrics_route() -> PlainTextResponse:
         return PlainTextResponse(prometheus.render(), media_type=metrics.CONTENT_TYPE)
 
+
+def _node_routes(app, registry, config, admin) -> None:
+    """Workers register, heartbeat and deregister (with the cluster token)."""
+
     @app.post("/v1/nodes", dependencies=admin, responses=BAD_REQUEST | AUTH)
     async def register(body: NodeRegistration) -> dict:
         node = registry.register(
             role=body.role, address=body.address, model=body.model,
             namespace=bytes.fromhex(body.namespace), page_size=body.page_size,
             vocab_size=body.vocab_size, tp=body.tp, pp=body.pp, num_pages=body.num_pages,
-            cache=body.cache, model_dir=body.model_dir,
+            cache=body.cache, model_dir=body.model_dir, key_scheme=body.key_scheme,
         )  # fmt: skip
         return {"node_id": node.node_id, "heartbeat_s": config.heartbeat_s,
                 "missed_heartbeats_allowed": MISSED_HEARTBEATS}  # fmt: skip
@@ -188,6 +199,10 @@ def create_app(config: ControlConfig) -> FastAPI:
         if not registry.deregister(node_id):
             raise HTTPException(404, f"unknown node {node_id}")
         return {}
+
+
+def _admin_routes(app, registry, tier, config, admin) -> None:
+    """Operators flush pages and drain workers (with the cluster token)."""
 
     @app.post("/admin/flush", dependencies=admin, responses=BAD_REQUEST | AUTH)
     async def flush(body: FlushRequest) -> dict:
@@ -222,5 +237,3 @@ def create_app(config: ControlConfig) -> FastAPI:
         except (WorkerError, TimeoutError):
             acknowledged = False
         return {"node_id": node.node_id, "state": node.state, "acknowledged": acknowledged}
-
-    return app

@@ -37,7 +37,7 @@ from kvrelay.control.worker_client import (
     WorkerRefused,
     WorkerRejected,
 )
-from kvrelay.layout.keys import page_keys
+from kvrelay.layout.keys import page_keys, scheme_page_keys
 from kvrelay.rpc import pack_tokens, unpack_tokens
 from kvrelay.rpc.worker_ops import Decode, DecodeDone, Params, Prefill, PrefillReply, TokenBatch
 
@@ -61,26 +61,33 @@ class Job:
     model: str
     tokens: list[int]
     params: dict  # SamplingParams fields, max_new_tokens = the client's max_tokens
-    keys: dict = field(default_factory=dict)  # (namespace, page_size) -> page keys
+    keys: dict = field(default_factory=dict)  # (scheme, namespace, page_size) -> page keys
     current: Node | None = None  # the worker of the latest attempt (blamed for a timeout)
     tier_hit: int | None = None  # pages, probed once per request
     waiting: bool = False  # every prefill worker answered Busy; waiting for one
     decode_first_s: float | None = None  # decode request sent -> its first token batch
 
     def page_keys(self, node: Node, tokens: list[int] | None = None) -> list[bytes]:
-        """Keys of the job's prompt (computed once per namespace and page
-        size), or of `tokens`, the prompt and what was generated after it:
-        the prompt's chain extended by the pages that follow (a request's
-        keys are hashed once, not once per hop)."""
-        cache_key = (node.namespace, node.page_size)
+        """Keys of the job's prompt (computed once per key scheme, namespace
+        and page size), or of `tokens`, the prompt and what was generated
+        after it: the prompt's chain extended by the pages that follow (a
+        request's keys are hashed once, not once per hop). An SGLang-scheme
+        chain is not extended from a key (its links are not kept): hashed anew."""
+        scheme = node.key_scheme
+        cache_key = (scheme, node.namespace, node.page_size)
         if cache_key not in self.keys:
-            self.keys[cache_key] = page_keys(node.namespace, self.tokens, node.page_size)
+            self.keys[cache_key] = scheme_page_keys(
+                scheme, node.namespace, self.tokens, node.page_size
+            )
         keys = self.keys[cache_key]
         if tokens is None:
             return keys
         ps, full = node.page_size, len(keys)
-        if len(tokens) < len(self.tokens) or tokens[: full * ps] != self.tokens[: full * ps]:
-            return page_keys(node.namespace, tokens, ps)  # not an extension of the prompt
+        extends = (
+            len(tokens) >= len(self.tokens) and tokens[: full * ps] == self.tokens[: full * ps]
+        )
+        if scheme != "kvrelay" or not extends:
+            return scheme_page_keys(scheme, node.namespace, tokens, ps)
         parent = keys[-1] if keys else node.namespace
         return keys + page_keys(parent, tokens[full * ps :], ps)
 
@@ -252,6 +259,34 @@ class Dispatcher:
             node.estimate.add(job.page_keys(node, prompt))
             return reply, node
 
+    async def _stream(self, job: Job, node, call: WorkerCall, message: Decode,
+                      emitted: list[int]) -> AsyncIterator[dict]:  # fmt: skip
+        """One decode attempt on `node`: an event per token batch as it comes
+        (appended to `emitted`), then the done event."""
+        await call.open()
+        await call.send(message)
+        last_at, streamed = time.monotonic(), 0
+        while True:
+            frame = await call.recv(
+                TokenBatch | DecodeDone, None if streamed else self.config.attempt_timeout_s
+            )
+            tokens = unpack_tokens(frame.tokens) if isinstance(frame, TokenBatch) else []
+            if tokens:
+                now = time.monotonic()
+                if not streamed:
+                    job.decode_first_s = now - last_at
+                    self.stats.record_transfer(now - last_at, len(job.tokens))
+                self.stats.record_gap(now - last_at, len(tokens))
+                last_at = now
+                streamed += len(tokens)
+                emitted.extend(tokens)
+                yield {"type": "tokens", "tokens": tokens, "decode": node.node_id}
+            if isinstance(frame, DecodeDone):
+                node.estimate.add(job.page_keys(node, job.tokens + emitted))
+                yield {"type": "done", "finish_reason": frame.finish_reason,
+                       "decode": node.node_id, "decode_first_s": job.decode_first_s}  # fmt: skip
+                return
+
     async def _wait_for_capacity(self, job: Job) -> None:
         """Until the registry reports a change in capacity; the request's
         timeout (around `run`) bounds the wait, and no node is blamed for it."""
@@ -280,38 +315,18 @@ class Dispatcher:
             tried.add(node.node_id)
             call = WorkerCall(node, self.config.token, self.config.connect_timeout_s)
             job.current = node
-            streamed = 0
+            before = len(emitted)
             node.inflight += 1
             try:
-                await call.open()
-                await call.send(message)
-                last_at = time.monotonic()
-                while True:
-                    frame = await call.recv(
-                        TokenBatch | DecodeDone, None if streamed else self.config.attempt_timeout_s
-                    )
-                    tokens = unpack_tokens(frame.tokens) if isinstance(frame, TokenBatch) else []
-                    if tokens:
-                        now = time.monotonic()
-                        if not streamed:
-                            job.decode_first_s = now - last_at
-                            self.stats.record_transfer(now - last_at, len(job.tokens))
-                        self.stats.record_gap(now - last_at, len(tokens))
-                        last_at = now
-                        streamed += len(tokens)
-                        emitted.extend(tokens)
-                        yield {"type": "tokens", "tokens": tokens, "decode": node.node_id}
-                    if isinstance(frame, DecodeDone):
-                        node.estimate.add(job.page_keys(node, job.tokens + emitted))
-                        yield {"type": "done", "finish_reason": frame.finish_reason,
-                               "decode": node.node_id,
-                               "decode_first_s": job.decode_first_s}  # fmt: skip
-                        return
+                async for event in self._stream(job, node, call, message, emitted):
+                    yield event
+                return
             except WorkerBusy as exc:
                 self.stats.busy += 1
                 last = str(exc)
                 continue
             except WorkerError as exc:
+                streamed = len(emitted) - before
                 if streamed:
                     if not isinstance(exc, WorkerRejected):
                         self.registry.suspect(node)

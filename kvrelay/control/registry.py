@@ -10,6 +10,7 @@ heartbeats, is removed: its next heartbeat gets 404 and it registers again.
 from __future__ import annotations
 
 import asyncio
+import enum
 import itertools
 import secrets
 import time
@@ -18,6 +19,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 MISSED_HEARTBEATS = 3
+
+
+class NodeState(enum.StrEnum):
+    LIVE = "live"
+    SUSPECT = "suspect"
+    DRAINING = "draining"
+
+
 MAX_ESTIMATE_PAGES = 1 << 20  # keys remembered per node, whatever its pool claims
 COUNTER_NAMES = (
     "requests", "prompt_tokens", "computed_tokens", "local_hit_tokens", "tier_hit_tokens",
@@ -79,13 +88,14 @@ class Node:
     registered_at: float
     last_heartbeat: float
     estimate: PageEstimate
-    state: str = "live"
+    state: NodeState = NodeState.LIVE
     queued: int = 0
     active: int = 0
     free_pages: int = 0
     inflight: int = 0  # requests control has open on this node right now
     counters: dict[str, float] = field(default_factory=dict)
     model_dir: str = ""  # where the worker loads the model (tokenizer files), if sent
+    key_scheme: str = "kvrelay"  # how its page keys derive from tokens
 
     @property
     def load(self) -> int:
@@ -95,6 +105,7 @@ class Node:
         return {
             "node_id": self.node_id, "role": self.role, "address": self.address,
             "model": self.model, "namespace": self.namespace.hex(), "page_size": self.page_size,
+            "key_scheme": self.key_scheme,
             "vocab_size": self.vocab_size, "tp": self.tp, "pp": self.pp,
             "num_pages": self.num_pages, "cache": self.cache, "state": self.state,
             "queued": self.queued, "active": self.active, "inflight": self.inflight,
@@ -130,7 +141,8 @@ class Registry:
 
     def register(self, *, role: str, address: str, model: str, namespace: bytes,
                  page_size: int, vocab_size: int, tp: int, pp: int, num_pages: int,
-                 cache: bool, model_dir: str = "") -> Node:  # fmt: skip
+                 cache: bool, model_dir: str = "",
+                 key_scheme: str = "kvrelay") -> Node:  # fmt: skip
         # A worker restarted on the same address replaces its old entry.
         for old in [n for n in self.nodes.values() if n.address == address and n.role == role]:
             self._remove(old.node_id, "deregistered")
@@ -141,7 +153,7 @@ class Registry:
             page_size=page_size, vocab_size=vocab_size, tp=tp, pp=pp, num_pages=num_pages,
             cache=cache, registered_at=now, last_heartbeat=now,
             estimate=PageEstimate(min(num_pages, MAX_ESTIMATE_PAGES)), free_pages=num_pages,
-            model_dir=model_dir,
+            model_dir=model_dir, key_scheme=key_scheme,
         )  # fmt: skip
         self.nodes[node_id] = node
         self.capacity_changed()
@@ -155,8 +167,8 @@ class Registry:
         node.last_heartbeat = self.clock()
         node.queued, node.active, node.free_pages = queued, active, free_pages
         node.counters = {k: v for k, v in counters.items() if isinstance(v, int | float)}
-        if node.state == "suspect":
-            node.state = "live"
+        if node.state is NodeState.SUSPECT:
+            node.state = NodeState.LIVE
         self.capacity_changed()
         return True
 
@@ -164,8 +176,8 @@ class Registry:
         return self._remove(node_id, "deregistered")
 
     def suspect(self, node: Node) -> None:
-        if node.state == "live":
-            node.state = "suspect"
+        if node.state is NodeState.LIVE:
+            node.state = NodeState.SUSPECT
 
     def refused(self, node: Node) -> None:
         self._remove(node.node_id, "refused")
@@ -173,7 +185,7 @@ class Registry:
     def drain(self, node_id: str) -> Node | None:
         node = self.nodes.get(node_id)
         if node is not None:
-            node.state = "draining"
+            node.state = NodeState.DRAINING
         return node
 
     def sweep(self) -> list[str]:
@@ -195,7 +207,7 @@ class Registry:
 
     def in_rotation(self, role: str, model: str) -> list[Node]:
         return [n for n in self.nodes.values()
-                if n.role == role and n.model == model and n.state == "live"]  # fmt: skip
+                if n.role == role and n.model == model and n.state is NodeState.LIVE]  # fmt: skip
 
     def models(self) -> dict[str, dict]:
         """Served models: vocabulary (the smallest over its nodes) and node counts."""
@@ -207,7 +219,7 @@ class Registry:
                              "model_dir": node.model_dir},
             )  # fmt: skip
             entry["vocab_size"] = min(entry["vocab_size"], node.vocab_size)
-            if node.state == "live":
+            if node.state is NodeState.LIVE:
                 entry[node.role] += 1
         return models
 

@@ -72,6 +72,8 @@ class NodeRegistration(_Lenient):
     model: str = Field(min_length=1, max_length=256)
     namespace: str = Field(json_schema_extra={"pattern": HEX64_PATTERN})
     page_size: int_in(ge=1, le=1 << 20)
+    # How the worker keys pages from tokens (kvrelay.layout.keys.KEY_SCHEMES).
+    key_scheme: Literal["kvrelay", "sglang"] = "kvrelay"
     vocab_size: int_in(ge=1, le=MAX_TOKEN_ID + 1)
     tp: int_in(ge=1, le=1024) = 1
     pp: int_in(ge=1, le=1024) = 1

@@ -91,31 +91,7 @@ def check_copy_args(args: CopyArgs, *, gather: bool) -> CopyGeometry:
         v_slots, v_heads, v_row, _, _ = _check_layers(v_layers, "v_layers", first)
         if (v_slots, v_heads) != (num_slots, pool_heads):
             raise ValueError("v_layers and k_layers differ in slots or heads")
-    if pages.dtype != torch.uint8:
-        raise TypeError(f"pages must be uint8 (page objects are bytes), got {pages.dtype}")
-    if pages.dim() != 2:
-        raise ValueError(f"pages must be [num_arena_pages, page_bytes], got {pages.dim()} dims")
-    if pages.device != first.device:
-        raise ValueError(f"pages is on {pages.device}, pool on {first.device}")
-    if pages.size(1) != 0 and pages.stride(1) != 1:
-        raise ValueError("pages rows must be contiguous (stride 1 in dim 1)")
-    if page_ids.dtype != torch.int64:
-        raise TypeError(f"page_ids must be int64, got {page_ids.dtype}")
-    if slot_mapping.dtype != torch.int64:
-        raise TypeError(f"slot_mapping must be int64, got {slot_mapping.dtype}")
-    if page_ids.dim() != 1 or not page_ids.is_contiguous():
-        raise ValueError("page_ids must be a contiguous 1-D tensor")
-    if slot_mapping.dim() != 2 or not slot_mapping.is_contiguous():
-        raise ValueError("slot_mapping must be a contiguous [num_pages, page_size] tensor")
-    if page_ids.device != first.device or slot_mapping.device != first.device:
-        raise ValueError(f"page_ids and slot_mapping must be on the pool's device {first.device}")
-    num_pages, page_size = page_ids.size(0), slot_mapping.size(1)
-    if slot_mapping.size(0) != num_pages:
-        raise ValueError(
-            f"slot_mapping has {slot_mapping.size(0)} pages but page_ids has {num_pages}"
-        )
-    if page_size <= 0:
-        raise ValueError("page_size (slot_mapping.size(1)) must be positive")
+    num_pages, page_size = _check_index_tensors(pages, page_ids, slot_mapping, first.device)
     if page_heads <= 0 or page_layers <= 0:
         raise ValueError("page_heads and page_layers must be positive")
     if num_heads <= 0:
@@ -143,22 +119,57 @@ def check_copy_args(args: CopyArgs, *, gather: bool) -> CopyGeometry:
             f"is {page_bytes}"
         )
     if num_pages:
-        if int(page_ids.min()) < 0 or int(page_ids.max()) >= pages.size(0):
-            raise IndexError(f"page_ids must lie in [0, {pages.size(0)})")
-        if int(slot_mapping.min()) < -1 or int(slot_mapping.max()) >= num_slots:
-            raise IndexError(f"slot_mapping values must lie in [-1, {num_slots})")
-        if gather:
-            if page_ids.unique().numel() != num_pages:
-                raise ValueError(
-                    "page_ids has duplicates: two pages would be written to one arena row"
-                )
-        else:
-            valid = slot_mapping[slot_mapping >= 0]
-            if valid.unique().numel() != valid.numel():
-                raise ValueError(
-                    "slot_mapping has duplicate slots: two tokens would be written to one slot"
-                )
+        _check_ids(pages, page_ids, slot_mapping, num_slots, gather)
     return CopyGeometry(num_slots, pool_heads, page_size, k_row, v_row)
+
+
+def _check_index_tensors(pages, page_ids, slot_mapping, device) -> tuple[int, int]:
+    """The arena and index tensors' dtypes, shapes and device; returns
+    (pages to copy, tokens per page)."""
+    if pages.dtype != torch.uint8:
+        raise TypeError(f"pages must be uint8 (page objects are bytes), got {pages.dtype}")
+    if pages.dim() != 2:
+        raise ValueError(f"pages must be [num_arena_pages, page_bytes], got {pages.dim()} dims")
+    if pages.device != device:
+        raise ValueError(f"pages is on {pages.device}, pool on {device}")
+    if pages.size(1) != 0 and pages.stride(1) != 1:
+        raise ValueError("pages rows must be contiguous (stride 1 in dim 1)")
+    if page_ids.dtype != torch.int64:
+        raise TypeError(f"page_ids must be int64, got {page_ids.dtype}")
+    if slot_mapping.dtype != torch.int64:
+        raise TypeError(f"slot_mapping must be int64, got {slot_mapping.dtype}")
+    if page_ids.dim() != 1 or not page_ids.is_contiguous():
+        raise ValueError("page_ids must be a contiguous 1-D tensor")
+    if slot_mapping.dim() != 2 or not slot_mapping.is_contiguous():
+        raise ValueError("slot_mapping must be a contiguous [num_pages, page_size] tensor")
+    if page_ids.device != device or slot_mapping.device != device:
+        raise ValueError(f"page_ids and slot_mapping must be on the pool's device {device}")
+    num_pages, page_size = page_ids.size(0), slot_mapping.size(1)
+    if slot_mapping.size(0) != num_pages:
+        raise ValueError(
+            f"slot_mapping has {slot_mapping.size(0)} pages but page_ids has {num_pages}"
+        )
+    if page_size <= 0:
+        raise ValueError("page_size (slot_mapping.size(1)) must be positive")
+    return num_pages, page_size
+
+
+def _check_ids(pages, page_ids, slot_mapping, num_slots: int, gather: bool) -> None:
+    """Every page id inside the arena, every slot inside the pool, and no two
+    writes to one destination."""
+    if int(page_ids.min()) < 0 or int(page_ids.max()) >= pages.size(0):
+        raise IndexError(f"page_ids must lie in [0, {pages.size(0)})")
+    if int(slot_mapping.min()) < -1 or int(slot_mapping.max()) >= num_slots:
+        raise IndexError(f"slot_mapping values must lie in [-1, {num_slots})")
+    if gather:
+        if page_ids.unique().numel() != page_ids.numel():
+            raise ValueError("page_ids has duplicates: two pages would be written to one arena row")
+    else:
+        valid = slot_mapping[slot_mapping >= 0]
+        if valid.unique().numel() != valid.numel():
+            raise ValueError(
+                "slot_mapping has duplicate slots: two tokens would be written to one slot"
+            )
 
 
 def copy_ops(

@@ -18,10 +18,24 @@ from kvrelay.layout import rank_rectangle
 from kvrelay.model.engine import Request
 from kvrelay.model.errors import PoolExhausted, RequestError
 from kvrelay.model.page_export import export_prefix, import_prefix
+from kvrelay.rpc import pack_tokens, unpack_tokens
+from kvrelay.rpc.worker_ops import HandleRef
 from kvrelay.transfer import BlockHandle, TransferError
-from kvrelay.worker.draft_pages import DraftPages
 from kvrelay.worker.protocol import pages_of, sampling
-from kvrelay.worker.rank import PullFailed, RankOptions, RankRuntime
+from kvrelay.worker.rank import PullFailed, RankOptions, RoleRanks
+from kvrelay.worker.rank_ops import (
+    Cancel,
+    Counters,
+    DraftPulled,
+    LoadDone,
+    LoadStart,
+    LoadStarted,
+    RankCounters,
+    Refusal,
+    SeqOutput,
+    Step,
+    Stepped,
+)
 
 log = logging.getLogger("kvrelay.decode")
 
@@ -38,16 +52,14 @@ def intersect(mine, theirs) -> list[tuple[int, int, int]]:
     return out
 
 
-def held_pages(entry: dict, pages: int) -> list[int]:
+def held_pages(entry: HandleRef, pages: int) -> list[int]:
     """The prompt pages a prefill handle holds, in its order: its entry's
     `pages` (prefill sends them when it staged only some pages: those after
     its cached prefix, or a CP rank's share), else every page."""
-    handle = BlockHandle.from_bytes(entry["handle"])
-    theirs = entry["runs"]
-    held = entry.get("pages", list(range(pages)))
-    if not isinstance(held, list) or not all(
-        isinstance(p, int) and not isinstance(p, bool) and 0 <= p < pages for p in held
-    ):
+    handle = BlockHandle.from_bytes(entry.handle)
+    theirs = entry.runs
+    held = entry.pages if entry.pages is not None else list(range(pages))
+    if not all(p < pages for p in held):  # the message type checked p >= 0
         raise RequestError(f"a prefill handle's pages must be page indices in [0, {pages})")
     if not theirs or len(handle.runs) != len(held) * len(theirs):
         raise RequestError("a prefill handle's runs do not match its pages")
@@ -63,7 +75,8 @@ def staged_from(handles, pages: int) -> int:
 
 @dataclass(slots=True)
 class _Load:
-    item: dict
+    item: LoadStart
+    tokens: list[int]  # the prompt
     request: Request
     hit: list[int]  # pool pages of the prompt, referenced until the load ends
     local: int
@@ -74,12 +87,8 @@ class _Load:
     draft_rows: list[int]
 
 
-class DecodeRanks:
+class DecodeRanks(RoleRanks):
     def __init__(self, engine, options: RankOptions) -> None:
-        self.rt = RankRuntime(engine, options)
-        self.draft = DraftPages(self.rt)
-        self.engine = engine
-        self.ps = engine.spec.page_size
         self.loads: dict[int, _Load] = {}  # in start order
         self.reserved = 0  # pool pages promised to loads in flight
         # seq_id -> (tier write running on the loop, its staging rows)
@@ -87,40 +96,30 @@ class DecodeRanks:
         # Full pages a write-back left out because staging had no free row
         # for them (reported in the worker's stats, never skipped silently).
         self.writeback_skipped_pages = 0
+        super().__init__(engine, options, {
+            LoadStart: self.load_start,
+            Step: self.step,
+            Cancel: lambda message: self.engine.cancel(message.seq_id),
+        })  # fmt: skip
 
-    def handlers(self) -> dict:
-        return {
-            "load_start": self.load_start,
-            "step": self.step,
-            "cancel": self.engine.cancel,
-            "counters": self.counters,
-            "close": self.close,
-        }
-
-    def close(self) -> None:
-        try:
-            self.rt.run(self.draft.close(), timeout=10)
-        finally:
-            self.rt.close()
-
-    def counters(self) -> dict:
-        return self.rt.counters() | {"writeback_skipped_pages": self.writeback_skipped_pages}
+    def counters(self, _: Counters) -> RankCounters:
+        return self.rt.counters(writeback_skipped_pages=self.writeback_skipped_pages)
 
     # -- bringing the prompt's KV in ---------------------------------------------
-    def load_start(self, load_id: int, item: dict) -> dict:
+    def load_start(self, item: LoadStart) -> LoadStarted:
         """Reserves room for a request and starts pulling its pages on the
         agent's loop (the tier, then the prefill handles); the running batch
         keeps stepping meanwhile. `step` finishes the load once every rank's
         pulls are done. PoolExhausted (agreed) when the room is not there now."""
-        tokens, first = item["tokens"], item["first_token"]
+        tokens = unpack_tokens(item.tokens)
         keys = self.engine.spec.page_keys(tokens)
         pages = pages_of(len(tokens), self.ps)
-        if item["pages"] != pages:
-            raise RequestError(f"pages={item['pages']} but the prompt has {pages} pages")
-        params = sampling(item["params"])
+        if item.pages != pages:
+            raise RequestError(f"pages={item.pages} but the prompt has {pages} pages")
+        params = sampling(item.params)
         request = Request(
-            [*tokens, first],
-            sampling(item["params"], max_new_tokens=params.max_new_tokens - 1),
+            [*tokens, item.first_token],
+            sampling(item.params, max_new_tokens=params.max_new_tokens - 1),
             skip_draws=1,
         )
         pool = self.engine.pool
@@ -144,14 +143,14 @@ class DecodeRanks:
         rows = self.rt.rows.take(pages - local)
         draft_rows = self.rt.rows.take(draft_need)
         self.reserved += need
-        draft = (draft_keys, len(draft_hit), draft_rows, item.get("draft_handles", []))
+        draft = (draft_keys, len(draft_hit), draft_rows, [h for h in item.handles if h.draft])
         pulls = asyncio.run_coroutine_threadsafe(
             self._pull_both(item, keys, local, pages, rows, draft), self.rt.loop
         )
-        self.loads[load_id] = _Load(
-            item, request, hit, local, rows, need, pulls, draft_hit, draft_rows
+        self.loads[item.load_id] = _Load(
+            item, tokens, request, hit, local, rows, need, pulls, draft_hit, draft_rows
         )
-        return {"local_pages": local}
+        return LoadStarted(local)
 
     async def _pull(self, item, keys, local, pages, rows) -> dict:
         """This rank's pages [local, pages): what the tier has of
@@ -160,17 +159,18 @@ class DecodeRanks:
         neither gives (the tier lost some, or this worker has no tier) are
         recomputed by the engine at admission: `have` says where that starts."""
         tier = 0
-        tier_end = max(local, min(int(item["tier_pages"]), len(keys)))
+        tier_end = max(local, min(item.tier_pages, len(keys)))
         if self.rt.cache is not None and tier_end > local:
             tier = await self.rt.cache.lookup(
                 keys[local:tier_end], self.rt.arena, self.rt.offsets(rows[: tier_end - local])
             )
         start, nbytes = local + tier, 0
-        staged = staged_from(item["handles"], pages)
+        handles = [h for h in item.handles if not h.draft]
+        staged = staged_from(handles, pages)
         if start < staged:  # a gap before what prefill staged: recompute from it
             return {"tier_pages": tier, "prefill_pages": 0, "bytes_from_prefill": 0, "have": start}
         if start < pages:
-            nbytes = await self._from_prefill(item["handles"], start, pages, rows, local)
+            nbytes = await self._from_prefill(handles, start, pages, rows, local)
         return {
             "tier_pages": tier,
             "prefill_pages": pages - start,
@@ -184,11 +184,10 @@ class DecodeRanks:
         keys, first, rows, handles = draft
         if self.draft.active:
             counts = await self.draft.pull(keys, first, rows, handles)
-            pulled["draft"] = {"local_pages": first, "tier_pages": counts["tier"],
-                               "prefill_pages": counts["prefill"]}  # fmt: skip
+            pulled["draft"] = DraftPulled(first, counts["tier"], counts["prefill"])
         return pulled
 
-    def _finish_loads(self) -> list[dict]:
+    def _finish_loads(self) -> list[LoadDone]:
         """Loads whose pulls are done on every rank: scatter into the pool and
         admit, or fail (PullFailed on every rank). Answers per load."""
         answers = []
@@ -204,28 +203,15 @@ class DecodeRanks:
             ok = self.rt.agree(not why)
             if self.engine.parallel.rank == 0:
                 # In the background: a slow or dead prefill must not hold the batch.
-                handles = load.item["handles"] + load.item.get("draft_handles", [])
-                asyncio.run_coroutine_threadsafe(self._release(handles), self.rt.loop)
-            answer = {"load_id": load_id, "local_pages": load.local}
+                # (target and draft handles alike).
+                asyncio.run_coroutine_threadsafe(self._release(load.item.handles), self.rt.loop)
+            answer = LoadDone(load_id, load.local)
             try:
                 if not ok:
                     raise PullFailed(why or "another rank failed to pull its pages")
-                tokens = load.item["tokens"]
-                have = self.rt.agree(pulled["have"])
-                if have < pages_of(len(tokens), self.ps):
-                    tokens = tokens[: have * self.ps]  # the engine computes the rest
-                    answer["recomputed_pages"] = pages_of(len(load.item["tokens"]), self.ps) - have
-                if load.rows and have > load.local:
-                    ids = [load.rows[0]] * load.local + load.rows
-                    import_prefix(self.engine, tokens, self.rt.staging, ids)
-                if pulled.get("draft"):
-                    self._import_draft(load, pulled["draft"], answer)
-                answer["seq_id"] = self.engine.admit(load.request)
-                answer["tier_pages"] = self.rt.agree(pulled["tier_pages"])
-                answer["prefill_pages"] = pulled["prefill_pages"]
-                answer["bytes_from_prefill"] = pulled["bytes_from_prefill"]
+                self._admit(load, pulled, answer)
             except (PullFailed, PoolExhausted, RequestError) as exc:
-                answer["error"] = [type(exc).__name__, str(exc)]
+                answer.error = Refusal(type(exc).__name__, str(exc))
             finally:
                 del self.loads[load_id]
                 self.rt.rows.give_back(load.rows + load.draft_rows)
@@ -238,13 +224,32 @@ class DecodeRanks:
             self.rt.clear_cache()
         return answers
 
-    def _import_draft(self, load: _Load, counts: dict, answer: dict) -> None:
+    def _admit(self, load: _Load, pulled: dict, answer: LoadDone) -> None:
+        """Imports a finished load's pulled pages into the pool and admits its
+        sequence (the engine computes the pages neither source had)."""
+        tokens = load.tokens
+        pages = pages_of(len(tokens), self.ps)
+        have = self.rt.agree(pulled["have"])
+        if have < pages:
+            tokens = tokens[: have * self.ps]  # the engine computes the rest
+            answer.recomputed_pages = pages - have
+        if load.rows and have > load.local:
+            ids = [load.rows[0]] * load.local + load.rows
+            import_prefix(self.engine, tokens, self.rt.staging, ids)
+        if pulled.get("draft"):
+            self._import_draft(load, pulled["draft"], answer)
+        answer.seq_id = self.engine.admit(load.request)
+        answer.tier_pages = self.rt.agree(pulled["tier_pages"])
+        answer.prefill_pages = pulled["prefill_pages"]
+        answer.bytes_from_prefill = pulled["bytes_from_prefill"]
+
+    def _import_draft(self, load: _Load, counts: DraftPulled, answer: LoadDone) -> None:
         """Index the draft pages pulled; the engine's admission restores them
         with the target's (and recomputes from the first one missing)."""
-        local = counts["local_pages"]
-        have = local + counts["tier_pages"] + counts["prefill_pages"]
+        local = counts.local_pages
+        have = local + counts.tier_pages + counts.prefill_pages
         self.draft.import_rows(load.request.prompt, have, local, load.draft_rows)
-        answer["draft"] = counts
+        answer.draft = counts
 
     async def _from_prefill(self, handles, start, pages, rows, local) -> int:
         """Each prefill writer's handle, narrowed to the overlap of its
@@ -253,8 +258,8 @@ class DecodeRanks:
         pb = self.rt.page_bytes
         reads, covered = [], [0] * (pages - start)
         for entry in handles:
-            handle = BlockHandle.from_bytes(entry["handle"])
-            theirs = [tuple(r) for r in entry["runs"]]
+            handle = BlockHandle.from_bytes(entry.handle)
+            theirs = entry.runs
             held = held_pages(entry, pages)
             overlap = intersect(self.rt.runs, theirs)
             if not overlap:
@@ -281,7 +286,7 @@ class DecodeRanks:
     async def _release(self, handles) -> None:
         async def one(entry) -> None:
             try:
-                handle = BlockHandle.from_bytes(entry["handle"])
+                handle = BlockHandle.from_bytes(entry.handle)
                 await self.rt.agent.release_remote(handle, timeout=2.0)
             except (TransferError, TimeoutError, OSError, ValueError):
                 pass  # the lease expires on its own
@@ -289,7 +294,7 @@ class DecodeRanks:
         await asyncio.gather(*(one(entry) for entry in handles))
 
     # -- generation ----------------------------------------------------------------
-    def step(self) -> dict:
+    def step(self, _: Step) -> Stepped:
         """Finish the loads that are done (their sequences join the batch),
         then one step of the batch; report write-backs that completed."""
         loads = self._finish_loads()
@@ -298,17 +303,9 @@ class DecodeRanks:
             written, writing = None, False
             if output.finish_reason is not None and self.rt.options.write_back:
                 written, writing = self._write_back(output.seq_id, output.all_tokens)
-            out.append(
-                {
-                    "seq_id": output.seq_id,
-                    "tokens": output.tokens,
-                    "finish_reason": output.finish_reason,
-                    "spec": output.spec,
-                    "written": written,
-                    "writing": writing,
-                }
-            )
-        return {"loads": loads, "outputs": out, "writes_done": self._writes_done()}
+            out.append(SeqOutput(output.seq_id, pack_tokens(output.tokens), output.finish_reason,
+                                 output.spec, written, writing))  # fmt: skip
+        return Stepped(loads, out, self._writes_done())
 
     def _write_back(self, seq_id: int, tokens: list[int]) -> tuple[int | None, bool]:
         """Exports a finished sequence's full pages (prompt and answer) into
@@ -341,7 +338,7 @@ class DecodeRanks:
         self.writes[seq_id] = (asyncio.run_coroutine_threadsafe(write, self.rt.loop), rows)
         return None, True
 
-    def _writes_done(self) -> list[list[int]]:
+    def _writes_done(self) -> list[tuple[int, int]]:
         """[seq_id, pages written] of background write-backs that finished;
         their rows go back here, on the rank's thread."""
         done = []
@@ -350,12 +347,12 @@ class DecodeRanks:
                 del self.writes[seq_id]
                 self.rt.rows.give_back(rows)
                 try:
-                    done.append([seq_id, future.result()])
+                    done.append((seq_id, future.result()))
                 except Exception:
-                    done.append([seq_id, 0])
+                    done.append((seq_id, 0))
         return done
 
 
-def decode_rank_setup(options: RankOptions, engine) -> dict:
+def decode_rank_setup(options: RankOptions, engine) -> DecodeRanks:
     """`ParallelEngine(rank_setup=partial(decode_rank_setup, options))`."""
-    return DecodeRanks(engine, options).handlers()
+    return DecodeRanks(engine, options)

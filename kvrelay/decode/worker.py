@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 
 from kvrelay.decode.ranks import decode_rank_setup
 from kvrelay.model.errors import PoolExhausted, RequestError
-from kvrelay.rpc import Connection, Error, PeerError, pack_tokens
+from kvrelay.rpc import Connection, Error, PeerError
 from kvrelay.rpc.worker_ops import Decode, DecodeDone, DraftPulled, Pulled, Role, TokenBatch
 from kvrelay.worker.front import WorkerConfig, WorkerFront, log
-from kvrelay.worker.protocol import Busy, params_of, tokens_of
+from kvrelay.worker.protocol import Busy, check_params, check_tokens
+from kvrelay.worker.rank_ops import Cancel, LoadDone, LoadStart, Step, Stepped
 
 # How often the ranks are asked whether pulls finished while nothing runs.
 LOAD_POLL_S = 0.002
@@ -24,7 +25,8 @@ LOAD_POLL_S = 0.002
 @dataclass(slots=True)
 class _Job:
     rid: str
-    item: dict
+    request: Decode
+    prompt_tokens: int
     frames: asyncio.Queue = field(default_factory=asyncio.Queue)
     seq_id: int | None = None
     cancelled: bool = False
@@ -33,7 +35,7 @@ class _Job:
     written: list[int] = field(default_factory=list)  # pages each writer rank wrote back
     writing: set[int] = field(default_factory=set)  # ranks whose write-back still runs
     spec: dict | None = None  # speculation counts of the request (--speculative)
-    draft_pulled: dict | None = None  # draft pages restored, by source (--speculative)
+    draft_pulled: DraftPulled | None = None  # draft pages restored, by source (--speculative)
 
 
 class DecodeWorker(WorkerFront):
@@ -58,28 +60,18 @@ class DecodeWorker(WorkerFront):
 
     async def handle(self, conn: Connection, request: Decode) -> None:
         rid = request.rid
-        tokens = tokens_of(request.tokens, self.vocab)
-        params = params_of(request.params, self.vocab)
+        prompt_tokens = check_tokens(request.tokens, self.vocab)
+        check_params(request.params, self.vocab)
         first = request.first_token
         if first >= self.vocab:
             raise RequestError(f"first_token must be an integer in [0, {self.vocab})")
-        if params["max_new_tokens"] < 2 or first in params["stop_token_ids"]:
+        if request.params.max_new_tokens < 2 or first in request.params.stop_token_ids:
             raise RequestError("nothing to decode: prefill's first token already ends it")
         if self.draining or len(self._waiting) >= self.config.max_queue:
             self.counters.busy_rejections += 1
             await conn.send(Error.of(Busy("draining or queue full"), rid))
             return
-        handles = [
-            {"handle": h.handle, "runs": h.runs}
-            | ({"pages": h.pages} if h.pages is not None else {})
-            for h in request.handles
-        ]
-        kinds = [h.draft for h in request.handles]
-        item = {"tokens": tokens, "first_token": first, "params": params,
-                "tier_pages": request.tier_pages, "pages": request.pages,
-                "handles": [h for h, d in zip(handles, kinds, strict=True) if not d],
-                "draft_handles": [h for h, d in zip(handles, kinds, strict=True) if d]}  # fmt: skip
-        job = _Job(rid, item)
+        job = _Job(rid, request, prompt_tokens)
         self._waiting.append(job)
         self._wake.set()
         # Control sends nothing more: a recv that returns means it closed (cancel).
@@ -135,7 +127,7 @@ class DecodeWorker(WorkerFront):
                 # The ranks are still up: give the failed sequences' pages back.
                 for seq_id in running:
                     try:
-                        await self.ranks("cancel", seq_id)
+                        await self.ranks(Cancel(seq_id))
                     except Exception as again:
                         log.error("decode: cancelling %d failed: %r", seq_id, again)
 
@@ -146,9 +138,11 @@ class DecodeWorker(WorkerFront):
             if job.cancelled:
                 self._waiting.popleft()
                 continue
-            load_id = next(self._load_ids)
+            r = job.request
+            load = LoadStart(next(self._load_ids), r.tokens, r.first_token, r.params, r.pages,
+                             r.tier_pages, r.handles)  # fmt: skip
             try:
-                answers = await self.ranks("load_start", load_id, job.item)
+                started = await self.ranks(load)
             except PoolExhausted as exc:
                 if self._running or self._loading:
                     self._blocked = True  # pages come back as sequences finish
@@ -161,40 +155,39 @@ class DecodeWorker(WorkerFront):
                 self._fail(job, exc)
                 continue
             self._waiting.popleft()
-            job.pulled = {"local_pages": answers[0]["local_pages"]}
-            self._loading[load_id] = job
+            job.pulled = {"local_pages": started[0].local_pages}
+            self._loading[load.load_id] = job
 
-    def _loaded(self, per_rank: list[dict]) -> list[int]:
+    def _loaded(self, per_rank: list[list[LoadDone]]) -> list[int]:
         """Loads the ranks finished: their jobs run, or fail. Returns the
         sequences to cancel (their job is gone)."""
         orphans = []
         for i, answer in enumerate(per_rank[0]):
-            job = self._loading.pop(answer["load_id"], None)
-            if "error" in answer:
+            job = self._loading.pop(answer.load_id, None)
+            if answer.error is not None:
                 if job is not None:
-                    name, message = answer["error"]
                     self.counters.errors += 1
-                    job.frames.put_nowait(Error(name, message, job.rid))
+                    job.frames.put_nowait(Error(answer.error.error, answer.error.message, job.rid))
                 continue
             if job is None:
-                orphans.append(answer["seq_id"])
+                orphans.append(answer.seq_id)
                 continue
-            job.seq_id = answer["seq_id"]
-            job.pulled |= {k: answer[k] for k in ("tier_pages", "prefill_pages")}
+            job.seq_id = answer.seq_id
+            job.pulled |= {"tier_pages": answer.tier_pages, "prefill_pages": answer.prefill_pages}
             # The draft's counts come from a rank of the last PP stage.
-            job.draft_pulled = next((r[i]["draft"] for r in per_rank if r[i].get("draft")), None)
-            recomputed = answer.get("recomputed_pages", 0)
+            job.draft_pulled = next((r[i].draft for r in per_rank if r[i].draft is not None), None)
+            recomputed = answer.recomputed_pages
             if recomputed:  # neither the tier nor prefill had them: computed here
                 job.pulled["recomputed_pages"] = recomputed
             self._running[job.seq_id] = job
             c = self.counters
             c.requests += 1
-            c.prompt_tokens += len(job.item["tokens"])
+            c.prompt_tokens += job.prompt_tokens
             c.computed_tokens += 1  # prefill's first token: its KV is computed here
             c.computed_tokens += recomputed * self.config.page_size
-            c.local_hit_tokens += answer["local_pages"] * self.config.page_size
-            c.tier_hit_tokens += answer["tier_pages"] * self.config.page_size
-            c.bytes_from_prefill += sum(r[i]["bytes_from_prefill"] for r in per_rank)
+            c.local_hit_tokens += answer.local_pages * self.config.page_size
+            c.tier_hit_tokens += answer.tier_pages * self.config.page_size
+            c.bytes_from_prefill += sum(r[i].bytes_from_prefill for r in per_rank)
         return orphans
 
     def _fail(self, job: _Job, exc: Exception) -> None:
@@ -204,38 +197,38 @@ class DecodeWorker(WorkerFront):
     async def _drop_cancelled(self) -> None:
         for seq_id, job in list(self._running.items()):
             if job.cancelled:
-                await self.ranks("cancel", seq_id)
+                await self.ranks(Cancel(seq_id))
                 del self._running[seq_id]
 
     async def _step(self) -> None:
-        per_rank = await self.ranks("step")
-        for seq_id in self._loaded([r["loads"] for r in per_rank]):
-            await self.ranks("cancel", seq_id)
-        outputs = [r["outputs"] for r in per_rank]
+        per_rank: list[Stepped] = await self.ranks(Step())
+        for seq_id in self._loaded([r.loads for r in per_rank]):
+            await self.ranks(Cancel(seq_id))
+        outputs = [r.outputs for r in per_rank]
         for i, out in enumerate(outputs[0]):
-            job = self._running.get(out["seq_id"])
+            job = self._running.get(out.seq_id)
             if job is None:
                 continue
-            self.counters.generated_tokens += len(out["tokens"])
-            if out["tokens"]:
-                job.frames.put_nowait(TokenBatch(job.rid, pack_tokens(out["tokens"])))
-            if out["finish_reason"] is None:
+            self.counters.generated_tokens += len(out.tokens) // 4  # packed: 4 bytes a token
+            if out.tokens:
+                job.frames.put_nowait(TokenBatch(job.rid, out.tokens))
+            if out.finish_reason is None:
                 continue
-            del self._running[out["seq_id"]]
-            job.finish_reason = out["finish_reason"]
-            job.spec = out.get("spec")
+            del self._running[out.seq_id]
+            job.finish_reason = out.finish_reason
+            job.spec = out.spec
             if job.spec:
                 self.counters.spec_proposed += job.spec["proposed"]
                 self.counters.spec_accepted += job.spec["accepted"]
                 self.counters.spec_steps += job.spec["steps"]
-            job.written = [r[i]["written"] for r in outputs if r[i]["written"] is not None]
-            job.writing = {rank for rank, r in enumerate(outputs) if r[i]["writing"]}
+            job.written = [r[i].written for r in outputs if r[i].written is not None]
+            job.writing = {rank for rank, r in enumerate(outputs) if r[i].writing}
             if job.writing:
-                self._writing[out["seq_id"]] = job  # done once the tier writes finish
+                self._writing[out.seq_id] = job  # done once the tier writes finish
             else:
                 self._done(job)
         for rank, r in enumerate(per_rank):
-            for seq_id, pages in r["writes_done"]:
+            for seq_id, pages in r.writes_done:
                 job = self._writing.get(seq_id)
                 if job is not None:
                     job.writing.discard(rank)
@@ -252,6 +245,6 @@ class DecodeWorker(WorkerFront):
                 Pulled(**job.pulled),
                 min(job.written) if job.written else 0,
                 job.spec,
-                DraftPulled(**job.draft_pulled) if job.draft_pulled is not None else None,
+                job.draft_pulled,
             )
         )

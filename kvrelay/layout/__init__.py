@@ -2,7 +2,7 @@
 and the placement of page keys over cache servers (`HashRing`)."""
 
 from kvrelay.layout.draft import draft_page_keys, draft_rectangle
-from kvrelay.layout.keys import page_keys, tokens_as_uint32
+from kvrelay.layout.keys import KEY_SCHEMES, PageKeyChain, page_keys, tokens_as_uint32
 from kvrelay.layout.parallel import (
     ParallelConfig,
     Rectangle,
@@ -23,11 +23,13 @@ from kvrelay.layout.spec import (
 __all__ = [
     "ATTENTION_KINDS",
     "DRAFT_POSITION_CONVENTIONS",
+    "KEY_SCHEMES",
     "KV_DTYPE_ITEMSIZE",
     "LAYOUT_VERSION",
     "HashRing",
     "LayoutError",
     "ModelKVSpec",
+    "PageKeyChain",
     "ParallelConfig",
     "Rectangle",
     "draft_page_keys",

@@ -36,6 +36,9 @@ ATTENTION_KINDS = ("mha", "mla")
 
 DIGEST_BYTES = 32
 
+# How page keys derive from tokens (`kvrelay.layout.keys`).
+KEY_SCHEMES = ("kvrelay", "sglang")
+
 # RoPE positions of an MTP draft slot t (computed from the target's hidden
 # state at t and token t + 1): "target" uses t (SGLang, vLLM), "shifted" t + 1
 # (transformers' generic MtpModel).
@@ -76,6 +79,9 @@ class ModelKVSpec:
     # A draft's RoPE position convention ("target": draft slot t at position
     # t; "shifted": at t + 1). It changes the draft's K bytes.
     draft_positions: str | None = None
+    # How page keys derive from token ids (`kvrelay.layout.keys`): "kvrelay",
+    # or "sglang" to share pages with SGLang through its HiCache adapter.
+    key_scheme: str = "kvrelay"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_id, str) or not self.model_id:
@@ -104,6 +110,8 @@ class ModelKVSpec:
             raise LayoutError("target_namespace must be a 32-byte digest")
         if (self.draft_positions is None) != (self.target_namespace is None):
             raise LayoutError("a draft spec has both target_namespace and draft_positions")
+        if self.key_scheme not in KEY_SCHEMES:
+            raise LayoutError(f"key_scheme must be one of {KEY_SCHEMES}, got {self.key_scheme!r}")
         if self.draft_positions not in (None, *DRAFT_POSITION_CONVENTIONS):
             raise LayoutError(f"draft_positions must be one of {DRAFT_POSITION_CONVENTIONS}")
 
@@ -155,6 +163,8 @@ class ModelKVSpec:
         if self.target_namespace is not None:
             fields["target_namespace"] = self.target_namespace
             fields["draft_positions"] = self.draft_positions
+        if self.key_scheme != "kvrelay":  # absent by default: namespaces stay as they were
+            fields["key_scheme"] = self.key_scheme
         return fields
 
     def namespace(self) -> bytes:
@@ -163,14 +173,30 @@ class ModelKVSpec:
         return hashlib.sha256(packed).digest()
 
     def page_keys(self, tokens, parent: bytes | None = None) -> list[bytes]:
-        """Keys of the full pages of `tokens` (see `kvrelay.layout.keys.page_keys`).
-        A draft's pages are keyed by `kvrelay.layout.draft.draft_page_keys`."""
+        """Keys of the full pages of `tokens` under the spec's key scheme
+        (`kvrelay.layout.keys`); `parent` (the kvrelay scheme only) is the key
+        of the page before `tokens[0]`. A draft's pages are keyed by
+        `kvrelay.layout.draft.draft_page_keys`."""
         from kvrelay.layout.keys import page_keys
 
         if self.target_namespace is not None:
             raise LayoutError("a draft page's key covers the next token: use draft_page_keys")
+        if parent is None:
+            return self.key_chain(tokens).keys
+        if self.key_scheme != "kvrelay":
+            raise LayoutError(
+                "an sglang-scheme chain is extended through key_chain, not a parent key"
+            )
+        return page_keys(parent, tokens, self.page_size)
 
-        return page_keys(self.namespace() if parent is None else parent, tokens, self.page_size)
+    def key_chain(self, tokens=()):
+        """A `PageKeyChain` holding the keys of the full pages of `tokens`, to
+        be extended as the sequence grows."""
+        from kvrelay.layout.keys import PageKeyChain
+
+        chain = PageKeyChain(self.key_scheme, self.namespace(), self.page_size)
+        chain.extend(tokens)
+        return chain
 
     def draft_spec(
         self,

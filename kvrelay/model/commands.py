@@ -159,7 +159,12 @@ def _generate(args: argparse.Namespace) -> dict:
         elif prefix:
             runner.generate([Request(prefix, SamplingParams(1))])
         result = runner.generate([Request(prompt, params)])[0]
-    if args.json:
+    _print_result(result, args.json)
+    return {"tokens": result.tokens, "cached_tokens": result.cached_tokens, "spec": result.spec}
+
+
+def _print_result(result, as_json: bool) -> None:
+    if as_json:
         line = {"tokens": result.tokens}
         if result.spec is not None:
             line["spec"] = result.spec
@@ -179,7 +184,6 @@ def _generate(args: argparse.Namespace) -> dict:
                 f"({rate:.1%}) over {stats['steps']} steps",
                 file=sys.stderr,
             )
-    return {"tokens": result.tokens, "cached_tokens": result.cached_tokens, "spec": result.spec}
 
 
 def add_make_model_arguments(parser: argparse.ArgumentParser) -> None:

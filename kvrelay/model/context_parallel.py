@@ -1,9 +1,10 @@
 """Context parallelism (CP) of a prefill: the new tokens split zig-zag over C ranks.
 
 Each sequence's new tokens (the suffix after its cached prefix; the prefix is
-never re-split) are cut into 2C contiguous chunks and CP rank r takes chunks
-r and 2C-1-r: an early, cheap chunk and a late, expensive one, so causal
-attention work is even across ranks. A rank embeds and runs only its tokens,
+never re-split) are cut into 2C contiguous chunks of whole pages (cuts on
+global page boundaries) and CP rank r takes chunks r and 2C-1-r: an early,
+cheap chunk and a late, expensive one, so causal attention work is even
+across ranks. A rank embeds and runs only its tokens,
 at their global positions (RoPE). In every layer the ranks all-gather the new
 tokens' K and V (each rank then writes the K/V of every new token into its
 own pool, so each holds the whole sequence and decode steps need no CP), and
@@ -13,9 +14,11 @@ stage the final hidden states are all-gathered too, so the logits of any row
 (the last token's, or all rows for the oracle tests) come out of every rank of
 the last stage and the sampling rank samples as without CP.
 
-A row's arithmetic does not depend on which rank computes it (projections and
-norms are row-wise; a query's attention sees the same keys under the same
-mask), so the pages are the same bytes whatever C computed them.
+A row's arithmetic does not depend on which rank computes it: projections and
+norms are row-wise, and the attention backend is batch invariant (query
+blocks cut at page boundaries, keys cut at global positions, see
+`paged_attention`), which page-aligned chunks keep intact; so the pages are
+the same bytes whatever C computed them.
 """
 
 from __future__ import annotations
@@ -69,6 +72,20 @@ class ContextSplit:
         return out
 
 
+def page_zigzag_chunks(cached: int, length: int, page_size: int, cp: int):
+    """`zigzag_chunks` over the pages the new tokens [cached, cached + length)
+    touch, as [start, end) offsets into the new tokens: every cut lies on a
+    global page boundary, so each rank's query blocks are CP=1's (the
+    attention backend cuts queries at page boundaries)."""
+    first = cached // page_size
+    pages = -(-(cached + length) // page_size) - first
+
+    def offset(page: int) -> int:
+        return min(max((first + page) * page_size, cached), cached + length) - cached
+
+    return [[(offset(a), offset(b)) for a, b in mine] for mine in zigzag_chunks(pages, cp)]
+
+
 def split_batch(batch, comm, cp: int, cp_rank: int):
     """This CP rank's share of a prefill `ForwardBatch` (the whole batch when
     some rank would get no token: tiny prompts run replicated, like decode)."""
@@ -79,7 +96,7 @@ def split_batch(batch, comm, cp: int, cp_rank: int):
         att.query_starts, att.query_lens, att.context_lens, att.page_tables, strict=True
     ):
         cached = context - length
-        for rank, chunks in enumerate(zigzag_chunks(length, cp)):
+        for rank, chunks in enumerate(page_zigzag_chunks(cached, length, att.page_size, cp)):
             for a, b in chunks:
                 per_rank[rank].append(torch.arange(start + a, start + b, dtype=torch.int64))
                 if rank == cp_rank:

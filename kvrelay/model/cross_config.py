@@ -100,12 +100,6 @@ def open_runner(model_dir, sizes: ParallelConfig, **options):
         yield Runner(None, group)
 
 
-def prefix_pages(model_dir, sizes: ParallelConfig, prefix: list[int], **options) -> torch.Tensor:
-    """The unified pages of `prefix` (a trailing partial page included) as
-    computed under `sizes`: the prefix is run for one token, then exported."""
-    return prefix_unified_pages(model_dir, sizes, prefix, **options)[0]
-
-
 def prefix_unified_pages(model_dir, sizes: ParallelConfig, prefix: list[int], **options):
     """(target pages, draft pages or None) of `prefix` computed under `sizes`.
     Draft pages come with `speculative` in `options` (under CP each draft

@@ -13,12 +13,6 @@ import torch
 
 from kvrelay.model.errors import ModelLoadError
 
-# How page copies between a GPU pool and its staging arena are placed:
-# "device": the staging arena is GPU memory next to the pool (UCX moves it:
-# cuda_ipc on one host, GPUDirect RDMA across hosts); "pinned": page-locked
-# host memory (any backend, the memfd fast path included).
-STAGING_KINDS = ("device", "pinned")
-
 
 class DeviceError(ModelLoadError):
     """A --device this process cannot use (no CUDA build, no such GPU)."""

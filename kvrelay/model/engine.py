@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvrelay.layout import ModelKVSpec, ParallelConfig, page_keys
+from kvrelay.layout import ModelKVSpec, PageKeyChain, ParallelConfig
 from kvrelay.model.context_parallel import split_batch
 from kvrelay.model.decoder import DecoderShard, ForwardBatch
 from kvrelay.model.errors import PoolExhausted, RequestError
@@ -59,7 +59,7 @@ class _Sequence:
     tokens: list[int]  # prompt, then generated tokens
     pages: list[int]
     cached: int
-    keys: list[bytes]  # keys of the sequence's full pages so far
+    chain: PageKeyChain  # keys of the sequence's full pages so far
     registered: int  # pages [0, registered) are in the prefix index (or skipped)
     sampler: Sampler
     generated: list[int] = field(default_factory=list)
@@ -68,6 +68,10 @@ class _Sequence:
     step_logits: list[torch.Tensor] = field(default_factory=list)
     seq_id: int = 0
     draft: DraftState | None = None  # with speculation
+
+    @property
+    def keys(self) -> list[bytes]:
+        return self.chain.keys
 
 
 @dataclass(slots=True)
@@ -225,7 +229,8 @@ class Engine:
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise RequestError(f"prompt token ids must lie in [0, {vocab})")
         ps = self.page_size
-        keys = self.spec.page_keys(prompt)
+        chain = self.spec.key_chain(prompt)
+        keys = chain.keys
         # At least the last prompt token is computed: its logits pick the first token.
         usable = min(len(keys), (len(prompt) - 1) // ps)
         hit = self.pool.match_prefix(keys[:usable])
@@ -259,7 +264,7 @@ class Engine:
             tokens=prompt,
             pages=pages,
             cached=cached,
-            keys=keys,
+            chain=chain,
             registered=agreed,
             sampler=Sampler(request.params, skip=request.skip_draws, vocab=vocab),
             draft=draft,
@@ -395,10 +400,8 @@ class Engine:
         `tokens` has no KV yet (it is fed at the next step)."""
         ps = self.page_size
         full = (len(seq.tokens) - 1) // ps
-        while len(seq.keys) < full:
-            parent = seq.keys[-1] if seq.keys else self.namespace
-            start = len(seq.keys) * ps
-            seq.keys.extend(page_keys(parent, seq.tokens[start : start + ps], ps))
+        if len(seq.keys) < full:
+            seq.chain.extend(seq.tokens[len(seq.keys) * ps : full * ps])
         for index in range(seq.registered, full):
             self.pool.register(seq.pages[index], seq.keys[index])
         seq.registered = max(seq.registered, full)

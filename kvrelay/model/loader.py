@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from kvrelay.layout import ModelKVSpec, ParallelConfig, rank_rectangle
+from kvrelay.layout import LayoutError, ModelKVSpec, ParallelConfig, rank_rectangle
 from kvrelay.model.comm import Comm
 from kvrelay.model.config import TORCH_DTYPES, ModelConfig
 from kvrelay.model.decoder import DecoderShard
@@ -20,9 +20,12 @@ from kvrelay.model.speculative import SpecDecoder
 from kvrelay.model.weights import ShardPlan, fingerprint, load_weights
 
 
-def kv_spec(model_dir: str | Path, config: ModelConfig, dtype: str, page_size: int) -> ModelKVSpec:
+def kv_spec(
+    model_dir: str | Path, config: ModelConfig, dtype: str, page_size: int, key_scheme="kvrelay"
+) -> ModelKVSpec:
     """The unified page identity of this model's KV: the directory's name as
-    model id, the weight files' digest as fingerprint."""
+    model id, the weight files' digest as fingerprint; `key_scheme` "sglang"
+    keys pages as SGLang's HiCache adapter does (`kvrelay.layout.keys`)."""
     return ModelKVSpec(
         model_id=f"{config.arch}:{Path(model_dir).resolve().name}",
         weights_fingerprint=fingerprint(model_dir),
@@ -32,6 +35,7 @@ def kv_spec(model_dir: str | Path, config: ModelConfig, dtype: str, page_size: i
         v_head_dim=config.head_dim,
         kv_dtype=dtype,
         page_size=page_size,
+        key_scheme=key_scheme,
     )
 
 
@@ -75,17 +79,26 @@ def load_engine(
     attention_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     speculative: int = 0,
     mtp_positions: str = "target",
+    key_scheme: str = "kvrelay",
+    batch_invariant_attention: bool = False,
 ) -> Engine:
     """An engine for one rank (the whole model when `parallel` is None), its
     weights, KV pool and activations on `device`; `speculative` K > 0 drafts
-    K tokens per step with the model's MTP layer."""
+    K tokens per step with the model's MTP layer; `key_scheme` names how page
+    keys derive from tokens (`kvrelay.layout.keys`); `batch_invariant_attention`
+    makes a row's attention bits independent of the forward's other rows, so
+    pages are byte-identical whatever CP degree computed them
+    (`kvrelay.model.paged_attention`)."""
     if dtype not in TORCH_DTYPES:
         raise ModelLoadError(f"dtype {dtype!r} is not one of {sorted(TORCH_DTYPES)}")
     parallel = parallel or ParallelConfig()
     if not isinstance(speculative, int) or speculative < 0:
         raise ModelLoadError(f"speculative must be a non-negative int, got {speculative!r}")
     config = ModelConfig.from_dir(model_dir)
-    spec = kv_spec(model_dir, config, dtype, page_size)
+    try:
+        spec = kv_spec(model_dir, config, dtype, page_size, key_scheme)
+    except LayoutError as exc:
+        raise ModelLoadError(str(exc)) from exc
     plan = shard_plan(config, spec, parallel)
     torch_dtype = TORCH_DTYPES[dtype]
     device = parse_device(device)
@@ -112,7 +125,7 @@ def load_engine(
             device,
         )
         draft = SpecDecoder(draft, draft_kv_spec(spec, config, mtp_positions), speculative)
-    backend = PagedOnlineSoftmaxBackend(attention_chunk_tokens)
+    backend = PagedOnlineSoftmaxBackend(attention_chunk_tokens, batch_invariant_attention)
     shard = DecoderShard(config, plan, weights, pool, comm, backend)
     return Engine(shard, spec, parallel, max_prefill_tokens, draft)
 

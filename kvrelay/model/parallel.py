@@ -152,13 +152,13 @@ def _worker(
         parallel = list(sizes.all_ranks())[rank]
         comm = DistComm(parallel, device if backend == "nccl" else "cpu")
         engine = load_engine(model_dir, parallel=parallel, comm=comm, **options)
-        # Extra commands built inside the rank (a worker's transfer agent and
+        # A worker's service, built inside the rank (its transfer agent and
         # cache client live here, next to the pool they fill).
-        extra = rank_setup(engine) if rank_setup is not None else {}
+        service = rank_setup(engine) if rank_setup is not None else None
     except Exception as error:  # reported to the parent, which raises it
-        results.put((rank, "error", _portable(error)))
+        results.put((rank, False, _portable(error)))
         return
-    results.put((rank, "ok", engine.spec))
+    results.put((rank, True, engine.spec))
     handlers = {
         "generate": engine.generate,
         "export": lambda tokens, arena: export_prefix(engine, tokens, arena),
@@ -168,18 +168,19 @@ def _worker(
         "free_pages": lambda: engine.pool.free_pages,
         "clear_cache": engine.pool.clear_cache,
         "describe": lambda: _describe(engine),
-        **extra,
     }
+    if service is not None:
+        handlers["serve"] = service.serve
     while True:
         name, args = commands.get()
         if name == "stop":
             break
         try:
-            results.put((rank, "ok", handlers[name](*args)))
+            results.put((rank, True, handlers[name](*args)))
         except Exception as error:
-            results.put((rank, "error", _portable(error)))
-    if "close" in handlers:
-        handlers["close"]()
+            results.put((rank, False, _portable(error)))
+    if service is not None:
+        service.close()
     dist.destroy_process_group()
 
 
@@ -227,14 +228,18 @@ class ParallelEngine:
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
         attention_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         speculative: int = 0,
+        key_scheme: str = "kvrelay",
+        batch_invariant_attention: bool = False,
     ) -> None:
-        """`rank_setup(engine) -> {name: handler}` (picklable, e.g. a
-        module-level function or a partial of one) runs in each rank after its
-        engine loads; `call(name, *args)` then runs the handler on every rank.
-        A handler named "close" runs when the rank stops. Ranks die with the
-        thread that starts them (parent-death signal): create the engine from
-        a thread that outlives it, e.g. the main thread. `device` is the
-        first rank's (`cpu`, `cuda`, `cuda:N`); rank r takes `rank_device`."""
+        """`rank_setup(engine) -> service` (picklable, e.g. a module-level
+        function or a partial of one) runs in each rank after its engine
+        loads; `ask(payload)` then hands the bytes to every rank's
+        `service.serve(payload) -> bytes` (a worker's typed commands,
+        `kvrelay.worker.rank_ops`), and `service.close()` runs when the rank
+        stops. Ranks die with the thread that starts them (parent-death
+        signal): create the engine from a thread that outlives it, e.g. the
+        main thread. `device` is the first rank's (`cpu`, `cuda`, `cuda:N`);
+        rank r takes `rank_device`."""
         sizes = ParallelConfig(tp=tp, pp=pp, cp=cp)  # validates the sizes
         self.tp, self.pp, self.cp, self.world = tp, pp, cp, sizes.world_size
         base = parse_device(device)
@@ -252,6 +257,10 @@ class ParallelEngine:
         }
         if speculative:
             options["speculative"] = speculative
+        if key_scheme != "kvrelay":
+            options["key_scheme"] = key_scheme
+        if batch_invariant_attention:
+            options["batch_invariant_attention"] = True
         self._rendezvous = rendezvous()
         self._procs = []
         options["collective"] = collective_backend(devices)
@@ -313,9 +322,9 @@ class ParallelEngine:
         """Each rank's share of the model and its pool."""
         return self._call("describe")
 
-    def call(self, name: str, *args) -> list:
-        """Runs command `name` on every rank; their answers in rank order."""
-        return self._call(name, *args)
+    def ask(self, payload: bytes) -> list[bytes]:
+        """Hands `payload` to every rank's service; their answers in rank order."""
+        return self._call("serve", payload)
 
     @property
     def alive(self) -> bool:
@@ -330,12 +339,12 @@ class ParallelEngine:
 
     def _collect(self) -> list:
         deadline = time.monotonic() + self.timeout_s
-        answers: dict[int, tuple[str, object]] = {}
+        answers: dict[int, tuple[bool, object]] = {}  # rank -> (ok, answer or exception)
         while len(answers) < self.world:
             try:
-                rank, status, value = self._results.get(timeout=1.0)
-                answers[rank] = (status, value)
-                if status == "error":
+                rank, ok, value = self._results.get(timeout=1.0)
+                answers[rank] = (ok, value)
+                if not ok:
                     # Ranks that went on may be blocked in a collective the
                     # failed rank will never join: give them a short grace.
                     deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
@@ -346,12 +355,12 @@ class ParallelEngine:
             dead = [r for r in dead if r not in answers]
             if dead or time.monotonic() > deadline:
                 self.close()
-                errors = [value for status, value in answers.values() if status == "error"]
+                errors = [value for ok, value in answers.values() if not ok]
                 if errors:
                     raise errors[0]
                 why = f"ranks {dead} exited" if dead else f"no answer in {self.timeout_s:.0f} s"
                 raise RuntimeError(f"parallel engine tp={self.tp} pp={self.pp} cp={self.cp}: {why}")
-        errors = [value for status, value in answers.values() if status == "error"]
+        errors = [value for ok, value in answers.values() if not ok]
         if errors:
             if len(errors) < self.world:
                 self.close()  # the ranks that went on are out of step with the others

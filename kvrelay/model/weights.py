@@ -143,9 +143,6 @@ class _Reader:
         self.device = torch.device(device)
         self._handles: dict[Path, object] = {}
 
-    def has(self, name: str) -> bool:
-        return name in self.files
-
     def read(self, name: str, shape: tuple[int, ...], rows=None, cols=None) -> torch.Tensor:
         file = self.files.get(name)
         if file is None:

@@ -13,44 +13,37 @@ import numpy as np
 
 from kvrelay.model.engine import Request
 from kvrelay.model.page_export import export_prefix, import_prefix
+from kvrelay.rpc import unpack_tokens
+from kvrelay.rpc.worker_ops import HandleRef
 from kvrelay.transfer import BlockHandle
-from kvrelay.worker.draft_pages import DraftPages
 from kvrelay.worker.protocol import pages_of, sampling
-from kvrelay.worker.rank import RankOptions, RankRuntime
+from kvrelay.worker.rank import RankOptions, RoleRanks
+from kvrelay.worker.rank_ops import (
+    Counters,
+    DropHandles,
+    PrefillBatch,
+    PrefillItem,
+    PrefillRan,
+    RankCounters,
+    RankPrefill,
+    Refusal,
+)
 
 # Staging rows a tier pull goes through at a time: the prefix a tier serves
 # is imported chunk by chunk, so it needs no staging of its own size.
 TIER_WINDOW = 64
 
 
-class PrefillRanks:
+class PrefillRanks(RoleRanks):
     def __init__(self, engine, options: RankOptions) -> None:
-        self.rt = RankRuntime(engine, options)
-        self.draft = DraftPages(self.rt)
-        self.engine = engine
-        self.ps = engine.spec.page_size
         # lease id -> staging rows the published handle covers
         self.outstanding: dict[int, list[int]] = {}
+        handlers = {PrefillBatch: self.prefill_batch, DropHandles: self.drop_handles}
+        super().__init__(engine, options, handlers)
 
-    def handlers(self) -> dict:
-        return {
-            "prefill_batch": self.prefill_batch,
-            "sweep": self.sweep,
-            "drop_handles": self.drop_handles,
-            "counters": self.counters,
-            "agent_address": lambda: self.rt.agent.address,
-            "close": self.close,
-        }
-
-    def close(self) -> None:
-        try:
-            self.rt.run(self.draft.close(), timeout=10)
-        finally:
-            self.rt.close()
-
-    def counters(self) -> dict:
+    def counters(self, _: Counters) -> RankCounters:
         self.sweep()  # rows of released or expired handles count as free
-        return self.rt.counters() | {"leases": len(self.outstanding)}
+        return self.rt.counters(leases=len(self.outstanding))
 
     # -- staging rows held by published handles ----------------------------
     def sweep(self) -> int:
@@ -67,11 +60,11 @@ class PrefillRanks:
             self.rt.rows.give_back(self.outstanding.pop(lid))
         return self.rt.rows.free
 
-    def drop_handles(self, handles: list[bytes]) -> int:
-        """Ends this rank's leases among `handles` (control went away before
-        decode could read them) and returns their rows."""
+    def drop_handles(self, message: DropHandles) -> None:
+        """Ends this rank's leases among the handles (control went away before
+        decode could read them) and takes their rows back."""
         mine = []
-        for data in handles:
+        for data in message.handles:
             handle = BlockHandle.from_bytes(data)
             if handle.agent_id == self.rt.agent.agent_id:
                 mine.append(handle.lease_id)
@@ -81,41 +74,40 @@ class PrefillRanks:
                 self.rt.agent.leases.release(lease_id)
 
         self.rt.run(end())
-        return self.sweep()
+        self.sweep()
 
     # -- the batch -----------------------------------------------------------
-    def prefill_batch(self, batch: list[dict]) -> list[dict]:
-        """Runs the leading requests of `batch` that fit (pool and staging, all
-        ranks agreeing); returns one answer per request run (the front keeps
-        the others queued). A request whose new pages exceed the whole
-        staging arena gets an error answer instead (it can never fit)."""
+    def prefill_batch(self, message: PrefillBatch) -> PrefillRan:
+        """Runs the leading requests of the batch that fit (pool and staging,
+        all ranks agreeing); answers those run (the front keeps the others
+        queued). A first request whose new pages exceed the whole staging
+        arena is refused instead (it can never fit)."""
         self.sweep()
         pool, rows = self.engine.pool, self.rt.rows
         taken, states, pool_need = [], [], 0
         try:
-            for item in batch:
-                pages = pages_of(len(item["tokens"]), self.ps)
+            for item in message.items:
+                tokens = unpack_tokens(item.tokens)
+                pages = pages_of(len(tokens), self.ps)
                 if not self.rt.agree(pool.free_pages >= pool_need + pages):
                     break
-                state = self._lookup(item)
+                state = self._lookup(tokens)
                 if state.get("error"):
-                    if not taken:
-                        return [{"error": state["error"]}]  # answered; the front dequeues it
+                    if not taken:  # answered; the front dequeues it
+                        return PrefillRan(refused=state["error"])
                     break
                 if not self.rt.agree(rows.free >= state["stage"] + state["draft_stage"]):
                     break  # the tier pages it imported stay cached for next time
                 state["rows"] = rows.take(state["stage"])
                 state["draft_rows"] = rows.take(state["draft_stage"])
-                taken.append(item)
+                taken.append((item, tokens))
                 states.append(state)
                 pool_need += pages
             if not taken:
-                return []
+                return PrefillRan()
             looked_up = time.perf_counter()
-            requests = [
-                Request(item["tokens"], sampling(item["params"], max_new_tokens=1))
-                for item in taken
-            ]
+            requests = [Request(tokens, sampling(item.params, max_new_tokens=1))
+                        for item, tokens in taken]  # fmt: skip
             results = self.engine.generate(requests)
         except BaseException:
             for state in states:
@@ -123,22 +115,21 @@ class PrefillRanks:
             raise
         computed = time.perf_counter()
         answers = [
-            self._publish(item, state, result)
-            for item, state, result in zip(taken, states, results, strict=True)
+            self._publish(item, tokens, state, result)
+            for (item, tokens), state, result in zip(taken, states, results, strict=True)
         ]
         if not self.rt.options.local_cache:
             self.rt.clear_cache()
-        for answer, state in zip(answers, states, strict=True):
-            answer["timings"] = state["timings"] | {"compute_s": computed - looked_up}
-        return answers
+        for answer in answers:
+            answer.timings["compute_s"] = computed - looked_up
+        return PrefillRan(answers)
 
-    def _lookup(self, item: dict) -> dict:
+    def _lookup(self, tokens: list[int]) -> dict:
         """Pool prefix, then the tier's pages after it, pulled through a
         bounded window of staging rows and imported into the pool chunk by
         chunk. Ranks agree on both lengths. `stage`: the pages this request
         must stage for decode, those it cannot take from the tier."""
         started = time.perf_counter()
-        tokens = item["tokens"]
         # Computed once here; the publish and the tier writes reuse them.
         keys = self.engine.spec.page_keys(tokens)
         pages = pages_of(len(tokens), self.ps)
@@ -164,8 +155,8 @@ class PrefillRanks:
         if self.draft.enabled:  # only last-stage ranks stage draft pages: agree
             fits = self.rt.agree(fits)
         if not fits:
-            state["error"] = ["PoolExhausted", f"{stage} new pages to stage, "
-                              f"the staging arena holds {self.rt.rows.count}"]  # fmt: skip
+            state["error"] = Refusal("PoolExhausted", f"{stage} new pages to stage, "
+                                     f"the staging arena holds {self.rt.rows.count}")  # fmt: skip
         return state
 
     def _lookup_draft(self, tokens, state: dict) -> None:
@@ -211,11 +202,11 @@ class PrefillRanks:
             self.rt.rows.give_back(rows)
         return position - local
 
-    def _publish(self, item: dict, state: dict, result) -> dict:
+    def _publish(self, item: PrefillItem, tokens: list[int], state: dict, result) -> RankPrefill:
         """Export the pages decode cannot take from the tier (the new pages and
         the partial last page) into the staging rows, write the new full
         pages through to the tier, publish this rank's handle over them."""
-        tokens, keys, rows = item["tokens"], state["keys"], state["rows"]
+        keys, rows = state["keys"], state["rows"]
         tier, start = state["tier"], state["start"]
         started = time.perf_counter()
         # `export_prefix` skips pages a CP rank does not own (page i: CP rank
@@ -233,42 +224,42 @@ class PrefillRanks:
         if self.rt.cache is not None:
             tier_pages = full if written else start
         first = result.tokens[0]
-        params = item["params"]
         finish = None
-        if first in params.get("stop_token_ids", ()):
+        if first in item.params.stop_token_ids:
             finish = "stop"
-        elif params["max_new_tokens"] <= 1:
+        elif item.params.max_new_tokens <= 1:
             finish = "length"
+        pages = pages_of(len(tokens), self.ps)
         handle = None
         if self.rt.rect.writer and owned and finish is None:
             mine = [i - start for i in owned]
-            handle = self.rt.run(self._grant(rows, mine, float(item["lease_s"])))
+            data = self.rt.run(self._grant(rows, mine, item.lease_s))
+            # The prompt's pages this handle holds: those after the cached
+            # prefix, a CP rank's share of them; None for every page.
+            held = None if len(owned) == pages else owned
+            handle = HandleRef(data, [tuple(r) for r in self.rt.runs], held)
         else:  # a replica (or a CP rank owning no page) publishes nothing;
             # a finished request needs no decode
             self.rt.rows.give_back(rows)
         draft, lease = self.draft.publish(
             [*tokens, first], state["draft_first"], state["draft_rows"],
-            float(item["lease_s"]), finished=finish is not None,
+            item.lease_s, finished=finish is not None,
         )  # fmt: skip
         if lease is not None:
             self.outstanding[lease] = state["draft_rows"]
         tier_tokens = min(tier * self.ps, result.cached_tokens)
         state["timings"] |= {"stage_s": staged - started, "publish_s": time.perf_counter() - staged}
-        return {
-            "draft": draft,
-            "first_token": first,
-            "finish_reason": finish,
-            "cached_local": result.cached_tokens - tier_tokens,
-            "cached_tier": tier_tokens,
-            "tier_pages": tier_pages,
-            "staged_from": start,
-            "pages": pages_of(len(tokens), self.ps),
-            "handle": handle,
-            "runs": [list(r) for r in self.rt.runs],
-            # The prompt's pages this handle holds: those after the cached
-            # prefix, a CP rank's share of them; None for every page.
-            "page_indices": None if len(owned) == pages_of(len(tokens), self.ps) else owned,
-        }
+        return RankPrefill(
+            first_token=first,
+            finish_reason=finish,
+            cached_local=result.cached_tokens - tier_tokens,
+            cached_tier=tier_tokens,
+            tier_pages=tier_pages,
+            pages=pages,
+            handle=handle,
+            draft=draft,
+            timings=state["timings"],
+        )
 
     async def _grant(self, rows: list[int], owned: list[int], lease_s: float) -> bytes:
         # publish() touches the lease table: on the loop thread. The handle
@@ -279,6 +270,6 @@ class PrefillRanks:
         return handle.to_bytes()
 
 
-def prefill_rank_setup(options: RankOptions, engine) -> dict:
+def prefill_rank_setup(options: RankOptions, engine) -> PrefillRanks:
     """`ParallelEngine(rank_setup=partial(prefill_rank_setup, options))`."""
-    return PrefillRanks(engine, options).handlers()
+    return PrefillRanks(engine, options)

@@ -10,16 +10,10 @@ from dataclasses import dataclass, field
 from kvrelay.model.errors import PoolExhausted, StagingTooSmall
 from kvrelay.prefill.ranks import prefill_rank_setup
 from kvrelay.rpc import Connection, Error, PeerError
-from kvrelay.rpc.worker_ops import (
-    CachedTokens,
-    HandleRef,
-    ParallelShape,
-    Prefill,
-    PrefillReply,
-    Role,
-)
+from kvrelay.rpc.worker_ops import CachedTokens, ParallelShape, Prefill, PrefillReply, Role
 from kvrelay.worker.front import WorkerConfig, WorkerFront, log
-from kvrelay.worker.protocol import Busy, pages_of, params_of, tokens_of
+from kvrelay.worker.protocol import Busy, check_params, check_tokens, pages_of
+from kvrelay.worker.rank_ops import DropHandles, PrefillBatch, PrefillItem, PrefillRan, RankPrefill
 
 # How long the scheduler waits before asking again when staging rows are all
 # held by published handles (released by decode, or expiring).
@@ -29,7 +23,8 @@ RETRY_S = 0.02
 @dataclass(slots=True)
 class _Pending:
     rid: str
-    item: dict
+    item: PrefillItem
+    prompt_tokens: int
     future: asyncio.Future
     queued_at: float = field(default_factory=time.perf_counter)
     abandoned: bool = False  # control closed the connection before the answer
@@ -54,8 +49,8 @@ class PrefillWorker(WorkerFront):
 
     async def handle(self, conn: Connection, request: Prefill) -> None:
         rid = request.rid
-        tokens = tokens_of(request.tokens, self.vocab)
-        params = params_of(request.params, self.vocab)
+        prompt_tokens = check_tokens(request.tokens, self.vocab)
+        check_params(request.params, self.vocab)
         if self.draining or len(self._queue) >= self.config.max_queue:
             self.counters.busy_rejections += 1
             why = "draining" if self.draining else f"queue holds {len(self._queue)} requests"
@@ -63,13 +58,14 @@ class PrefillWorker(WorkerFront):
             return
         # The pool holds the whole prompt; staging only its new pages (the
         # ranks refuse a request whose new pages exceed the arena).
-        pages = pages_of(len(tokens), self.config.page_size)
+        pages = pages_of(prompt_tokens, self.config.page_size)
         if pages > self.config.num_pages:
             self.counters.errors += 1
             await conn.send(Error.of(PoolExhausted(pages, self.config.num_pages), rid))
             return
-        item = {"tokens": tokens, "params": params, "lease_s": request.lease_s}
-        pending = _Pending(rid, item, asyncio.get_running_loop().create_future())
+        item = PrefillItem(request.tokens, request.params, request.lease_s)
+        future = asyncio.get_running_loop().create_future()
+        pending = _Pending(rid, item, prompt_tokens, future)
         self._queue.append(pending)
         self._wake.set()
         # Control sends nothing more: a recv that returns means it closed.
@@ -105,7 +101,7 @@ class PrefillWorker(WorkerFront):
         """End the leases of an answer's handles now, freeing their staging rows."""
         handles = [h.handle for h in answer.handles]
         if handles:
-            await self.ranks("drop_handles", handles)
+            await self.ranks(DropHandles(handles))
 
     async def scheduler(self) -> None:
         while True:
@@ -117,7 +113,7 @@ class PrefillWorker(WorkerFront):
             self._running = len(batch)
             self._batch = batch
             try:
-                answers = await self.ranks("prefill_batch", [p.item for p in batch])
+                ran: list[PrefillRan] = await self.ranks(PrefillBatch([p.item for p in batch]))
             except Exception as exc:
                 log.error("prefill batch failed: %r", exc)
                 for pending in batch:
@@ -132,18 +128,19 @@ class PrefillWorker(WorkerFront):
             finally:
                 self._running = 0
                 self._batch = []
-            done = len(answers[0])
+            refused = ran[0].refused
+            if refused is not None:  # can never fit (its new pages exceed the staging arena)
+                self._queue.remove(batch[0])
+                if not batch[0].future.done():
+                    batch[0].future.set_exception(StagingTooSmall(refused.message))
+                continue
+            done = len(ran[0].answers)
             if not done:
                 await asyncio.sleep(RETRY_S)  # staging full: wait for releases
                 continue
             for i, pending in enumerate(batch[:done]):
                 self._queue.remove(pending)
-                refused = answers[0][i].get("error")
-                if refused:  # can never fit (its new pages exceed the staging arena)
-                    if not pending.future.done():
-                        pending.future.set_exception(StagingTooSmall(refused[1]))
-                    continue
-                answer = self._merge([rank[i] for rank in answers], pending)
+                answer = self._merge([rank.answers[i] for rank in ran], pending)
                 if pending.abandoned:
                     await self._drop(answer)
                 elif not pending.future.done():
@@ -151,36 +148,30 @@ class PrefillWorker(WorkerFront):
             # Abandoned while their batch ran but not taken: nobody waits for them.
             self._queue = [p for p in self._queue if not p.abandoned]
 
-    def _merge(self, per_rank: list[dict], pending: _Pending) -> PrefillReply:
+    def _merge(self, per_rank: list[RankPrefill], pending: _Pending) -> PrefillReply:
         first = per_rank[0]
-        tokens = pending.item["tokens"]
-        cached = first["cached_local"] + first["cached_tier"]
+        cached = first.cached_local + first.cached_tier
         c = self.counters
         c.requests += 1
-        c.prompt_tokens += len(tokens)
-        c.computed_tokens += len(tokens) - cached
-        c.local_hit_tokens += first["cached_local"]
-        c.tier_hit_tokens += first["cached_tier"]
+        c.prompt_tokens += pending.prompt_tokens
+        c.computed_tokens += pending.prompt_tokens - cached
+        c.local_hit_tokens += first.cached_local
+        c.tier_hit_tokens += first.cached_tier
         c.generated_tokens += 1
-        finish = first["finish_reason"]
-        handles = [
-            HandleRef(r["handle"], r["runs"], r.get("page_indices"))
-            for r in per_rank
-            if r["handle"] is not None
-        ]
-        handles += [HandleRef(**r["draft"], draft=True) for r in per_rank if r.get("draft")]
-        timings = dict(first["timings"])
+        timings = dict(first.timings)
         timings["queue_s"] = time.perf_counter() - pending.queued_at - sum(timings.values())
         return PrefillReply(
             rid=pending.rid,
-            first_token=first["first_token"],
-            finish_reason=finish,
-            prompt_tokens=len(tokens),
-            cached_tokens=CachedTokens(first["cached_local"], first["cached_tier"]),
-            tier_pages=first["tier_pages"],
-            pages=first["pages"],
+            first_token=first.first_token,
+            finish_reason=first.finish_reason,
+            prompt_tokens=pending.prompt_tokens,
+            cached_tokens=CachedTokens(first.cached_local, first.cached_tier),
+            tier_pages=first.tier_pages,
+            pages=first.pages,
             spec=ParallelShape(self.config.tp, self.config.pp, self.config.cp),
-            handles=handles,  # none when finished: decode is not needed
+            # none when finished (decode is not needed); the draft's last
+            handles=[r.handle for r in per_rank if r.handle is not None]
+            + [r.draft for r in per_rank if r.draft is not None],
             timings=timings,
         )
 

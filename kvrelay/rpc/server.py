@@ -89,10 +89,6 @@ class Server:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    @property
-    def connections(self) -> int:
-        return len(self._conns)
-
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:

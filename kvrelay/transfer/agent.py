@@ -39,8 +39,6 @@ from kvrelay.transfer.fastpath import copy_shared, host_id
 from kvrelay.transfer.handle import BlockHandle, check_runs, plan_checked
 from kvrelay.transfer.lease import LeaseTable
 
-_LOOPBACK: dict[str, Agent] = {}  # in-process agents of the loopback backend
-
 
 class Agent:
     def __init__(self, config: AgentConfig, transport: Transport) -> None:
@@ -62,13 +60,9 @@ class Agent:
 
     # -- lifecycle ------------------------------------------------------------
     async def start(self) -> Agent:
-        if self.config.fast_path and self.transport.name != "loopback":
+        if self.config.fast_path:
             # Measured once per boot and cached (about half a second the first time).
             self.copy_plan = await asyncio.to_thread(fast_copy_plan, self.config.fast_copy)
-        if self.transport.name == "loopback":
-            self.address = f"loopback:{self.agent_id.hex()}"
-            _LOOPBACK[self.address] = self
-            return self
         self._server = rpc.Server(
             token=self.config.token,
             requests=AgentRequest,
@@ -86,7 +80,6 @@ class Agent:
         """Ordered teardown: peers (rkeys, endpoints, mappings), server, arenas, backend."""
         for peer in list(self._peers.values()):
             self._drop_peer(peer)
-        _LOOPBACK.pop(self.address, None)
         if self._server is not None:
             await self._server.close()
         for arena in list(self.arenas.values()):
@@ -112,8 +105,8 @@ class Agent:
 
     def register_tensor(self, tensor) -> Arena:
         """Registers a caller's contiguous tensor (which must hold only KV pages).
-        GPU tensors go to the ucx backend only, which registers them with UCX."""
-        if tensor.is_cuda and self.transport.name != "ucx":
+        GPU tensors go only to a backend that moves device memory (ucx)."""
+        if tensor.is_cuda and not self.transport.device_memory:
             raise ValueError(f"the {self.transport.name} backend moves host memory only")
         return self._register(Arena.wrap(next(self._arena_ids), tensor))
 
@@ -221,9 +214,6 @@ class Agent:
         # answers must not hold the caller.
         async with asyncio.timeout(timeout or self.config.timeout):
             peer = await self._peer(handle)
-            if peer.conn is None:
-                _LOOPBACK[peer.address].leases.release(handle.lease_id)
-                return
             async with peer.conn.lock:
                 await rpc.call(peer.conn, Release(lease=handle.lease_id), rpc.Ok, None)
 
@@ -240,8 +230,7 @@ class Agent:
             # the other awaited: keep the first peer, close the extra socket.
             first = self._peers.setdefault(handle.agent, peer)
             if first is not peer:
-                if peer.conn is not None:
-                    peer.conn.close()
+                peer.conn.close()
                 peer = first
         if peer.agent_id != handle.agent_id:
             raise UnknownArena(f"the handle names an earlier instance of agent {handle.agent}")
@@ -252,16 +241,10 @@ class Agent:
         # otherwise dropped only when used again: until then its mappings
         # would keep its arenas' memory alive here.
         for peer in list(self._peers.values()):
-            if peer.conn is not None and peer.conn.closed_by_peer():
+            if peer.conn.closed_by_peer():
                 self._drop_peer(peer)
 
     async def _connect(self, address: str) -> Peer:
-        if address.startswith("loopback:"):
-            other = _LOOPBACK.get(address)
-            if other is None or other.config.token != self.config.token:
-                raise PeerError(f"no loopback agent {address} with this cluster token")
-            hello = AgentWelcome(other.agent_id, other.host_id, [])
-            return Peer(address, other.agent_id, other.host_id, {}, None, hello)
         conn, hello = await rpc.connect(
             address, self.config.token, AgentWelcome, self.config.timeout
         )
@@ -272,12 +255,8 @@ class Agent:
 
     async def _arena_info(self, peer: Peer, arena_id: int) -> ArenaInfo:
         if arena_id not in peer.arenas:  # registered after our hello: refresh once
-            if peer.conn is None:
-                owner = _LOOPBACK.get(peer.address)
-                table = owner.arena_table() if owner is not None else []
-            else:
-                async with peer.conn.lock:
-                    table = (await rpc.call(peer.conn, Arenas(), ArenaTable, None)).arenas
+            async with peer.conn.lock:
+                table = (await rpc.call(peer.conn, Arenas(), ArenaTable, None)).arenas
             peer.arenas = _arenas(table)
         info = peer.arenas.get(arena_id)
         if info is None:
@@ -291,8 +270,7 @@ class Agent:
         for mapping in peer.mappings.values():
             mapping.close()
         peer.mappings.clear()
-        if peer.conn is not None:
-            peer.conn.close()
+        peer.conn.close()
 
     def stats(self) -> dict:
         return {

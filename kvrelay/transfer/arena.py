@@ -230,7 +230,11 @@ def _compiled(name: str, reference):
         from kvrelay.transfer import _runcopy
     except ImportError:  # built without it: same results, slower
         return reference
-    return getattr(_runcopy, name, reference)
+    if not hasattr(_runcopy, "readv_runs"):
+        # A build from before readv_runs, whose copy_runs takes no `prefetch`
+        # either: the references until it is rebuilt (setup.py build_ext).
+        return reference
+    return getattr(_runcopy, name)
 
 
 copy_runs = _compiled("copy_runs", copy_runs_reference)

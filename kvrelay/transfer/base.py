@@ -39,7 +39,7 @@ class Peer:
     agent_id: bytes
     host_id: str
     arenas: dict[int, ArenaInfo]
-    conn: Connection | None
+    conn: Connection
     hello: AgentWelcome
     on_host: bool = False  # the peer runs on this host (and PID namespace)
     same_host: bool = False  # on_host and the fast path is enabled
@@ -51,6 +51,8 @@ class Transport(ABC):
     """Moves bytes between a local arena and a peer's arena; one per agent."""
 
     name: str
+    # Whether `register` takes device (CUDA) memory; the others move host memory only.
+    device_memory: bool = False
 
     def hello_fields(self) -> dict:
         """Fields of `AgentWelcome` this backend fills in (e.g. a UCX worker address)."""

@@ -8,7 +8,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvrelay.options import option
-from kvrelay.worker.rank import RankOptions
+from kvrelay.rpc.worker_ops import Role
+from kvrelay.worker.rank import RankOptions, Staging
 
 BACKENDS = ("auto", "ucx", "tcp")
 
@@ -41,13 +42,10 @@ class WorkerConfig:
         help="cpu, cuda or cuda:N: the first rank's device; rank r on cuda:N+r, "
         "or all on one GPU when one is visible",
     )
-    # The choices are kvrelay.model.device.STAGING_KINDS, not imported here:
-    # parsing the command line must not load torch.
-    staging: str = option(
-        "pinned",
+    staging: Staging = option(  # noqa: RUF009 (option() is a dataclasses.field)
+        Staging.PINNED,
         help="GPU pools: staging in host memory via pinned buffers (pinned) or in GPU "
         "memory (device; ucx only)",
-        choices=["device", "pinned"],
     )
     # The defaults are kvrelay.model.engine's and paged_attention's (not
     # imported: parsing the command line must not load torch).
@@ -88,13 +86,25 @@ class WorkerConfig:
         "prefill: any K > 0 computes, stages and writes the MTP layer's draft pages too",
         minimum=0,
     )
+    batch_invariant_attention: bool = option(
+        False,
+        help="attention whose bits do not depend on the batch: pages byte-identical "
+        "whatever --cp computed them (slower prefill attention)",
+    )
+    # The choices are kvrelay.layout.KEY_SCHEMES (not imported: see staging).
+    key_scheme: str = option(
+        "kvrelay",
+        help="how page keys derive from token ids: kvrelay, or sglang to hit the pages "
+        "SGLang ranks write through kvrelay's HiCache backend (same model identity)",
+        choices=["kvrelay", "sglang"],
+    )
 
-    def checked(self, role: str) -> WorkerConfig:
+    def checked(self, role: Role) -> WorkerConfig:
         """This config with the backend and device resolved; SystemExit for
         combinations the role cannot run."""
         from kvrelay.model.device import DeviceError, parse_device
 
-        if role == "decode" and self.cp != 1:
+        if role is Role.DECODE and self.cp != 1:
             raise SystemExit(
                 "kvrelay launch decode: --cp is not supported on decode (decode runs CP=1; "
                 "it reads pages written by a prefill of any --cp)"
@@ -104,7 +114,7 @@ class WorkerConfig:
             device = parse_device(self.device)
         except DeviceError as exc:
             raise SystemExit(f"kvrelay launch: {exc}") from None
-        if device.type == "cuda" and self.staging == "device" and backend != "ucx":
+        if device.type == "cuda" and self.staging == Staging.DEVICE and backend != "ucx":
             raise SystemExit(
                 "kvrelay launch: --staging device puts staging in GPU memory, which only the "
                 f"ucx backend moves; use --backend ucx or --staging pinned (not {backend})"

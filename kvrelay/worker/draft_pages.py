@@ -30,6 +30,7 @@ import asyncio
 from kvrelay.cache.client import CacheClient, CacheClientConfig
 from kvrelay.layout import draft_rectangle
 from kvrelay.model.draft_transfer import draft_keys, export_draft_prefix, import_draft_prefix
+from kvrelay.rpc.worker_ops import HandleRef
 from kvrelay.transfer import BlockHandle
 from kvrelay.worker.rank import RankRuntime
 
@@ -122,9 +123,9 @@ class DraftPages:
     ):
         """Export draft pages [first, first + len(rows)) of `tokens` (prompt and
         first token) into `rows`, write them through, and publish a handle over
-        them unless the request is `finished`. Returns (the answer's draft
-        entry or None, the handle's lease id or None); rows not under a handle
-        are given back."""
+        them unless the request is `finished`. Returns (the draft handle or
+        None, the handle's lease id or None); rows not under a handle are
+        given back."""
         if not rows:
             return None, None
         export_draft_prefix(self.engine, tokens, self.view, self._ids(rows), first_page=first)
@@ -146,9 +147,8 @@ class DraftPages:
             return self.rt.agent.publish(self.rt.arena, runs, self.namespace, lease_s)
 
         handle = self.rt.run(grant())
-        entry = {"handle": handle.to_bytes(), "runs": [list(r) for r in self.runs],
-                 "pages": [first + i for i in mine]}  # fmt: skip
-        return entry, handle.lease_id
+        pages = [first + i for i in mine]
+        return HandleRef(handle.to_bytes(), list(self.runs), pages, draft=True), handle.lease_id
 
     # -- decode ---------------------------------------------------------------------
     async def pull(self, keys: list[bytes], first: int, rows: list[int], handles) -> dict:
@@ -175,14 +175,14 @@ class DraftPages:
         need = self.rect.num_bytes(self.spec)
         plan: dict[int, list] = {}  # page -> [(handle, remote run, local offset)]
         for entry in handles:
-            handle = BlockHandle.from_bytes(entry["handle"])
-            theirs = [tuple(r) for r in entry["runs"]]
-            held = entry.get("pages") or []
+            handle = BlockHandle.from_bytes(entry.handle)
+            theirs = entry.runs
+            held = entry.pages or []
             overlap = intersect(self.runs, theirs)
             if not overlap or len(handle.runs) != len(held) * len(theirs):
                 continue
             for slot, page in enumerate(held):
-                if isinstance(page, int) and start <= page < end:
+                if start <= page < end:
                     base = handle.runs[slot * len(theirs)][0] - theirs[0][0]
                     local = rows[page - first] * self.rt.page_bytes
                     for offset, length in overlap:

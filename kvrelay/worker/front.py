@@ -31,6 +31,7 @@ from kvrelay.rpc.worker_ops import (
     WorkerStats,
     WorkerWelcome,
 )
+from kvrelay.worker import rank_ops
 from kvrelay.worker.config import WorkerConfig
 from kvrelay.worker.protocol import WorkerCounters
 from kvrelay.worker.registration import Registrar
@@ -70,6 +71,8 @@ class WorkerFront:
             num_pages=c.num_pages,
             device=c.device,
             speculative=c.speculative,
+            key_scheme=c.key_scheme,
+            batch_invariant_attention=c.batch_invariant_attention,
             max_prefill_tokens=c.max_prefill_tokens,
             timeout_s=c.rank_timeout_s,
             attention_chunk_tokens=c.attention_chunk_tokens,
@@ -104,6 +107,7 @@ class WorkerFront:
             "address": self.address,
             "model": self.spec.model_id,
             "namespace": self.spec.namespace().hex(),
+            "key_scheme": self.spec.key_scheme,
             "page_size": c.page_size,
             "vocab_size": self.vocab,
             "tp": c.tp,
@@ -147,24 +151,27 @@ class WorkerFront:
         return task
 
     # -- the ranks -------------------------------------------------------------------
-    async def ranks(self, name: str, *args) -> list:
-        """Runs a command on every rank (one at a time); their answers."""
+    async def ranks(self, message: rank_ops.RankMessage) -> list:
+        """Runs a command on every rank (one command at a time); their
+        replies, in rank order, each validated as the command's reply type."""
+        payload = rank_ops.encode(message)
         async with self._lock:
-            return await asyncio.to_thread(self.engine.call, name, *args)
+            replies = await asyncio.to_thread(self.engine.ask, payload)
+        return [rank_ops.decode_reply(message, reply) for reply in replies]
 
     async def status(self, fresh: bool = True) -> dict:
         if not fresh and self._lock.locked() and self._last_status is not None:
             # The ranks are busy (a long batch): a heartbeat must not wait for them.
             return self._last_status | {"queued": self.queued(), "active": self.active()}
-        counters = await self.ranks("counters")
+        counters = await self.ranks(rank_ops.Counters())
         self._last_status = {
             "queued": self.queued(),
             "active": self.active(),
-            "free_pages": min(c["free_pages"] for c in counters),
-            "staging_free": min(c["staging_free"] for c in counters),
-            "bytes_from_tier": sum(c["bytes_from_tier"] for c in counters),
-            "bytes_to_tier": sum(c["bytes_to_tier"] for c in counters),
-            "writeback_skipped_pages": max(c.get("writeback_skipped_pages", 0) for c in counters),
+            "free_pages": min(c.free_pages for c in counters),
+            "staging_free": min(c.staging_free for c in counters),
+            "bytes_from_tier": sum(c.bytes_from_tier for c in counters),
+            "bytes_to_tier": sum(c.bytes_to_tier for c in counters),
+            "writeback_skipped_pages": max(c.writeback_skipped_pages for c in counters),
         }
         return self._last_status
 
@@ -186,7 +193,7 @@ class WorkerFront:
         if isinstance(request, WorkerStats):
             return StatsReply(self._stats(await self.status()))
         if isinstance(request, FlushPool):
-            await self.ranks("clear_cache")
+            await self.ranks(rank_ops.ClearCache())
             return rpc.Ok()
         if isinstance(request, Drain):
             self.draining = True

@@ -23,35 +23,32 @@ def pages_of(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
-def sampling(params: dict, **override) -> SamplingParams:
-    """The protocol's params (as `params_of` gives them) as SamplingParams.
-    A missing seed is 0, so prefill and decode draw the same tokens."""
-    fields = {**params, **override}
-    fields["seed"] = fields.get("seed") or 0
-    fields["stop_token_ids"] = tuple(fields.get("stop_token_ids") or ())
+def sampling(params: Params, **override) -> SamplingParams:
+    """The protocol's params as SamplingParams. A missing seed is 0, so
+    prefill and decode draw the same tokens."""
+    fields = msgspec.structs.asdict(params) | override
+    fields["seed"] = fields["seed"] or 0
+    fields["stop_token_ids"] = tuple(fields["stop_token_ids"])
     return SamplingParams(**fields)
 
 
-def tokens_of(packed: bytes, vocab: int, name: str = "tokens") -> list[int]:
-    """Packed token ids (the message type checked their framing) as a list,
-    each inside the vocabulary."""
+def check_tokens(packed: bytes, vocab: int, name: str = "tokens") -> int:
+    """The number of packed token ids (the message type checked their
+    framing); RequestError unless each lies inside the vocabulary."""
     array = np.frombuffer(packed, dtype="<u4")
     if array.size and int(array.max()) >= vocab:
         raise RequestError(f"{name} must be integers in [0, {vocab})")
-    return array.tolist()
+    return int(array.size)
 
 
-def params_of(params: Params, vocab: int) -> dict:
-    """The request's params as the ranks take them; RequestError for values
-    this model cannot honour."""
+def check_params(params: Params, vocab: int) -> None:
+    """RequestError for sampling values this model cannot honour."""
     # NaN passed every range check and then failed the whole batch.
     if not (math.isfinite(params.temperature) and math.isfinite(params.top_p)):
         raise RequestError("temperature and top_p must be finite numbers")
     if any(t >= vocab for t in params.stop_token_ids):
         raise RequestError(f"stop_token_ids must be integers in [0, {vocab})")
-    out = msgspec.structs.asdict(params)
-    sampling(out)  # SamplingParams' own range checks
-    return out
+    sampling(params)  # SamplingParams' own range checks
 
 
 @dataclass(slots=True)

@@ -11,11 +11,23 @@ on the loop thread.
 from __future__ import annotations
 
 import asyncio
+import enum
 import threading
 from dataclasses import dataclass
 
 from kvrelay.cache.client import CacheClient, CacheClientConfig
 from kvrelay.layout import rank_rectangle
+from kvrelay.worker.rank_ops import ClearCache, Counters, RankCounters, RankService
+
+
+class Staging(enum.StrEnum):
+    """Where a GPU pool's staging arena lives."""
+
+    # Page-locked host memory (any backend, the memfd fast path included).
+    PINNED = "pinned"
+    # GPU memory next to the pool (UCX moves it: cuda_ipc on one host,
+    # GPUDirect RDMA across hosts).
+    DEVICE = "device"
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +39,7 @@ class RankOptions:
     backend: str
     cache: tuple[str, ...]
     staging_pages: int
-    staging: str  # a GPU pool's staging: "pinned" (host) or "device" (GPU memory)
+    staging: Staging
     transfer_timeout_s: float
     local_cache: bool
     write_back: bool
@@ -88,7 +100,7 @@ class RankRuntime:
         `staging="pinned"`; GPU memory on the pool's GPU, registered with UCX,
         with `staging="device"`."""
         device = self.engine.pool.device
-        if device.type == "cuda" and self.options.staging == "device":
+        if device.type == "cuda" and self.options.staging == Staging.DEVICE:
             import torch
 
             return self.agent.register_tensor(torch.zeros(size, dtype=torch.uint8, device=device))
@@ -130,16 +142,17 @@ class RankRuntime:
             ok = self.cache.stats.errors == errors
         return bool(self.agree(int(ok)))
 
-    def counters(self) -> dict:
+    def counters(self, **role) -> RankCounters:
         stats = self.cache.stats if self.cache is not None else None
-        return {
-            "bytes_from_tier": stats.bytes_in if stats else 0,
-            "bytes_to_tier": stats.bytes_out if stats else 0,
-            "free_pages": self.engine.pool.free_pages,
-            "staging_free": self.rows.free,
-        }
+        return RankCounters(
+            bytes_from_tier=stats.bytes_in if stats else 0,
+            bytes_to_tier=stats.bytes_out if stats else 0,
+            free_pages=self.engine.pool.free_pages,
+            staging_free=self.rows.free,
+            **role,
+        )
 
-    def clear_cache(self) -> None:
+    def clear_cache(self, _: ClearCache | None = None) -> None:
         self.engine.pool.clear_cache()
 
     def close(self) -> None:
@@ -153,3 +166,26 @@ class RankRuntime:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=5)
+
+
+class RoleRanks(RankService):
+    """A role's commands in one rank, over the rank's `RankRuntime` and its
+    draft pages (`DraftPages`); every role answers `Counters` and `ClearCache`."""
+
+    def __init__(self, engine, options: RankOptions, handlers: dict) -> None:
+        from kvrelay.worker.draft_pages import DraftPages  # it imports this module
+
+        self.rt = RankRuntime(engine, options)
+        self.draft = DraftPages(self.rt)
+        self.engine = engine
+        self.ps = engine.spec.page_size
+        super().__init__({Counters: self.counters, ClearCache: self.rt.clear_cache, **handlers})
+
+    def counters(self, _: Counters) -> RankCounters:
+        return self.rt.counters()
+
+    def close(self) -> None:
+        try:
+            self.rt.run(self.draft.close(), timeout=10)
+        finally:
+            self.rt.close()

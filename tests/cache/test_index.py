@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrelay.cache import CacheIndexError, L2Slot, L3Object, PageIndex
+from kvrelay.cache import CacheIndexError, PageIndex
 from kvrelay.layout import ParallelConfig, page_writers
 from tests.cache.specs import SPEC
 from tests.layout.strategies import kv_specs, parallel_configs
@@ -28,7 +28,7 @@ def key(i: int) -> bytes:
 def sealed_index(n: int, clock: FakeClock | None = None) -> PageIndex:
     index = PageIndex(SPEC.page_bytes, clock or FakeClock())
     for i in range(n):
-        index.insert(key(i), L2Slot(i), sealed=True)
+        index.insert(key(i), i, sealed=True)
         if clock is not None:
             clock.advance(1)
     return index
@@ -36,17 +36,17 @@ def sealed_index(n: int, clock: FakeClock | None = None) -> PageIndex:
 
 def test_lookup_returns_longest_sealed_prefix():
     index = sealed_index(5)
-    index.insert(key(10), L2Slot(10))  # unsealed
+    index.insert(key(10), 10)  # unsealed
     keys = [key(0), key(1), key(2), key(10), key(3)]
     assert index.lookup(keys).hits == 3
     assert index.lookup([key(0), key(99), key(1)]).hits == 1
     assert index.lookup([key(99), key(0)]).hits == 0
-    assert [e.location for e in index.lookup(keys[:2]).entries] == [L2Slot(0), L2Slot(1)]
+    assert [e.slot for e in index.lookup(keys[:2]).entries] == [0, 1]
 
 
 def test_page_seals_only_when_every_rectangle_is_written():
     index = PageIndex(SPEC.page_bytes, FakeClock())
-    index.insert(key(0), L2Slot(0))
+    index.insert(key(0), 0)
     writers = page_writers(SPEC, ParallelConfig(tp=2, pp=2), 0)
     assert len(writers) == 4
     for _, rect in writers[:-1]:
@@ -72,7 +72,7 @@ def writers_in_any_order(draw):
 def test_sealing_with_rectangles_in_any_order(case):
     spec, order = case
     index = PageIndex(spec.page_bytes, FakeClock())
-    index.insert(key(0), L2Slot(0))
+    index.insert(key(0), 0)
     covered = bytearray(spec.page_bytes)
     for rect in order:
         sealed = index.record_rectangle(key(0), spec, rect)
@@ -86,7 +86,7 @@ def test_sealing_with_rectangles_in_any_order(case):
 
 def test_runs_merge_from_any_side_and_reject_outside():
     index = PageIndex(100, FakeClock())
-    index.insert(key(0), L2Slot(0))
+    index.insert(key(0), 0)
     assert not index.record_runs(key(0), [(50, 10), (10, 10)])
     assert not index.record_runs(key(0), [(20, 30)])  # joins [10,20) and [50,60)
     assert index.get(key(0)).filled == [(10, 60)]
@@ -95,7 +95,7 @@ def test_runs_merge_from_any_side_and_reject_outside():
     assert index.record_runs(key(0), [(0, 5)])
     with pytest.raises(CacheIndexError):
         index.record_runs(key(1), [(0, 1)])
-    index.insert(key(1), L2Slot(1))
+    index.insert(key(1), 1)
     for bad in [(-1, 2), (99, 2), (0, 0)]:
         with pytest.raises(CacheIndexError):
             index.record_runs(key(1), [bad])
@@ -104,16 +104,16 @@ def test_runs_merge_from_any_side_and_reject_outside():
 def test_keys_are_checked_and_inserted_once():
     index = PageIndex(10, FakeClock())
     with pytest.raises(CacheIndexError):
-        index.insert(b"short", L2Slot(0))
-    index.insert(key(0), L2Slot(0))
+        index.insert(b"short", 0)
+    index.insert(key(0), 0)
     with pytest.raises(CacheIndexError):
-        index.insert(key(0), L2Slot(1))
+        index.insert(key(0), 1)
 
 
 def test_lru_eviction_skips_pinned_and_unsealed_pages():
     clock = FakeClock()
     index = sealed_index(4, clock)
-    index.insert(key(9), L2Slot(9))  # unsealed: never evicted
+    index.insert(key(9), 9)  # unsealed: never evicted
     # Touch page 0: it becomes the most recently used.
     index.lookup([key(0)])
     clock.advance(1)
@@ -128,12 +128,11 @@ def test_lru_eviction_skips_pinned_and_unsealed_pages():
     assert index.evict(10) == []
 
 
-def test_evict_where_restricts_to_a_tier():
+def test_evict_where_restricts_the_choice():
     index = sealed_index(3)
-    index.move(key(0), L3Object("file"))
-    victims = index.evict(10, where=lambda e: isinstance(e.location, L2Slot))
+    victims = index.evict(10, where=lambda e: e.slot != 0)
     assert sorted(v.key for v in victims) == sorted([key(1), key(2)])
-    assert index.get(key(0)).location == L3Object("file")
+    assert index.get(key(0)).slot == 0
 
 
 def test_lookup_pins_hits_under_a_lease_until_released():
@@ -186,8 +185,8 @@ def test_extend_keeps_a_lease_alive():
 def test_reservation_whose_lease_expires_is_dropped_as_abandoned():
     clock = FakeClock()
     index = PageIndex(SPEC.page_bytes, clock)
-    index.insert(key(0), L2Slot(0))
-    index.insert(key(1), L2Slot(1))
+    index.insert(key(0), 0)
+    index.insert(key(1), 1)
     index.pin([key(0), key(1)], lease_s=5)
     index.record_runs(key(1), [(0, SPEC.page_bytes)])  # sealed while pinned
     assert index.drop_abandoned() == []

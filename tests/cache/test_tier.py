@@ -105,7 +105,7 @@ async def test_eviction_demotes_to_l3_and_lookup_promotes_back(tmp_path):
         # Evicting 0..2 now writes nothing: L3 holds the bytes they came from.
         assert tier.stats.demotions == 6 and tier.stats.clean_evictions == 3
         assert tier.lookup(KEYS[:3]).hits == 3  # and they are still there
-        assert [bytes(tier.arena.view(e.location.slot)) for e in tier.lookup(KEYS[:3]).entries] == [
+        assert [bytes(tier.arena.view(e.slot)) for e in tier.lookup(KEYS[:3]).entries] == [
             content(i) for i in range(3)
         ]
         await agent.close()

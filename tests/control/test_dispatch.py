@@ -352,7 +352,7 @@ def test_job_keys_of_the_prompt_and_what_follows_extend_the_prompt_chain():
     from kvrelay.control.dispatch import Job
     from kvrelay.layout.keys import page_keys
 
-    node = SimpleNamespace(namespace=b"n" * 32, page_size=4)
+    node = SimpleNamespace(namespace=b"n" * 32, page_size=4, key_scheme="kvrelay")
     prompt = list(range(10))
     job = Job("r", "m", prompt, {})
     assert job.page_keys(node) == page_keys(node.namespace, prompt, 4)

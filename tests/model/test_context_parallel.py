@@ -9,15 +9,17 @@ import torch
 
 from kvrelay.layout import ParallelConfig
 from kvrelay.model import Request, SamplingParams, load_engine
-from kvrelay.model.context_parallel import zigzag_chunks
+from kvrelay.model.context_parallel import page_zigzag_chunks, zigzag_chunks
 from kvrelay.model.page_export import export_prefix, import_prefix
 from kvrelay.model.parallel import ParallelEngine
 from tests.model.conftest import prompt_tokens
 from tests.model.oracle import hf_greedy, hf_model
 
 PAGE = 16
-PROMPT = 4 * PAGE + 9  # 4 full pages and a partial fifth
-PAGES = 5
+# 10 full pages and a partial 11th: CP=4's 8 page-aligned chunks, cold and
+# after the cached prefix (9 pages), give every rank tokens.
+PROMPT = 10 * PAGE + 9
+PAGES = 11
 CACHED = 2 * PAGE + 8  # a cached prefix that ends inside page 2
 NEW = 24
 EXACT = 1e-9
@@ -43,6 +45,42 @@ def test_zigzag_gives_rank_r_chunks_r_and_2c_minus_1_minus_r(tokens, cp):
             assert len(mine) == 2 and mine[0][1] <= mine[1][0]
 
 
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize(("cached", "length"), [(0, PROMPT), (CACHED, PROMPT - CACHED), (5, 140)])
+def test_cp_chunks_are_cut_on_page_boundaries(cached, length, cp):
+    chunks = page_zigzag_chunks(cached, length, PAGE, cp)
+    covered = sorted(t for rank in chunks for a, b in rank for t in range(a, b))
+    assert covered == list(range(length))
+    assert all(len(mine) == 2 for mine in chunks)  # every rank gets tokens here
+    for a, b in (c for rank in chunks for c in rank):
+        assert a == 0 or (cached + a) % PAGE == 0
+        assert b == length or (cached + b) % PAGE == 0
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_batch_invariant_attention_splits_rows_as_cp_does(invariant):
+    """Rows [cached, context) attended in one forward vs in CP's page-aligned
+    pieces (each the tail of a context ending at its end): the same bits with
+    batch-invariant attention; the one-call kernel rounds differently."""
+    from kvrelay.model.attention import AttentionBatch
+    from kvrelay.model.paged_attention import PagedOnlineSoftmaxBackend
+
+    gen = torch.Generator().manual_seed(5)
+    cached, length, pages = 21, 9 * PAGE + 3, 12
+    k, v = (torch.randn(pages * PAGE, 2, 8, generator=gen, dtype=torch.float64) for _ in "kv")
+    q = torch.randn(length, 8, 8, generator=gen, dtype=torch.float64)
+    table = torch.randperm(pages, generator=gen)
+    backend = PagedOnlineSoftmaxBackend(3 * PAGE, batch_invariant=invariant)
+    whole = backend.attend(q, k, v, AttentionBatch((0,), (length,), (cached + length,),
+                                                   (table,), PAGE), 0.3)  # fmt: skip
+    pieces = torch.empty_like(whole)
+    for a, b in (c for rank in page_zigzag_chunks(cached, length, PAGE, 4) for c in rank):
+        batch = AttentionBatch((0,), (b - a,), (cached + b,), (table,), PAGE)
+        pieces[a:b] = backend.attend(q[a:b], k, v, batch, 0.3)
+    assert torch.equal(pieces, whole) == invariant
+    torch.testing.assert_close(pieces, whole, rtol=0, atol=1e-12)
+
+
 @pytest.fixture(scope="module")
 def oracle(model_dirs):
     """HF's prefill logits and greedy tokens; CP=1's unified pages of the prompt."""
@@ -50,7 +88,9 @@ def oracle(model_dirs):
     prompt = prompt_tokens(PROMPT, seed=31)
     hf = hf_greedy(hf_model(model_dir), prompt, NEW)
     assert len(set(hf.tokens)) >= 12
-    engine = load_engine(model_dir, dtype="float64", page_size=PAGE, num_pages=32)
+    engine = load_engine(
+        model_dir, dtype="float64", page_size=PAGE, batch_invariant_attention=True, num_pages=32
+    )
     engine.generate([Request(prompt, SamplingParams(1))])
     arena = torch.zeros(PAGES, engine.spec.page_bytes, dtype=torch.uint8)
     export_prefix(engine, prompt, arena)
@@ -75,12 +115,11 @@ def run_group(group, prompt, hf) -> torch.Tensor:
 
 
 def assert_pages_equal(pages, want):
-    """Same layout, same values: equal up to the last bits of float64 (the CPU
-    SDPA kernel's rounding depends on how many query rows it gets)."""
+    """Byte for byte: with batch-invariant attention (query blocks and key
+    chunks cut at global positions), CP's whole-page chunks compute CP=1's bits."""
     assert pages.shape == want.shape
     assert bool((pages != 0).any(dim=1).all())  # every page written
-    got, want = pages.view(torch.float64), want.view(torch.float64)
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert torch.equal(pages, want)
 
 
 def generate_from_pages(engine_or_group, prompt, hf):
@@ -95,7 +134,13 @@ def generate_from_pages(engine_or_group, prompt, hf):
 def cp2_pages(oracle):
     model_dir, prompt, hf, cp1_pages = oracle
     with ParallelEngine(
-        model_dir, cp=2, dtype="float64", page_size=PAGE, num_pages=32, timeout_s=240
+        model_dir,
+        cp=2,
+        dtype="float64",
+        page_size=PAGE,
+        batch_invariant_attention=True,
+        num_pages=32,
+        timeout_s=240,
     ) as group:
         pages = run_group(group, prompt, hf)
         # CP=1's pages read by the CP group (every CP rank imports every page).
@@ -111,7 +156,9 @@ def test_cp2_matches_hf_and_writes_cp1s_pages(oracle, cp2_pages):
 
 def test_a_prefix_written_at_cp2_is_a_full_hit_for_cp1(oracle, cp2_pages):
     model_dir, prompt, hf, _ = oracle
-    engine = load_engine(model_dir, dtype="float64", page_size=PAGE, num_pages=32)
+    engine = load_engine(
+        model_dir, dtype="float64", page_size=PAGE, batch_invariant_attention=True, num_pages=32
+    )
     assert import_prefix(engine, prompt, cp2_pages) == PAGES
     generate_from_pages(engine, prompt, hf)
 
@@ -123,7 +170,13 @@ def test_each_page_is_exported_by_one_cp_rank(oracle):
         union = torch.zeros_like(cp1_pages)
         for cp_rank in range(cp):
             parallel = ParallelConfig(cp=cp, cp_rank=cp_rank)
-            rank = load_engine(model_dir, dtype="float64", page_size=PAGE, parallel=parallel)
+            rank = load_engine(
+                model_dir,
+                dtype="float64",
+                page_size=PAGE,
+                batch_invariant_attention=True,
+                parallel=parallel,
+            )
             import_prefix(rank, prompt, cp1_pages)
             arena = torch.zeros_like(cp1_pages)
             export_prefix(rank, prompt, arena)
@@ -135,7 +188,13 @@ def test_each_page_is_exported_by_one_cp_rank(oracle):
 
 def test_a_cp_rank_without_its_group_says_so(oracle):
     model_dir, prompt, _, _ = oracle
-    alone = load_engine(model_dir, dtype="float64", page_size=PAGE, parallel=ParallelConfig(cp=2))
+    alone = load_engine(
+        model_dir,
+        dtype="float64",
+        page_size=PAGE,
+        batch_invariant_attention=True,
+        parallel=ParallelConfig(cp=2),
+    )
     with pytest.raises(RuntimeError, match="needs a group of that many CP ranks"):
         alone.generate([Request(prompt, SamplingParams(2))])
     assert alone.pool.free_pages == alone.pool.num_pages
@@ -155,9 +214,28 @@ def test_cp_with_tp_and_pp_matches_hf_and_reads_cp2_pages(oracle, cp2_pages, tp,
     model_dir, prompt, hf, cp1_pages = oracle
     with ParallelEngine(
         model_dir, tp=tp, pp=pp, cp=cp, dtype="float64", page_size=PAGE, num_pages=32,
-        timeout_s=240,
+        batch_invariant_attention=True, timeout_s=240,
     ) as group:  # fmt: skip
-        assert_pages_equal(run_group(group, prompt, hf), cp1_pages)
+        pages = run_group(group, prompt, hf)
         group.clear_cache()
         assert group.import_prefix(prompt, cp2_pages) == PAGES
         generate_from_pages(group, prompt, hf)
+    if tp == 1:  # PP splits layers, not sums: CP=1's bytes
+        assert_pages_equal(pages, cp1_pages)
+        return
+    # TP's all-reduce sums partial products in another order than TP=1: equal
+    # to rounding across TP, byte for byte against the same TP at CP=1.
+    torch.testing.assert_close(pages.view(torch.float64), cp1_pages.view(torch.float64),
+                               rtol=0, atol=1e-12)  # fmt: skip
+    with ParallelEngine(
+        model_dir,
+        tp=tp,
+        pp=pp,
+        dtype="float64",
+        page_size=PAGE,
+        batch_invariant_attention=True,
+        num_pages=32,
+        timeout_s=240,
+    ) as same_tp:
+        same_tp.generate([Request(prompt, SamplingParams(1))])
+        assert_pages_equal(pages, same_tp.export_prefix(prompt))

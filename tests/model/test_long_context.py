@@ -74,8 +74,10 @@ def test_paged_backend_equals_dense_path(kv_heads):
     q = torch.randn(row, q_heads, dim, generator=torch.Generator().manual_seed(3)).double()
     want = TorchSDPABackend().attend(q, k_pool, v_pool, batch, 0.3)
     for chunk in (16, 100, 256, 1 << 20):
-        got = PagedOnlineSoftmaxBackend(chunk).attend(q, k_pool, v_pool, batch, 0.3)
-        assert max_diff(got, want) < 1e-12, chunk
+        for invariant in (False, True):
+            backend = PagedOnlineSoftmaxBackend(chunk, batch_invariant=invariant)
+            got = backend.attend(q, k_pool, v_pool, batch, 0.3)
+            assert max_diff(got, want) < 1e-12, (chunk, invariant)
 
 
 def test_attention_blocks_are_bounded_by_the_chunk(monkeypatch):

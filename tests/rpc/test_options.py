@@ -1,6 +1,7 @@
 """Config dataclasses as the one source of flags, environment and defaults."""
 
 import argparse
+import enum
 from dataclasses import dataclass
 
 import pytest
@@ -12,6 +13,11 @@ from kvrelay.options import option
 from kvrelay.worker.config import WorkerConfig
 
 
+class Mode(enum.StrEnum):
+    FAST = "fast"
+    SAFE = "safe"
+
+
 @dataclass
 class Example:
     token: str = option(help="a required one")
@@ -20,6 +26,7 @@ class Example:
     names: tuple[str, ...] = option((), help="comma list")
     on: bool = option(True, help="a switch")
     size: int | None = option(None, help="in GiB", flag="--size-gb", scale=1 << 30)
+    mode: Mode = option(Mode.SAFE, help="an enum: its values are the choices")  # noqa: RUF009
 
 
 def parse(argv, env=None):
@@ -36,6 +43,8 @@ def test_flag_then_environment_then_default():
            "KVRELAY_NAMES": "x,y", "KVRELAY_SIZE": "2"}  # fmt: skip
     assert parse([], env) == Example("e", 3.0, names=("x", "y"), on=False, size=2 << 30)
     assert parse(["--rate", "4"], env).rate == 4.0  # the flag wins
+    assert parse(["--token", "t", "--mode", "fast"]).mode is Mode.FAST
+    assert parse(["--token", "t"], {"KVRELAY_MODE": "fast"}).mode is Mode.FAST
 
 
 @pytest.mark.parametrize(
@@ -44,7 +53,8 @@ def test_flag_then_environment_then_default():
      (["--token", "t", "--rate", "0"], {}, "--rate must be > 0"),
      (["--token", "t", "--count", "6"], {}, "--count must be <= 5"),
      (["--token", "t"], {"KVRELAY_COUNT": "many"}, "--count / KVRELAY_COUNT"),
-     (["--token", "t"], {"KVRELAY_ON": "maybe"}, "not a boolean")],
+     (["--token", "t"], {"KVRELAY_ON": "maybe"}, "not a boolean"),
+     (["--token", "t"], {"KVRELAY_MODE": "reckless"}, "--mode / KVRELAY_MODE")],
 )  # fmt: skip
 def test_bad_values_name_the_flag_and_the_variable(argv, env, message):
     with pytest.raises(SystemExit, match=message):

@@ -1,4 +1,5 @@
-"""The loopback backend (in-process) and the backend registry."""
+"""The loopback backend (in-process, a full peer: control server, hello,
+arena table) and the backend registry."""
 
 import asyncio
 import hashlib
@@ -7,6 +8,8 @@ import pytest
 import torch
 
 from kvrelay.transfer import (
+    AuthError,
+    BlockHandle,
     LeaseExpired,
     NamespaceMismatch,
     PeerError,
@@ -19,11 +22,12 @@ from kvrelay.transfer import (
 NS = hashlib.sha256(b"ns").digest()
 
 
+@pytest.mark.parametrize("fast_path", [False, True], ids=["memmove", "fast-path"])
 @pytest.mark.asyncio
-async def test_loopback_reads_and_writes_batches():
+async def test_loopback_reads_and_writes_batches(fast_path):
     async def main():
-        owner = await create_agent("loopback", token="t")
-        reader = await create_agent("loopback", token="t")
+        owner = await create_agent("loopback", token="t", fast_path=fast_path)
+        reader = await create_agent("loopback", token="t", fast_path=fast_path)
         arena = owner.allocate_arena(1 << 16)
         arena.tensor.copy_(torch.arange(1 << 16, dtype=torch.int64).to(torch.uint8))
         runs = [(4096, 100), (4196, 50), (0, 10)]
@@ -46,7 +50,7 @@ async def test_loopback_reads_and_writes_batches():
         with pytest.raises(LeaseExpired):
             await reader.read(expired, local, [0, 100, 1000], namespace=NS)
         stranger = await create_agent("loopback", token="other")
-        with pytest.raises(PeerError):
+        with pytest.raises(AuthError):
             await stranger.read(handle, local, [0, 100, 1000], namespace=NS)
         held = owner.publish(arena, runs, NS, lease_seconds=30)
         with pytest.raises(TransferError, match="active leases"):
@@ -55,6 +59,29 @@ async def test_loopback_reads_and_writes_batches():
         owner.free_arena(arena)
         assert owner.stats()["arenas"] == 0
         for agent in (owner, reader, stranger):
+            await agent.close()
+
+    await main()
+
+
+@pytest.mark.asyncio
+async def test_loopback_refuses_a_handle_of_another_process():
+    """An rkey that is not this process's key (the owner's table confirmed
+    it) names memory of another process: refused before any byte moves."""
+
+    async def main():
+        owner = await create_agent("loopback", token="t", fast_path=False)
+        reader = await create_agent("loopback", token="t", fast_path=False)
+        arena = owner.allocate_arena(4096)
+        arena.rkey = b"another process!"  # as the owner's table will say
+        handle = owner.publish(arena, [(0, 64)], NS)
+        assert handle.rkey == b"another process!"
+        local = reader.allocate_arena(4096)
+        local.tensor.fill_(7)
+        with pytest.raises(PeerError, match="another process"):
+            await reader.read(BlockHandle.from_bytes(handle.to_bytes()), local, [0], namespace=NS)
+        assert int(local.tensor.sum()) == 7 * 4096
+        for agent in (owner, reader):
             await agent.close()
 
     await main()

@@ -15,14 +15,12 @@ the rest of torchvision import; nothing here calls them.
 
 from __future__ import annotations
 
-import json
-import select
-import signal
-import subprocess
 import sys
 import warnings
 
 import torch
+
+from kvrelay.cache import launch
 
 
 def _import_torchvision() -> None:
@@ -139,29 +137,8 @@ def sglang_keys(tokens, page_size) -> list[str]:
     return get_hash_str(tokens, None, page_size=page_size)
 
 
-class CacheServerProcess:
+class CacheServerProcess(launch.CacheServerProcess):
     """`kvrelay launch cache` in a process of its own, for pages of `page_bytes`."""
 
     def __init__(self, page_bytes: int, pages: int = 64) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvrelay.cli", "launch", "cache", "--token", TOKEN,
-             "--page-bytes", str(page_bytes), "--arena-gb", str(pages * page_bytes / (1 << 30)),
-             "--listen", "127.0.0.1:0", "--backend", "tcp"],
-            stdout=subprocess.PIPE,
-        )  # fmt: skip
-        ready, _, _ = select.select([self.process.stdout], [], [], 60)
-        if not ready:
-            self.process.kill()
-            raise RuntimeError("cache server did not start within 60 s")
-        self.address = json.loads(self.process.stdout.readline())["listen"]
-
-    def stop(self, sig=signal.SIGTERM) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGCONT)
-            self.process.send_signal(sig)
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
-        self.process.stdout.close()
+        super().__init__(token=TOKEN, page_bytes=page_bytes, pages=pages)

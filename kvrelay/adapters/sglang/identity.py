@@ -9,21 +9,18 @@ Read from the host pool SGLang registers (`MHATokenToKVPoolHost` or
   [start_layer, start_layer + target layers);
 * page keys: SGLang's own key is a sha256 chain over the tokens of each page
   (hex; seeded by its per-request namespace seed when a request has an
-  extra_key or cache_salt); kvrelay keeps it, rooted in the model namespace:
-  `key = sha256(namespace || KEY_TAG || sglang digest)`.
+  extra_key or cache_salt); kvrelay keeps it, rooted in the model namespace,
+  as the "sglang" key scheme does (`kvrelay.layout.keys`): a kvrelay worker
+  whose spec has `key_scheme="sglang"` computes the same keys from token ids.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvrelay.layout import KV_DTYPE_ITEMSIZE, LayoutError, ModelKVSpec, Rectangle
-from kvrelay.layout.keys import tokens_as_uint32
-
-# Separates adapter keys from kvrelay's own token-chain keys in one namespace.
-KEY_TAG = b"sglang-hicache-page-v1"
+from kvrelay.layout.keys import sglang_chain, sglang_page_key
 
 
 class UnsupportedPool(ValueError):
@@ -100,6 +97,7 @@ def model_spec(config, storage_config, geometry: PoolGeometry) -> ModelKVSpec:
         attention_kind=geometry.attention_kind,
         page_size=geometry.page_size,
         salt=config.salt,
+        key_scheme="sglang",
     )
 
 
@@ -146,19 +144,11 @@ def kvrelay_key(namespace: bytes, sglang_key: str) -> bytes:
         digest = bytes.fromhex(sglang_key)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"SGLang page key {sglang_key!r} is not a hex digest") from exc
-    return hashlib.sha256(namespace + KEY_TAG + digest).digest()
+    return sglang_page_key(namespace, digest)
 
 
 def sglang_page_keys(tokens: Sequence[int], page_size: int, seed: str | None = None) -> list[str]:
-    """SGLang's storage keys of the full pages of `tokens` (its chain, rebuilt here so
-    kvrelay's own clients can name pages SGLang wrote): key[i] = sha256(key[i-1] ||
-    page tokens as uint32 LE), key[-1] = the request's namespace seed or nothing."""
-    data = tokens_as_uint32(tokens)
-    stride = page_size * 4
-    raw = data[: len(data) // page_size * page_size].tobytes()
+    """SGLang's storage keys (hex) of the full pages of `tokens`: its chain
+    (`kvrelay.layout.keys.sglang_chain`) from the request's namespace seed."""
     prior = bytes.fromhex(seed) if seed else b""
-    keys = []
-    for start in range(0, len(raw), stride):
-        prior = hashlib.sha256(prior + raw[start : start + stride]).digest()
-        keys.append(prior.hex())
-    return keys
+    return [link.hex() for link in sglang_chain(tokens, page_size, prior)]

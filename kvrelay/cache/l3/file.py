@@ -75,9 +75,6 @@ class FileStore(L3Store):
             f"{self._root}/{record.normalize_namespace(namespace).hex()}/{name[:2]}/{name}{_SUFFIX}"
         )
 
-    def _ns_dir(self, namespace: bytes) -> Path:
-        return self.root / record.normalize_namespace(namespace).hex()
-
     def _scan(self) -> None:
         """Rebuild the LRU from the directory; drop temporaries of interrupted writes."""
         for leftover in self._tmp.iterdir():

@@ -48,6 +48,7 @@ class _PeerState:
 
 class UcxTransport(Transport):
     name = "ucx"
+    device_memory = True  # ucp_mem_map detects CUDA memory (the wheel is built with CUDA)
 
     def __init__(self) -> None:
         try:
