@@ -16,12 +16,14 @@ retry elsewhere, at most `max_retries` times per request. A decode that
 fails before streaming a token is retried on another decode worker with the
 same handles while their lease holds, else the request goes back to
 prefill with the tokens already sent appended to the prompt. After decode
-tokens were streamed, a failure ends the request (the client has them).
+tokens were streamed, the request resumes: prefill of the prompt plus the
+tokens sent, then another decode worker (502 in-stream when none is left).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -40,6 +42,8 @@ from kvrelay.control.worker_client import (
 from kvrelay.layout.keys import page_keys, scheme_page_keys
 from kvrelay.rpc import pack_tokens, unpack_tokens
 from kvrelay.rpc.worker_ops import Decode, DecodeDone, Params, Prefill, PrefillReply, TokenBatch
+
+log = logging.getLogger(__name__)
 
 LEASE_MARGIN_S = 1.0  # don't reuse handles this close to their expiry
 
@@ -159,8 +163,11 @@ class Dispatcher:
                     raise DispatchError(503, f"no decode worker available for {job.model}")
                 while True:
                     prompt = job.tokens + emitted
-                    params = dict(job.params, max_new_tokens=job.params["max_new_tokens"]
-                                  - len(emitted))  # fmt: skip
+                    left = job.params["max_new_tokens"] - len(emitted)
+                    if left <= 0:  # a decode died after its last token, before its done frame
+                        yield {"type": "done", "finish_reason": "length", "decode": None}
+                        return
+                    params = dict(job.params, max_new_tokens=left)
                     reply, pnode = await self._prefill(job, prompt, params, budget)
                     margin = min(LEASE_MARGIN_S, self.config.lease_s / 4)
                     lease_end = time.monotonic() + self.config.lease_s - margin
@@ -287,6 +294,24 @@ class Dispatcher:
                        "decode": node.node_id, "decode_first_s": job.decode_first_s}  # fmt: skip
                 return
 
+    def _resume_after(self, node: Node, exc: WorkerError, streamed: int, job: Job,
+                      budget: list[int]) -> None:  # fmt: skip
+        """A decode failed after streaming tokens. The client keeps them; the
+        request resumes (prefill of the prompt plus every token sent, then
+        another decode worker) when a retry is left and another decode worker
+        is in rotation, else it ends with 502 in-stream. Greedy output is
+        unchanged by the resume; a seeded sample continues validly but not as
+        the uninterrupted run would have."""
+        why = f"decode {node.node_id} failed after {streamed} tokens: {exc}"
+        if not isinstance(exc, WorkerRejected):
+            self.registry.suspect(node)
+        if budget[0] >= self.config.max_retries or not self._decode_order(job, {node.node_id}):
+            raise DispatchError(502, why, streamed=True) from exc
+        budget[0] += 1
+        self.stats.retries += 1
+        self.stats.resumed += 1
+        log.warning("%s; resuming request %s from its %d tokens", why, job.rid, streamed)
+
     async def _wait_for_capacity(self, job: Job) -> None:
         """Until the registry reports a change in capacity; the request's
         timeout (around `run`) bounds the wait, and no node is blamed for it."""
@@ -326,18 +351,14 @@ class Dispatcher:
                 last = str(exc)
                 continue
             except WorkerError as exc:
+                if isinstance(exc, WorkerRejected) and exc.error == "RequestError":
+                    raise DispatchError(400, f"rejected by {node.node_id}: {exc}",
+                                        streamed=True) from exc  # fmt: skip
                 streamed = len(emitted) - before
                 if streamed:
-                    if not isinstance(exc, WorkerRejected):
-                        self.registry.suspect(node)
-                    raise DispatchError(
-                        502, f"decode {node.node_id} failed after {streamed} tokens: {exc}",
-                        streamed=True,
-                    ) from exc  # fmt: skip
+                    self._resume_after(node, exc, streamed, job, budget)
+                    return  # run() prefills the prompt plus the tokens sent, then decodes on
                 if isinstance(exc, WorkerRejected):
-                    if exc.error == "RequestError":
-                        raise DispatchError(400, f"rejected by {node.node_id}: {exc}",
-                                            streamed=True) from exc  # fmt: skip
                     last = str(exc)
                     continue
                 self._fault(node, exc, budget, "decode")

@@ -100,6 +100,9 @@ class _StateCollector(Collector):
             "kvrelay_busy_waits", "Waits for capacity after every prefill worker was busy.",
             s.busy_waits,
         )  # fmt: skip
+        yield _counter(
+            "kvrelay_resumed", "Requests resumed after a decode failed mid-stream.", s.resumed
+        )
         yield _counter("kvrelay_cancelled", "Clients that went away mid-request.", s.cancelled)
         tokens = CounterMetricFamily("kvrelay_prompt_tokens",
                                      "Prompt tokens by source: local pool, cache tier, computed.",

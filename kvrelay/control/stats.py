@@ -56,6 +56,7 @@ class ControlStats:
     retries: int = 0  # a prefill or decode attempt repeated elsewhere after a fault
     busy: int = 0  # Busy answers that moved a request to the next worker
     busy_waits: int = 0  # waits for capacity after every prefill worker was busy
+    resumed: int = 0  # requests resumed through prefill after a decode died mid-stream
     cancelled: int = 0  # clients that went away mid-request
     prompt_tokens: int = 0
     local_tokens: int = 0
@@ -160,7 +161,7 @@ class ControlStats:
         return {
             "requests": self.requests, "completed": self.completed, "errors": self.errors,
             "client_errors": self.client_errors, "retries": self.retries, "busy": self.busy,
-            "busy_waits": self.busy_waits,
+            "busy_waits": self.busy_waits, "resumed": self.resumed,
             "cancelled": self.cancelled,
             "tokens": {
                 "prompt": self.prompt_tokens, "local": self.local_tokens,

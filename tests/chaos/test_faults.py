@@ -37,19 +37,11 @@ ALL_FAULTS = [
 ]  # fmt: skip
 
 
-# Control ends a request whose decode dies after streaming tokens with 502
-# (control/dispatch.py: "after decode tokens were streamed, a failure ends
-# the request"), so a kill mid-generation costs the requests streaming on
-# that decode a 5xx; resuming through prefill with the tokens already sent
-# (as control does when the handles' lease ran out) would fix it. Known gap:
-# expected to fail under -m slow, left out of the CI draw.
-KNOWN_5XX = "kill_decode_mid_generation"
 # Its after-check (the restarted file-L3 server answers pages from disk)
 # failed in 2 of 4 bench rounds and in a last slow run, unexplained so far
 # (it passed in earlier runs): expected to fail, left out of the CI draw.
 UNEXPLAINED = "restart_cache_file"
-KNOWN = {KNOWN_5XX: "502 after streamed tokens (see KNOWN_5XX)",
-         UNEXPLAINED: "no L3 hits after the restart, sometimes (see UNEXPLAINED)"}  # fmt: skip
+KNOWN = {UNEXPLAINED: "no L3 hits after the restart, sometimes (see UNEXPLAINED)"}
 
 # Faults that only fill a resource: every request must wait and complete.
 WAIT_NOT_FAIL = ("burst", "fill_cache", "full_staging", "full_decode_pool")

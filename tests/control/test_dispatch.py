@@ -271,7 +271,26 @@ def test_decode_failure_after_the_lease_goes_back_to_prefill(cluster):
     assert good.requests[0]["first_token"] == 54
 
 
-def test_decode_failure_after_tokens_ends_the_stream_with_an_error(cluster):
+def test_decode_failure_after_tokens_resumes_on_another_decode(cluster):
+    control = cluster.control()
+    prefill = cluster.worker("prefill")
+    dropping, good = cluster.worker("decode"), cluster.worker("decode")
+    dropping.mode = "drop_after"  # one batch of 2 tokens, then the connection closes
+    prompt = [70, 71, 72]
+    body = complete(control, prompt, max_tokens=8).json()
+    answer = expected_answer(prompt, 8, 512)
+    assert body["choices"][0]["token_ids"] == answer
+    assert [len(r["tokens"]) for r in dropping.requests] == [3]
+    assert body["kvrelay"]["decode_node"] == good.node_id
+    # Prefill again on the prompt plus the first token and the dropped decode's two.
+    assert [r["tokens"] for r in prefill.requests] == [prompt, prompt + answer[:3]]
+    assert prefill.requests[1]["params"]["max_new_tokens"] == 5
+    assert good.requests[0]["first_token"] == answer[3]
+    assert (stats(control)["retries"], stats(control)["resumed"]) == (1, 1)
+    assert "kvrelay_resumed_total 1.0" in control.http.get("/metrics").text
+
+
+def test_decode_failure_after_tokens_with_no_other_decode_ends_with_an_error(cluster):
     control = cluster.control()
     cluster.worker("prefill")
     decode = cluster.worker("decode")
