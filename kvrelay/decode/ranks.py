@@ -14,6 +14,8 @@ import concurrent.futures
 import logging
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvrelay.layout import rank_rectangle
 from kvrelay.model.engine import Request
 from kvrelay.model.errors import PoolExhausted, RequestError
@@ -22,7 +24,7 @@ from kvrelay.rpc import pack_tokens, unpack_tokens
 from kvrelay.rpc.worker_ops import HandleRef
 from kvrelay.transfer import BlockHandle, TransferError
 from kvrelay.worker.protocol import pages_of, sampling
-from kvrelay.worker.rank import PullFailed, RankOptions, RoleRanks
+from kvrelay.worker.rank import TIER_WINDOW, PullFailed, RankOptions, RoleRanks
 from kvrelay.worker.rank_ops import (
     Cancel,
     Counters,
@@ -85,6 +87,7 @@ class _Load:
     pulls: concurrent.futures.Future
     draft_hit: list[int]  # draft pool pages of the prompt, referenced until the load ends
     draft_rows: list[int]
+    windowed: int  # of `local`, the tier's pages pulled through a window at the start
 
 
 class DecodeRanks(RoleRanks):
@@ -134,32 +137,91 @@ class DecodeRanks(RoleRanks):
         draft_keys = self.draft.keys(request.prompt)
         draft_hit = self.draft.pool_hits(draft_keys)
         draft_need = len(draft_keys) - len(draft_hit)
-        fits = room >= need and self.rt.rows.free >= pages - local + draft_need
+        # The tier's pages after `local`: a row each when the free rows hold
+        # the whole prompt (pulled on the loop with the rest); else pulled
+        # here first, through a window of at most TIER_WINDOW rows, into the
+        # pool (so a long context needs no more rows than the window).
+        tier_end = max(local, min(item.tier_pages, len(keys)))
+        span = tier_end - local if self.rt.cache is not None else 0
+        all_rows = pages - local + draft_need
+        windowed = span > 0 and not self.rt.agree(self.rt.rows.free >= all_rows)
+        held = all_rows - span if windowed else all_rows  # rows the load keeps
+        fits = room >= need and self.rt.rows.free >= held + windowed
         if not self.rt.agree(fits):
             pool.release(hit)
             if draft_hit:
                 self.engine.draft.pool.release(draft_hit)
             raise PoolExhausted(need, max(room, 0))
-        rows = self.rt.rows.take(pages - local)
+        first = local
+        if windowed:
+            try:
+                pulled = self._pull_tier(tokens, keys, local, tier_end, self.rt.rows.free - held)
+            except BaseException:
+                pool.release(hit)
+                if draft_hit:
+                    self.engine.draft.pool.release(draft_hit)
+                raise
+            hit += pulled
+            local += len(pulled)
+            need -= len(pulled)
+            rows = self.rt.rows.take(pages - tier_end)  # prefill's pages
+            tier_end = local  # nothing more to take from the tier
+        else:
+            rows = self.rt.rows.take(pages - local)
         draft_rows = self.rt.rows.take(draft_need)
         self.reserved += need
         draft = (draft_keys, len(draft_hit), draft_rows, [h for h in item.handles if h.draft])
         pulls = asyncio.run_coroutine_threadsafe(
-            self._pull_both(item, keys, local, pages, rows, draft), self.rt.loop
+            self._pull_both(item, keys, local, pages, rows, draft, tier_end), self.rt.loop
         )
         self.loads[item.load_id] = _Load(
-            item, tokens, request, hit, local, rows, need, pulls, draft_hit, draft_rows
-        )
-        return LoadStarted(local)
+            item, tokens, request, hit, local, rows, need, pulls, draft_hit, draft_rows,
+            local - first,
+        )  # fmt: skip
+        return LoadStarted(first)
 
-    async def _pull(self, item, keys, local, pages, rows) -> dict:
+    def _pull_tier(self, tokens, keys, local: int, tier_end: int, free: int) -> list[int]:
+        """The tier's pages [local, tier_end), through at most TIER_WINDOW of
+        the `free` staging rows at a time, imported into the pool window by
+        window. Returns their pool pages, referenced (ranks agree on how
+        many; the pages after the first one missing are not pulled)."""
+        window = min(TIER_WINDOW, tier_end - local, free)
+        rows = self.rt.rows.take(window)
+        pool, pulled, position = self.engine.pool, [], local
+        # A view to slice per window in O(1) (a list slice copies the context).
+        tokens = np.asarray(tokens)
+        try:
+            while position < tier_end:
+                count = min(window, tier_end - position)
+                hit = self.rt.tier_lookup(keys[position : position + count], rows[:count])
+                if hit:
+                    end = (position + hit) * self.ps
+                    import_prefix(self.engine, tokens[:end], self.rt.staging, rows[:hit],
+                                  chain=keys, first_page=position)  # fmt: skip
+                    # References keep the window's pages while the next is imported.
+                    got = pool.match_prefix(keys[position : position + hit])
+                    kept = self.rt.agree(len(got))
+                    pool.release(got[kept:])
+                    pulled += got[:kept]
+                    position += kept
+                    if kept < hit:
+                        break
+                if hit < count:
+                    break
+        except BaseException:
+            pool.release(pulled)
+            raise
+        finally:
+            self.rt.rows.give_back(rows)
+        return pulled
+
+    async def _pull(self, item, keys, local, pages, rows, tier_end) -> dict:
         """This rank's pages [local, pages): what the tier has of
         [local, tier_pages), the rest from the prefill handles, which cover
         only the pages prefill staged (those after its tier prefix). Pages
         neither gives (the tier lost some, or this worker has no tier) are
         recomputed by the engine at admission: `have` says where that starts."""
         tier = 0
-        tier_end = max(local, min(item.tier_pages, len(keys)))
         if self.rt.cache is not None and tier_end > local:
             tier = await self.rt.cache.lookup(
                 keys[local:tier_end], self.rt.arena, self.rt.offsets(rows[: tier_end - local])
@@ -178,9 +240,9 @@ class DecodeRanks(RoleRanks):
             "have": pages,
         }
 
-    async def _pull_both(self, item, keys, local, pages, rows, draft) -> dict:
+    async def _pull_both(self, item, keys, local, pages, rows, draft, tier_end) -> dict:
         """The target's pulls, then the draft's (best effort, never failing the load)."""
-        pulled = await self._pull(item, keys, local, pages, rows)
+        pulled = await self._pull(item, keys, local, pages, rows, tier_end)
         keys, first, rows, handles = draft
         if self.draft.active:
             counts = await self.draft.pull(keys, first, rows, handles)
@@ -205,7 +267,7 @@ class DecodeRanks(RoleRanks):
                 # In the background: a slow or dead prefill must not hold the batch.
                 # (target and draft handles alike).
                 asyncio.run_coroutine_threadsafe(self._release(load.item.handles), self.rt.loop)
-            answer = LoadDone(load_id, load.local)
+            answer = LoadDone(load_id, load.local - load.windowed)
             try:
                 if not ok:
                     raise PullFailed(why or "another rank failed to pull its pages")
@@ -239,7 +301,7 @@ class DecodeRanks(RoleRanks):
         if pulled.get("draft"):
             self._import_draft(load, pulled["draft"], answer)
         answer.seq_id = self.engine.admit(load.request)
-        answer.tier_pages = self.rt.agree(pulled["tier_pages"])
+        answer.tier_pages = self.rt.agree(pulled["tier_pages"]) + load.windowed
         answer.prefill_pages = pulled["prefill_pages"]
         answer.bytes_from_prefill = pulled["bytes_from_prefill"]
 

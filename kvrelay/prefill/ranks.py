@@ -17,7 +17,7 @@ from kvrelay.rpc import unpack_tokens
 from kvrelay.rpc.worker_ops import HandleRef
 from kvrelay.transfer import BlockHandle
 from kvrelay.worker.protocol import pages_of, sampling
-from kvrelay.worker.rank import RankOptions, RoleRanks
+from kvrelay.worker.rank import TIER_WINDOW, RankOptions, RoleRanks
 from kvrelay.worker.rank_ops import (
     Counters,
     DropHandles,
@@ -28,10 +28,6 @@ from kvrelay.worker.rank_ops import (
     RankPrefill,
     Refusal,
 )
-
-# Staging rows a tier pull goes through at a time: the prefix a tier serves
-# is imported chunk by chunk, so it needs no staging of its own size.
-TIER_WINDOW = 64
 
 
 class PrefillRanks(RoleRanks):

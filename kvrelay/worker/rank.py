@@ -19,6 +19,11 @@ from kvrelay.cache.client import CacheClient, CacheClientConfig
 from kvrelay.layout import rank_rectangle
 from kvrelay.worker.rank_ops import ClearCache, Counters, RankCounters, RankService
 
+# Staging rows a tier pull goes through at a time (prefill's and decode's):
+# the prefix a tier serves is imported chunk by chunk, so it needs no
+# staging of its own size.
+TIER_WINDOW = 64
+
 
 class Staging(enum.StrEnum):
     """Where a GPU pool's staging arena lives."""

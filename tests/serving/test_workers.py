@@ -42,7 +42,8 @@ def fc_params(sampling: dict) -> SamplingParams:
 @pytest.fixture(scope="module")
 def cluster(launch, control, model_dir, page_bytes):
     """Two cache servers; prefill TP=1, TP=2 and PP=2 and decode TP=1 (with
-    write-back) on the tier; decode TP=2 without it (all pages from prefill)."""
+    write-back) on the tier; decode TP=2 without it (all pages from prefill);
+    a decode with 4 staging rows (it pulls the tier prefix through a window)."""
     caches = [launch(*cache_args(page_bytes)).info["listen"] for _ in range(2)]
 
     def worker(role, **kw):
@@ -55,6 +56,7 @@ def cluster(launch, control, model_dir, page_bytes):
         "prefill_pp2": worker("prefill", pp=2),
         "decode": worker("decode", extra=["--write-back"]),
         "decode_tp2": worker("decode", tp=2, cache=()),
+        "decode_rows4": worker("decode", extra=["--staging-pages", 4]),
     }
 
 
@@ -115,6 +117,21 @@ async def test_prefill_then_decode_equals_one_process(cluster, reference, sampli
     pulled = got["done"]["pulled"]
     # Three full pages sealed by prefill's write-through, the partial one from prefill.
     assert pulled == {"local_pages": 0, "tier_pages": 3, "prefill_pages": 1, "recomputed_pages": 0}
+
+
+@pytest.mark.asyncio
+async def test_decode_pulls_more_tier_pages_than_its_staging_rows(cluster, reference):
+    # 9 pages, 8 of them in the tier (prefill's write-through): decode has 4
+    # staging rows, so it takes the tier prefix a window at a time.
+    prompt = prompt_tokens(8 * PAGE + 5, seed=21)
+    sampling = fc.params(8)
+    got = await fc.serve(addr(cluster["prefill"]), addr(cluster["decode_rows4"]), "w1", prompt,
+                         sampling)  # fmt: skip
+    assert got["ok"], got
+    assert got["tokens"] == reference(prompt, sampling)
+    assert got["done"]["pulled"] == {"local_pages": 0, "tier_pages": 8, "prefill_pages": 1,
+                                     "recomputed_pages": 0}  # fmt: skip
+    assert (await stats(cluster["decode_rows4"]))["staging_free"] == 4
 
 
 @pytest.mark.asyncio
