@@ -171,20 +171,11 @@ class Dispatcher:
                     reply, pnode = await self._prefill(job, prompt, params, budget)
                     margin = min(LEASE_MARGIN_S, self.config.lease_s / 4)
                     lease_end = time.monotonic() + self.config.lease_s - margin
-                    first = reply.first_token
-                    event = {"type": "first", "tokens": [first], "prefill": pnode.node_id}
+                    event = {"type": "first", "tokens": [reply.first_token],
+                             "prefill": pnode.node_id}  # fmt: skip
                     if not emitted:
-                        cached = reply.cached_tokens
-                        event["cached"] = {"local": cached.local, "tier": cached.tier}
-                        event["ttft_s"] = time.monotonic() - started
-                        event["prefill_timings"] = dict(reply.timings)
-                        self.stats.record_ttft(event["ttft_s"])
-                        self.stats.record_prefill_phases(event["prefill_timings"])
-                        self.stats.record_ttft_phases(
-                            len(job.tokens), ttft_phases(event["ttft_s"], event["prefill_timings"])
-                        )
-                        self.stats.record_prefill(len(job.tokens), **event["cached"])
-                    emitted.append(first)
+                        self._first_answer(job, reply, event, time.monotonic() - started)
+                    emitted.append(reply.first_token)
                     yield event
                     if reply.finish_reason:
                         yield {"type": "done", "finish_reason": reply.finish_reason,
@@ -211,6 +202,19 @@ class Dispatcher:
                 504, f"request timed out after {self.config.request_timeout_s:g} s",
                 streamed=len(emitted) > 0,
             ) from None  # fmt: skip
+
+    def _first_answer(self, job: Job, reply: PrefillReply, event: dict, ttft_s: float) -> None:
+        """The request's first token: TTFT, its phases and the cache hits go
+        into `event` and the stats (a resumed request's later prefills don't)."""
+        cached = reply.cached_tokens
+        event["cached"] = {"local": cached.local, "tier": cached.tier}
+        event["ttft_s"] = ttft_s
+        event["prefill_timings"] = dict(reply.timings)
+        self.stats.record_ttft(ttft_s)
+        self.stats.record_prefill_phases(event["prefill_timings"])
+        phases = ttft_phases(ttft_s, event["prefill_timings"])
+        self.stats.record_ttft_phases(len(job.tokens), phases)
+        self.stats.record_prefill(len(job.tokens), **event["cached"])
 
     async def _prefill(self, job: Job, prompt: list[int], params: dict,
                        budget: list[int]) -> tuple[PrefillReply, Node]:  # fmt: skip

@@ -114,16 +114,8 @@ def load_engine(
     )
     draft = None
     if speculative:
-        draft = load_draft(
-            model_dir,
-            config,
-            plan,
-            torch_dtype,
-            (num_pages, page_size),
-            comm,
-            mtp_positions,
-            device,
-        )
+        shape = (num_pages, page_size)
+        draft = load_draft(model_dir, config, plan, torch_dtype, shape, comm, mtp_positions, device)
         draft = SpecDecoder(draft, draft_kv_spec(spec, config, mtp_positions), speculative)
     backend = PagedOnlineSoftmaxBackend(attention_chunk_tokens, batch_invariant_attention)
     shard = DecoderShard(config, plan, weights, pool, comm, backend)

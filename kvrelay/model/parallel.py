@@ -248,19 +248,13 @@ class ParallelEngine:
         context = mp.get_context("spawn")
         self._commands = [context.Queue() for _ in range(self.world)]
         self._results = context.Queue()
-        options = {
-            "dtype": dtype,
-            "page_size": page_size,
-            "num_pages": num_pages,
-            "max_prefill_tokens": max_prefill_tokens,
-            "attention_chunk_tokens": attention_chunk_tokens,
-        }
-        if speculative:
-            options["speculative"] = speculative
-        if key_scheme != "kvrelay":
-            options["key_scheme"] = key_scheme
-        if batch_invariant_attention:
-            options["batch_invariant_attention"] = True
+        options = {"dtype": dtype, "page_size": page_size, "num_pages": num_pages,
+                   "max_prefill_tokens": max_prefill_tokens,
+                   "attention_chunk_tokens": attention_chunk_tokens}  # fmt: skip
+        # The rest only when it differs from load_engine's defaults.
+        extra = {"speculative": speculative, "key_scheme": key_scheme != "kvrelay" and key_scheme,
+                 "batch_invariant_attention": batch_invariant_attention}  # fmt: skip
+        options |= {name: value for name, value in extra.items() if value}
         self._rendezvous = rendezvous()
         self._procs = []
         options["collective"] = collective_backend(devices)
