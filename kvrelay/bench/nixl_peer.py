@@ -101,7 +101,9 @@ def _owner(module: str, conn, arena_bytes: int) -> None:
         agent.register_memory(arena)
         conn.send(("ok", agent.get_agent_metadata(), arena.data_ptr()))
     except Exception as exc:  # the reader reports it, once
-        conn.send(("error", f"owner: {type(exc).__name__}: {exc}"))
+        # The reader may have failed the same way and gone already.
+        with contextlib.suppress(OSError):
+            conn.send(("error", f"owner: {type(exc).__name__}: {exc}"))
         return
     # Until the reader says stop or its end closes (poll is then true too).
     while not conn.poll(_OWNER_POLL_S):

@@ -142,7 +142,9 @@ def control_work(body: bytes, page_size: int, first_token: int) -> int:
 
     tokens = json.loads(body)["prompt"]
     estimate = PageEstimate(MAX_ESTIMATE_PAGES)
-    node = SimpleNamespace(namespace=b"\x01" * 32, page_size=page_size, estimate=estimate)
+    node = SimpleNamespace(
+        namespace=b"\x01" * 32, page_size=page_size, estimate=estimate, key_scheme="kvrelay"
+    )
     job = Job("bench", "model", tokens, {"max_new_tokens": 2})
     keys = job.page_keys(node)
     estimate.hit(keys)  # the prefill order
