@@ -103,6 +103,7 @@ class Faults:
                 len(self.cluster.ready(r)) == len(self.cluster.named(r)) for r in strict
             )
             if ok:
+                self.files.begin()
                 return
             await asyncio.sleep(0.2)
         raise TimeoutError(f"{name}: the cluster's workers are not all serving")

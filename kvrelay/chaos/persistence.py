@@ -11,14 +11,23 @@ sealed page is on disk):
   then the server killed and restarted (its L2 is empty, so lookups read
   the spoiled files); after the round, the prompts again from empty pools:
   the right tokens (a spoiled record is a miss, computed again), and the
-  record checks must have caught it (`l3.checksum_failures` > 0)."""
+  record checks must have caught it (`l3.checksum_failures` > 0).
+
+Both checks need pages of the round's prompts on the server's disk, and a
+round may leave none there: the kill can come before the round's first
+pages reach the server, and pages pushed while it is down are dropped (a
+miss later, never an error). The check is skipped then: page files
+written (or read, which touches them) since the round began are the
+round's pages on disk; spoiling keeps a file's times."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import signal
+import time
 
 from kvrelay.chaos import frames
 from kvrelay.chaos.cluster import ChaosCluster
@@ -38,11 +47,23 @@ def spoil_files(cluster: ChaosCluster, i: int, rng: random.Random) -> int:
         data = bytearray(path.read_bytes())
         if len(data) < 64:
             continue
+        times = path.stat()
         middle = len(data) // 2 + rng.randrange(-8, 8)
         data[middle] ^= 0xFF
         path.write_bytes(bytes(data))
+        # Its times kept: they tell the round's pages (and the store's LRU order).
+        os.utime(path, ns=(times.st_atime_ns, times.st_mtime_ns))
         spoiled += 1
     return spoiled
+
+
+def round_pages(cluster: ChaosCluster, i: int, since_ns: int) -> int:
+    """Page files of cache i's L3 written or read since `since_ns` (wall clock)."""
+    count = 0
+    for path in sorted(cluster.l3_dir(i).rglob("*.page"))[:MAX_FILES]:
+        with contextlib.suppress(OSError):
+            count += path.parent.name != "tmp" and path.stat().st_mtime_ns >= since_ns
+    return count
 
 
 class FileL3Faults:
@@ -51,6 +72,11 @@ class FileL3Faults:
         self.servers = [i for i in range(len(cluster.cache_addresses))
                         if cluster.l3_of(i) == "file"]  # fmt: skip
         self._server = 0
+        self._round_ns = 0  # when the round began (`begin`)
+
+    def begin(self) -> None:
+        """A round starts: pages on disk from now on are its own."""
+        self._round_ns = time.time_ns()
 
     def inject(self, name: str) -> bool:
         self._server = self.rng.choice(self.servers)
@@ -85,8 +111,11 @@ class FileL3Faults:
         """The round's prompts from empty pools against a server just
         restarted (its files spoiled again for `corrupt_file_l3`) with no
         request running: 1 when its L3 gave nothing back (or caught no
-        spoiled record)."""
+        spoiled record); 0 with no check when none of the round's pages
+        reached the server's disk."""
         await self._writes_settled()
+        if not await asyncio.to_thread(round_pages, self.cluster, self._server, self._round_ns):
+            return 0  # the round's pages never reached its disk: nothing to check
         if not await asyncio.to_thread(self.restart, name):
             return 0  # nothing on disk yet: nothing to check
         for worker in self.cluster.ready("prefill") + self.cluster.ready("decode"):

@@ -1,7 +1,8 @@
 """A persistent connection to one service, for callers that make many small
 calls (cache clients, control's tier probe): one call at a time, reconnect
-after any failure, every call under a deadline that covers the wait for
-the connection too.
+after any failure and before a call when the peer closed the connection
+since the last one (a restarted service), every call under a deadline that
+covers the wait for the connection too.
 
 Any failure of a call (no connection, deadline, refusal) raises
 `Unavailable`, which the cache tier's callers answer as misses.
@@ -48,6 +49,10 @@ class Channel:
             async with asyncio.timeout(self.timeout_s):
                 await self.lock.acquire()
                 holding = True
+                if self.conn is not None and self.conn.closed_by_peer():
+                    # The peer went away between calls (a restarted server):
+                    # reconnect now rather than fail this call on the old one.
+                    self.drop()
                 if self.conn is None:
                     await self._connect()
                 return await call(self.conn, request, reply, None)

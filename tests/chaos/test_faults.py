@@ -37,11 +37,8 @@ ALL_FAULTS = [
 ]  # fmt: skip
 
 
-# Its after-check (the restarted file-L3 server answers pages from disk)
-# failed in 2 of 4 bench rounds and in a last slow run, unexplained so far
-# (it passed in earlier runs): expected to fail, left out of the CI draw.
-UNEXPLAINED = "restart_cache_file"
-KNOWN = {UNEXPLAINED: "no L3 hits after the restart, sometimes (see UNEXPLAINED)"}
+# Faults expected to fail (name -> why), left out of the CI draw: none now.
+KNOWN: dict[str, str] = {}
 
 # Faults that only fill a resource: every request must wait and complete.
 WAIT_NOT_FAIL = ("burst", "fill_cache", "full_staging", "full_decode_pool")

@@ -150,3 +150,21 @@ def test_tokens_travel_packed():
         rpc.pack_tokens([2**32])
     with pytest.raises(ValueError):
         rpc.unpack_tokens(b"\x00" * 5)
+
+
+@pytest.mark.asyncio
+async def test_a_channel_reconnects_to_a_restarted_peer_without_failing_a_call():
+    """A peer restarted on its address (a cache server after a kill): the
+    channel's old connection is closed by the peer, and the next call opens a
+    new one instead of failing on the dead one (which cost every cache client
+    a miss per server restart)."""
+    server = await _server()
+    channel = rpc.Channel(server.address, TOKEN, Welcome, 5)
+    assert (await channel.call(Echo("first"), Echoed)).text == "first"
+    port = int(server.address.rsplit(":", 1)[1])
+    await server.close()
+    await asyncio.sleep(0.1)  # the close reaches the channel's socket
+    again = await _server(port=port)
+    assert (await channel.call(Echo("second"), Echoed)).text == "second"
+    channel.drop()
+    await again.close()
