@@ -81,7 +81,7 @@ PYTEST_XDIST := $(if $(filter 0,$(PYTEST_JOBS)),,-n $(PYTEST_JOBS) --dist loadfi
 # What CI runs (.ci/run): everything but the tests marked slow (heavier
 # variants of features that a fast test in this run also covers).
 test: setup lint
-	$(PY) -m pytest $(PYTEST_XDIST) -m "not slow"
+	$(PY) -m pytest $(PYTEST_XDIST) -m "not slow" --durations=30
 	$(MAKE) --no-print-directory test-numba
 	$(MAKE) --no-print-directory test-sglang
 
@@ -105,7 +105,7 @@ test-numba: setup
 
 # kvrelay as SGLang's HiCache storage backend, against the real SGLang.
 test-sglang: setup sglang-deps
-	KVRELAY_SGLANG_TESTS=1 PYTHONPATH=$(CURDIR)/$(VENV_SGLANG) $(PY) -m pytest -q tests/adapters
+	KVRELAY_SGLANG_TESTS=1 PYTHONPATH=$(CURDIR)/$(VENV_SGLANG) $(PY) -m pytest -q --durations=10 tests/adapters
 
 # Exactly the gpu-marked tests (kernel vs oracle, UCX GPU pulls, the runner
 # on CUDA vs HF, the two-GPU cluster, the GPU benches): under 10 minutes on
