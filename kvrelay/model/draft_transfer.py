@@ -18,7 +18,7 @@ from kvrelay.cuda_ext import gather_pages, rect_geometry, scatter_pages
 from kvrelay.layout import draft_page_keys, draft_rectangle
 from kvrelay.model.engine import Engine
 from kvrelay.model.errors import PrefixNotCached
-from kvrelay.model.page_export import _arena_rows, _slot_mapping
+from kvrelay.model.page_export import _arena_rows, _import_rows, _slot_mapping
 
 
 def draft_keys(engine: Engine, tokens: list[int]) -> list[bytes]:
@@ -75,21 +75,11 @@ def import_draft_prefix(engine: Engine, tokens, arena: torch.Tensor, page_ids=No
         return len(keys)
     pool = draft.pool
     ids = _arena_rows(range(len(keys)) if page_ids is None else page_ids, len(keys))
-    have = pool.match_prefix(keys)
-    try:
-        fresh = pool.allocate(len(keys) - len(have))
-    except Exception:
-        pool.release(have)
-        raise
-    try:
-        if fresh:
-            rect = draft_rectangle(draft.spec, engine.parallel)
-            slots = _slot_mapping(engine, fresh, len(have), len(keys) * draft.page_size)
-            geometry = rect_geometry(draft.spec, rect)
-            rows = ids[len(have) :].contiguous()
-            scatter_pages(pool.k_layers, pool.v_layers, arena, rows, slots, **geometry)
-            for page, key in zip(fresh, keys[len(have) :], strict=True):
-                pool.register(page, key)
-    finally:
-        pool.release(have + fresh)
+
+    def scatter(fresh: list[int], cached: int, rows: torch.Tensor) -> None:
+        slots = _slot_mapping(engine, fresh, cached, len(keys) * draft.page_size)
+        geometry = rect_geometry(draft.spec, draft_rectangle(draft.spec, engine.parallel))
+        scatter_pages(pool.k_layers, pool.v_layers, arena, rows, slots, **geometry)
+
+    _import_rows(pool, keys, ids, scatter)
     return len(keys)

@@ -109,6 +109,22 @@ def import_prefix(
     spec, pool = engine.spec, engine.pool
     keys = _page_keys(engine, tokens, chain, first_page)
     ids = _arena_rows(range(len(keys)) if page_ids is None else page_ids, len(keys))
+
+    def scatter(fresh: list[int], cached: int, rows: torch.Tensor) -> None:
+        slots = _slot_mapping(engine, fresh, first_page + cached, len(tokens))
+        scatter_rect(pool, arena, rows, slots, spec, rank_rectangle(spec, engine.parallel))
+
+    _import_rows(pool, keys, ids, scatter)
+    return first_page + len(keys)
+
+
+def _import_rows(pool, keys: list[bytes], ids: torch.Tensor, scatter) -> None:
+    """The import both page kinds share (target and draft): the pages of
+    `keys` not cached yet get fresh pool pages, filled by
+    `scatter(fresh, cached, rows)` (`cached` pages of `keys` were already
+    there; `rows` are the arena rows of the fresh ones) and indexed. Cached
+    pages are kept; PoolExhausted (nothing taken) when the pool cannot hold
+    the rest."""
     have = pool.match_prefix(keys)
     try:
         fresh = pool.allocate(len(keys) - len(have))
@@ -117,11 +133,8 @@ def import_prefix(
         raise
     try:
         if fresh:
-            rect = rank_rectangle(spec, engine.parallel)
-            slots = _slot_mapping(engine, fresh, first_page + len(have), len(tokens))
-            scatter_rect(pool, arena, ids[len(have) :].contiguous(), slots, spec, rect)
+            scatter(fresh, len(have), ids[len(have) :].contiguous())
             for page, key in zip(fresh, keys[len(have) :], strict=True):
                 pool.register(page, key)
     finally:
         pool.release(have + fresh)
-    return first_page + len(keys)
