@@ -31,6 +31,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvrelay.control.config import ControlConfig
 from kvrelay.control.registry import Node, Registry
 from kvrelay.control.stats import ControlStats, ttft_phases
@@ -74,6 +76,18 @@ class Job:
     tier_hit: int | None = None  # pages, probed once per request
     waiting: bool = False  # every prefill worker answered Busy; waiting for one
     decode_first_s: float | None = None  # decode request sent -> its first token batch
+    packed_tokens: bytes | None = None  # `tokens` as the wire carries them, packed once
+
+    def packed(self, prompt: list[int]) -> bytes:
+        """`pack_tokens(prompt)` for a prompt that starts with the job's tokens
+        (they, plus what was generated): the job's part is packed once per
+        request, not once per message and attempt."""
+        return self._packed_tokens() + pack_tokens(prompt[len(self.tokens) :])
+
+    def _packed_tokens(self) -> bytes:
+        if self.packed_tokens is None:
+            self.packed_tokens = pack_tokens(self.tokens)
+        return self.packed_tokens
 
     def page_keys(self, node: Node, tokens: list[int] | None = None) -> list[bytes]:
         """Keys of the job's prompt (computed once per key scheme, namespace
@@ -84,8 +98,9 @@ class Job:
         scheme = node.key_scheme
         cache_key = (scheme, node.namespace, node.page_size)
         if cache_key not in self.keys:
+            tokens_u32 = np.frombuffer(self._packed_tokens(), dtype="<u4")
             self.keys[cache_key] = scheme_page_keys(
-                scheme, node.namespace, self.tokens, node.page_size
+                scheme, node.namespace, tokens_u32, node.page_size
             )
         keys = self.keys[cache_key]
         if tokens is None:
@@ -246,7 +261,7 @@ class Dispatcher:
                 raise DispatchError(503, f"no prefill worker available for {job.model}{why}")
             node = order[0]
             tried.add(node.node_id)
-            message = Prefill(job.rid, pack_tokens(prompt), Params(**params), self.config.lease_s)
+            message = Prefill(job.rid, job.packed(prompt), Params(**params), self.config.lease_s)
             call = WorkerCall(node, self.config.token, self.config.connect_timeout_s)
             job.current = node
             node.inflight += 1
@@ -337,7 +352,7 @@ class Dispatcher:
                       budget: list[int]) -> AsyncIterator[dict]:  # fmt: skip
         tried: set[str] = set()
         message = Decode(
-            job.rid, pack_tokens(prompt), prefill.first_token, prefill.pages, Params(**params),
+            job.rid, job.packed(prompt), prefill.first_token, prefill.pages, Params(**params),
             prefill.tier_pages, prefill.handles,
         )  # fmt: skip
         last: str | None = None
