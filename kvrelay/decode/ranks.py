@@ -14,17 +14,14 @@ import concurrent.futures
 import logging
 from dataclasses import dataclass
 
-import numpy as np
-
+from kvrelay.decode.pulls import pull_target, pull_tier_windowed, release_handles
 from kvrelay.layout import rank_rectangle
 from kvrelay.model.engine import Request
 from kvrelay.model.errors import PoolExhausted, RequestError
 from kvrelay.model.page_export import export_prefix, import_prefix
 from kvrelay.rpc import pack_tokens, unpack_tokens
-from kvrelay.rpc.worker_ops import HandleRef
-from kvrelay.transfer import BlockHandle, TransferError
 from kvrelay.worker.protocol import pages_of, sampling
-from kvrelay.worker.rank import TIER_WINDOW, PullFailed, RankOptions, RoleRanks
+from kvrelay.worker.rank import PullFailed, RankOptions, RoleRanks
 from kvrelay.worker.rank_ops import (
     Cancel,
     Counters,
@@ -40,39 +37,6 @@ from kvrelay.worker.rank_ops import (
 )
 
 log = logging.getLogger("kvrelay.decode")
-
-
-def intersect(mine, theirs) -> list[tuple[int, int, int]]:
-    """(offset in page, length, index of their run) of each overlap of two run
-    lists within one page object."""
-    out = []
-    for index, (t_off, t_len) in enumerate(theirs):
-        for m_off, m_len in mine:
-            start, end = max(m_off, t_off), min(m_off + m_len, t_off + t_len)
-            if start < end:
-                out.append((start, end - start, index))
-    return out
-
-
-def held_pages(entry: HandleRef, pages: int) -> list[int]:
-    """The prompt pages a prefill handle holds, in its order: its entry's
-    `pages` (prefill sends them when it staged only some pages: those after
-    its cached prefix, or a CP rank's share), else every page."""
-    handle = BlockHandle.from_bytes(entry.handle)
-    theirs = entry.runs
-    held = entry.pages if entry.pages is not None else list(range(pages))
-    if not all(p < pages for p in held):  # the message type checked p >= 0
-        raise RequestError(f"a prefill handle's pages must be page indices in [0, {pages})")
-    if not theirs or len(handle.runs) != len(held) * len(theirs):
-        raise RequestError("a prefill handle's runs do not match its pages")
-    return held
-
-
-def staged_from(handles, pages: int) -> int:
-    """The first page any prefill handle holds (pages before it were not
-    staged: decode takes them from the tier or computes them)."""
-    firsts = [min(held) for entry in handles if (held := held_pages(entry, pages))]
-    return min(firsts, default=pages)
 
 
 @dataclass(slots=True)
@@ -117,21 +81,14 @@ class DecodeRanks(RoleRanks):
         tokens = unpack_tokens(item.tokens)
         keys = self.engine.spec.page_keys(tokens)
         pages = pages_of(len(tokens), self.ps)
-        if item.pages != pages:
-            raise RequestError(f"pages={item.pages} but the prompt has {pages} pages")
-        params = sampling(item.params)
-        request = Request(
-            [*tokens, item.first_token],
-            sampling(item.params, max_new_tokens=params.max_new_tokens - 1),
-            skip_draws=1,
-        )
+        request = self._request(item, tokens, pages)
         pool = self.engine.pool
         # References on the pool's pages of the prompt keep them through the load.
         hit = pool.match_prefix(keys) if self.rt.options.local_cache else []
         local = self.rt.agree(len(hit))
         # Pages of the whole sequence, plus one for the copy of the partial
         # page the admission makes; loads in flight have reserved theirs.
-        need = pages_of(len(tokens) + params.max_new_tokens - 1, self.ps) + 1 - local
+        need = pages_of(len(tokens) + request.params.max_new_tokens, self.ps) + 1 - local
         room = pool.free_pages - self.reserved
         # Draft pages of prompt + first token (with the MTP layer): the pool's, then rows.
         draft_keys = self.draft.keys(request.prompt)
@@ -148,18 +105,15 @@ class DecodeRanks(RoleRanks):
         held = all_rows - span if windowed else all_rows  # rows the load keeps
         fits = room >= need and self.rt.rows.free >= held + windowed
         if not self.rt.agree(fits):
-            pool.release(hit)
-            if draft_hit:
-                self.engine.draft.pool.release(draft_hit)
+            self._release_hits(hit, draft_hit)
             raise PoolExhausted(need, max(room, 0))
         first = local
         if windowed:
             try:
-                pulled = self._pull_tier(tokens, keys, local, tier_end, self.rt.rows.free - held)
+                free = self.rt.rows.free - held
+                pulled = pull_tier_windowed(self.rt, tokens, keys, local, tier_end, free)
             except BaseException:
-                pool.release(hit)
-                if draft_hit:
-                    self.engine.draft.pool.release(draft_hit)
+                self._release_hits(hit, draft_hit)
                 raise
             hit += pulled
             local += len(pulled)
@@ -180,69 +134,23 @@ class DecodeRanks(RoleRanks):
         )  # fmt: skip
         return LoadStarted(first)
 
-    def _pull_tier(self, tokens, keys, local: int, tier_end: int, free: int) -> list[int]:
-        """The tier's pages [local, tier_end), through at most TIER_WINDOW of
-        the `free` staging rows at a time, imported into the pool window by
-        window. Returns their pool pages, referenced (ranks agree on how
-        many; the pages after the first one missing are not pulled)."""
-        window = min(TIER_WINDOW, tier_end - local, free)
-        rows = self.rt.rows.take(window)
-        pool, pulled, position = self.engine.pool, [], local
-        # A view to slice per window in O(1) (a list slice copies the context).
-        tokens = np.asarray(tokens)
-        try:
-            while position < tier_end:
-                count = min(window, tier_end - position)
-                hit = self.rt.tier_lookup(keys[position : position + count], rows[:count])
-                if hit:
-                    end = (position + hit) * self.ps
-                    import_prefix(self.engine, tokens[:end], self.rt.staging, rows[:hit],
-                                  chain=keys, first_page=position)  # fmt: skip
-                    # References keep the window's pages while the next is imported.
-                    got = pool.match_prefix(keys[position : position + hit])
-                    kept = self.rt.agree(len(got))
-                    pool.release(got[kept:])
-                    pulled += got[:kept]
-                    position += kept
-                    if kept < hit:
-                        break
-                if hit < count:
-                    break
-        except BaseException:
-            pool.release(pulled)
-            raise
-        finally:
-            self.rt.rows.give_back(rows)
-        return pulled
+    def _request(self, item: LoadStart, tokens: list[int], pages: int) -> Request:
+        """The engine's request: the prompt and prefill's first token, whose
+        draw the sampler skips (it has one token less to generate)."""
+        if item.pages != pages:
+            raise RequestError(f"pages={item.pages} but the prompt has {pages} pages")
+        left = sampling(item.params, max_new_tokens=item.params.max_new_tokens - 1)
+        return Request([*tokens, item.first_token], left, skip_draws=1)
 
-    async def _pull(self, item, keys, local, pages, rows, tier_end) -> dict:
-        """This rank's pages [local, pages): what the tier has of
-        [local, tier_pages), the rest from the prefill handles, which cover
-        only the pages prefill staged (those after its tier prefix). Pages
-        neither gives (the tier lost some, or this worker has no tier) are
-        recomputed by the engine at admission: `have` says where that starts."""
-        tier = 0
-        if self.rt.cache is not None and tier_end > local:
-            tier = await self.rt.cache.lookup(
-                keys[local:tier_end], self.rt.arena, self.rt.offsets(rows[: tier_end - local])
-            )
-        start, nbytes = local + tier, 0
-        handles = [h for h in item.handles if not h.draft]
-        staged = staged_from(handles, pages)
-        if start < staged:  # a gap before what prefill staged: recompute from it
-            return {"tier_pages": tier, "prefill_pages": 0, "bytes_from_prefill": 0, "have": start}
-        if start < pages:
-            nbytes = await self._from_prefill(handles, start, pages, rows, local)
-        return {
-            "tier_pages": tier,
-            "prefill_pages": pages - start,
-            "bytes_from_prefill": nbytes,
-            "have": pages,
-        }
+    def _release_hits(self, hit: list[int], draft_hit: list[int]) -> None:
+        """Drops a load's references on its pool pages (target and draft)."""
+        self.engine.pool.release(hit)
+        if draft_hit:
+            self.engine.draft.pool.release(draft_hit)
 
     async def _pull_both(self, item, keys, local, pages, rows, draft, tier_end) -> dict:
         """The target's pulls, then the draft's (best effort, never failing the load)."""
-        pulled = await self._pull(item, keys, local, pages, rows, tier_end)
+        pulled = await pull_target(self.rt, item, keys, local, pages, rows, tier_end)
         keys, first, rows, handles = draft
         if self.draft.active:
             counts = await self.draft.pull(keys, first, rows, handles)
@@ -266,7 +174,10 @@ class DecodeRanks(RoleRanks):
             if self.engine.parallel.rank == 0:
                 # In the background: a slow or dead prefill must not hold the batch.
                 # (target and draft handles alike).
-                asyncio.run_coroutine_threadsafe(self._release(load.item.handles), self.rt.loop)
+                handles = load.item.handles
+                asyncio.run_coroutine_threadsafe(
+                    release_handles(self.rt.agent, handles), self.rt.loop
+                )
             answer = LoadDone(load_id, load.local - load.windowed)
             try:
                 if not ok:
@@ -277,9 +188,7 @@ class DecodeRanks(RoleRanks):
             finally:
                 del self.loads[load_id]
                 self.rt.rows.give_back(load.rows + load.draft_rows)
-                self.engine.pool.release(load.hit)
-                if load.draft_hit:
-                    self.engine.draft.pool.release(load.draft_hit)
+                self._release_hits(load.hit, load.draft_hit)
                 self.reserved -= load.need
             answers.append(answer)
         if answers and not self.rt.options.local_cache:
@@ -312,48 +221,6 @@ class DecodeRanks(RoleRanks):
         have = local + counts.tier_pages + counts.prefill_pages
         self.draft.import_rows(load.request.prompt, have, local, load.draft_rows)
         answer.draft = counts
-
-    async def _from_prefill(self, handles, start, pages, rows, local) -> int:
-        """Each prefill writer's handle, narrowed to the overlap of its
-        rectangle with this rank's, for pages [start, pages). A handle of a
-        context-parallel prefill rank holds only the pages its `pages` lists."""
-        pb = self.rt.page_bytes
-        reads, covered = [], [0] * (pages - start)
-        for entry in handles:
-            handle = BlockHandle.from_bytes(entry.handle)
-            theirs = entry.runs
-            held = held_pages(entry, pages)
-            overlap = intersect(self.rt.runs, theirs)
-            if not overlap:
-                continue
-            remote, local_offsets = [], []
-            for slot, page in enumerate(held):
-                if not start <= page < pages:
-                    continue
-                row_base = handle.runs[slot * len(theirs)][0] - theirs[0][0]
-                for offset, length, _ in overlap:
-                    remote.append((row_base + offset, length))
-                    local_offsets.append(rows[page - local] * pb + offset)
-                    covered[page - start] += length
-            if remote:
-                reads.append((handle.narrow(remote), local_offsets))
-        if any(n < self.rt.rect.num_bytes(self.rt.spec) for n in covered):
-            raise RequestError("the prefill handles do not cover this rank's rectangle")
-        # Coroutines only once every check passed: none is left unawaited.
-        await asyncio.gather(*(
-            self.rt.agent.read(h, self.rt.arena, offs, namespace=self.rt.namespace)
-            for h, offs in reads))  # fmt: skip
-        return sum(covered)
-
-    async def _release(self, handles) -> None:
-        async def one(entry) -> None:
-            try:
-                handle = BlockHandle.from_bytes(entry.handle)
-                await self.rt.agent.release_remote(handle, timeout=2.0)
-            except (TransferError, TimeoutError, OSError, ValueError):
-                pass  # the lease expires on its own
-
-        await asyncio.gather(*(one(entry) for entry in handles))
 
     # -- generation ----------------------------------------------------------------
     def step(self, _: Step) -> Stepped:

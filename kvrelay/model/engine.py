@@ -9,81 +9,19 @@ sampled tokens from the sampling rank to all others.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from kvrelay.layout import ModelKVSpec, PageKeyChain, ParallelConfig
+from kvrelay.layout import ModelKVSpec, ParallelConfig
 from kvrelay.model.context_parallel import split_batch
 from kvrelay.model.decoder import DecoderShard, ForwardBatch
 from kvrelay.model.errors import PoolExhausted, RequestError
 from kvrelay.model.pool import partial_page_key
-from kvrelay.model.sampling import Sampler, SamplingParams
-from kvrelay.model.speculative import DraftState, SpecDecoder
+from kvrelay.model.requests import Request, Result, Sequence, StepOutput
+from kvrelay.model.sampling import Sampler
+from kvrelay.model.speculative import SpecDecoder
 
 DEFAULT_MAX_PREFILL_TOKENS = 4096
-
-
-@dataclass(slots=True)
-class Request:
-    prompt: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    # Keep the logits of every computed prompt position and of every step
-    # (last stage only): what the oracle tests compare.
-    return_logits: bool = False
-    # Draws the sampler already made elsewhere for this request (a decode
-    # worker continues after prefill's first token): the seeded generator is
-    # advanced past them, so the tokens equal one process's run.
-    skip_draws: int = 0
-
-
-@dataclass(slots=True)
-class Result:
-    tokens: list[int]
-    finish_reason: str  # "stop" (a stop token) or "length" (max_new_tokens)
-    cached_tokens: int  # prompt tokens whose KV came from the prefix index
-    prompt_logits: torch.Tensor | None = None  # [prompt - cached, vocab]
-    step_logits: list[torch.Tensor] = field(default_factory=list)  # one per token
-    # Wall time of the batch's prefill and of its decode steps (what benchmarks read).
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    # With speculation: {"proposed", "accepted", "steps"} (see model/speculative.py).
-    spec: dict | None = None
-    draft_prompt_logits: torch.Tensor | None = None  # MTP rows of the prefill
-    proposals: list[list[int]] = field(default_factory=list)  # per step, with return_logits
-
-
-@dataclass(slots=True)
-class _Sequence:
-    request: Request
-    tokens: list[int]  # prompt, then generated tokens
-    pages: list[int]
-    cached: int
-    chain: PageKeyChain  # keys of the sequence's full pages so far
-    registered: int  # pages [0, registered) are in the prefix index (or skipped)
-    sampler: Sampler
-    generated: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    prompt_logits: torch.Tensor | None = None
-    step_logits: list[torch.Tensor] = field(default_factory=list)
-    seq_id: int = 0
-    draft: DraftState | None = None  # with speculation
-
-    @property
-    def keys(self) -> list[bytes]:
-        return self.chain.keys
-
-
-@dataclass(slots=True)
-class StepOutput:
-    """What one `Engine.step` produced for one sequence."""
-
-    seq_id: int
-    tokens: list[int]  # new tokens of this step (one, or none)
-    finish_reason: str | None  # set when the sequence left the batch
-    cached_tokens: int
-    all_tokens: list[int] | None = None  # prompt + generated, once finished
-    spec: dict | None = None  # speculation counts, once finished (see Result.spec)
 
 
 class Engine:
@@ -112,8 +50,8 @@ class Engine:
         self.draft = draft
         shard.keep_hidden = draft is not None and draft.mtp is not None
         # Continuous batching state: admitted but not yet prefilled, and decoding.
-        self._pending: list[_Sequence] = []
-        self._active: list[_Sequence] = []
+        self._pending: list[Sequence] = []
+        self._active: list[Sequence] = []
         self._next_id = 1
 
     @property
@@ -210,7 +148,7 @@ class Engine:
     def running(self) -> int:
         return len(self._pending) + len(self._active)
 
-    def _finish(self, seq: _Sequence) -> None:
+    def _finish(self, seq: Sequence) -> None:
         self._active.remove(seq)
         try:
             self._index_partial_pages([seq])
@@ -221,7 +159,7 @@ class Engine:
                 self.draft.release(seq.draft)
 
     # -- admission --------------------------------------------------------
-    def _admit(self, request: Request) -> _Sequence:
+    def _admit(self, request: Request) -> Sequence:
         prompt = [int(t) for t in request.prompt]
         vocab = self.shard.config.vocab_size
         if not prompt:
@@ -259,7 +197,7 @@ class Engine:
             cached = agreed * ps
         else:
             cached = agreed * ps + self._reuse_partial_page(prompt, keys, agreed, pages)
-        return _Sequence(
+        return Sequence(
             request=request,
             tokens=prompt,
             pages=pages,
@@ -290,7 +228,7 @@ class Engine:
             self.pool.release([found])
         return agreed
 
-    def _index_partial_pages(self, sequences: list[_Sequence]) -> None:
+    def _index_partial_pages(self, sequences: list[Sequence]) -> None:
         """Keep each finished sequence's last partial page findable: its tokens'
         KV is written, and a continuation (or an export) can reuse it."""
         ps = self.page_size
@@ -303,7 +241,7 @@ class Engine:
                 self.pool.register(seq.pages[index], partial_page_key(parent, tail))
 
     # -- execution --------------------------------------------------------
-    def _prefill(self, sequences: list[_Sequence]) -> None:
+    def _prefill(self, sequences: list[Sequence]) -> None:
         """The prompts' uncached tokens, in forwards of at most
         `max_prefill_tokens` tokens (a later chunk attends to the earlier
         ones' KV in the pool, as to a cached prefix)."""
@@ -341,7 +279,7 @@ class Engine:
         for seq in sequences:
             self._register_full_pages(seq)
 
-    def _prefill_chunks(self, sequences: list[_Sequence]):
+    def _prefill_chunks(self, sequences: list[Sequence]):
         """Spans (seq, begin, end) grouped into forwards of at most
         `max_prefill_tokens` tokens, in order."""
         chunk, room = [], self.max_prefill_tokens
@@ -358,7 +296,7 @@ class Engine:
         if chunk:
             yield chunk
 
-    def _decode_step(self, active: list[_Sequence]) -> None:
+    def _decode_step(self, active: list[Sequence]) -> None:
         spans = [(s, len(s.tokens) - 1, len(s.tokens)) for s in active]
         logits = self._forward(spans, all_rows=False)
         self._sample(active, logits)
@@ -376,7 +314,7 @@ class Engine:
             batch = split_batch(batch, self.comm, self.parallel.cp, self.parallel.cp_rank)
         return self.shard.forward(batch)
 
-    def _sample(self, sequences: list[_Sequence], logits: torch.Tensor | None) -> None:
+    def _sample(self, sequences: list[Sequence], logits: torch.Tensor | None) -> None:
         """logits: [len(sequences), vocab] on the last stage, else None."""
         chosen = torch.zeros(len(sequences), dtype=torch.int64)
         if self.comm.samples:
@@ -395,7 +333,7 @@ class Engine:
             elif len(seq.generated) >= params.max_new_tokens:
                 seq.finish_reason = "length"
 
-    def _register_full_pages(self, seq: _Sequence) -> None:
+    def _register_full_pages(self, seq: Sequence) -> None:
         """Index every page whose tokens' KV are all written. The last token of
         `tokens` has no KV yet (it is fed at the next step)."""
         ps = self.page_size

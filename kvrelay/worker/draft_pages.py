@@ -32,21 +32,11 @@ from kvrelay.layout import draft_rectangle
 from kvrelay.model.draft_transfer import draft_keys, export_draft_prefix, import_draft_prefix
 from kvrelay.rpc.worker_ops import HandleRef
 from kvrelay.transfer import BlockHandle
+from kvrelay.worker.handle_runs import overlap_reads
 from kvrelay.worker.rank import RankRuntime
 
 # What a rank without the MTP layer contributes to a min-agreement on draft pages.
 NO_LIMIT = 1 << 30
-
-
-def intersect(mine, theirs) -> list[tuple[int, int]]:
-    """(offset in page, length) of each overlap of two run lists within one page."""
-    out = []
-    for t_off, t_len in theirs:
-        for m_off, m_len in mine:
-            start, end = max(m_off, t_off), min(m_off + m_len, t_off + t_len)
-            if start < end:
-                out.append((start, end - start))
-    return out
 
 
 class DraftPages:
@@ -176,19 +166,14 @@ class DraftPages:
         plan: dict[int, list] = {}  # page -> [(handle, remote run, local offset)]
         for entry in handles:
             handle = BlockHandle.from_bytes(entry.handle)
-            theirs = entry.runs
             held = entry.pages or []
-            overlap = intersect(self.runs, theirs)
-            if not overlap or len(handle.runs) != len(held) * len(theirs):
+            if len(handle.runs) != len(held) * len(entry.runs):
                 continue
-            for slot, page in enumerate(held):
-                if start <= page < end:
-                    base = handle.runs[slot * len(theirs)][0] - theirs[0][0]
-                    local = rows[page - first] * self.rt.page_bytes
-                    for offset, length in overlap:
-                        plan.setdefault(page, []).append(
-                            (handle, (base + offset, length), local + offset)
-                        )
+            for page, remote, offset in overlap_reads(
+                handle, entry.runs, held, self.runs, start, end
+            ):
+                local = rows[page - first] * self.rt.page_bytes + offset
+                plan.setdefault(page, []).append((handle, remote, local))
         stop = start
         while stop < end and sum(r[1][1] for r in plan.get(stop, [])) >= need:
             stop += 1

@@ -18,16 +18,10 @@ LONG_FUNCTIONS = {
     "kvrelay/bench/scale.py::measure": "issue 13's engineer owns bench/scale.py now",
     "kvrelay/demo/command.py::run": "issue 13's engineer owns kvrelay/demo now",
     "kvrelay/bench/long_request.py::run": "issue 13's engineer's new bench, theirs to split",
-    "kvrelay/decode/ranks.py::load_start": "admission, draft rows and the windowed tier pull "
-    "must agree across ranks in one order; landed last in the session, to split next",
 }
 # path -> why it stays long for now.
 LONG_MODULES = {
     "kvrelay/bench/transfer.py": "issue 14's engineer is rewriting this bench now",
-    "kvrelay/model/engine.py": "the engine and the MTP draft share ForwardBatch; issue 12's "
-    "engineer is changing both now",
-    "kvrelay/decode/ranks.py": "the windowed tier pull landed last in the session; its pulls "
-    "(tier, handles, draft) are the part to move out",
 }
 
 

@@ -138,6 +138,29 @@ async def call(address: str, message: dict, timeout: float = 60.0) -> dict:
             conn.close()
 
 
+def addr(process) -> str:
+    """A launched worker's msgpack address."""
+    return process.info["address"]
+
+
+async def stats(process) -> dict:
+    reply = await call(addr(process), {"op": "stats"})
+    assert reply["ok"], reply
+    return reply["stats"]
+
+
+def sampling_params(sampling: dict):
+    """The `params` dict as the engine's SamplingParams (a missing seed is 0,
+    as the workers read it)."""
+    from kvrelay.model import SamplingParams
+
+    return SamplingParams(
+        max_new_tokens=sampling["max_new_tokens"], temperature=sampling["temperature"],
+        top_k=sampling["top_k"], top_p=sampling["top_p"], seed=sampling["seed"] or 0,
+        stop_token_ids=tuple(sampling["stop_token_ids"]),
+    )  # fmt: skip
+
+
 def params(max_new_tokens=8, temperature=0.0, top_k=0, top_p=1.0, seed=None, stop=()):
     return {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
             "top_p": top_p, "seed": seed, "stop_token_ids": list(stop)}  # fmt: skip

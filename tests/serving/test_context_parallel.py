@@ -31,10 +31,6 @@ def cluster(launch, control, model_dir, page_bytes):
     }
 
 
-def addr(process) -> str:
-    return process.info["address"]
-
-
 def reference(model_dir, prompt, sampling) -> list[int]:
     engine = load_engine(model_dir, dtype=DTYPE, page_size=PAGE)
     params = SamplingParams(sampling["max_new_tokens"], seed=sampling["seed"] or 0)
@@ -42,7 +38,7 @@ def reference(model_dir, prompt, sampling) -> list[int]:
 
 
 async def bytes_to_tier(process) -> int:
-    reply = await fc.call(addr(process), {"op": "stats"})
+    reply = await fc.call(fc.addr(process), {"op": "stats"})
     assert reply["ok"], reply
     return reply["stats"]["bytes_to_tier"]
 
@@ -53,7 +49,7 @@ async def test_cp2_prefill_serves_decode_and_writes_each_page_once(cluster, mode
     sampling = fc.params(10)
     before = await bytes_to_tier(cluster["prefill_cp2"])
     got = await fc.serve(
-        addr(cluster["prefill_cp2"]), addr(cluster["decode"]), "c1", prompt, sampling
+        fc.addr(cluster["prefill_cp2"]), fc.addr(cluster["decode"]), "c1", prompt, sampling
     )
     assert got["ok"], got
     assert got["tokens"] == reference(model_dir, prompt, sampling)
@@ -69,7 +65,7 @@ async def test_cp2_prefill_serves_decode_and_writes_each_page_once(cluster, mode
 
     # Written at CP=2, a full hit for a CP=1 prefill worker (no CP in any key).
     again = await fc.serve(
-        addr(cluster["prefill"]), addr(cluster["decode"]), "c2", prompt, sampling
+        fc.addr(cluster["prefill"]), fc.addr(cluster["decode"]), "c2", prompt, sampling
     )
     assert again["ok"], again
     assert again["prefill"]["cached_tokens"] == {"local": 0, "tier": 3 * PAGE}
@@ -81,7 +77,7 @@ async def test_decode_reads_every_page_from_the_cp_ranks_handles(cluster, model_
     prompt = prompt_tokens(4 * PAGE + 3, seed=62)
     sampling = fc.params(8, temperature=0.8, top_k=20, seed=4)
     got = await fc.serve(
-        addr(cluster["prefill_cp2"]), addr(cluster["decode_no_tier"]), "c3", prompt, sampling
+        fc.addr(cluster["prefill_cp2"]), fc.addr(cluster["decode_no_tier"]), "c3", prompt, sampling
     )
     assert got["ok"], got
     assert got["done"]["pulled"]["prefill_pages"] == 5  # pages 0-4 from two handles

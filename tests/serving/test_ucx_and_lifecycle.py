@@ -11,7 +11,6 @@ from kvrelay.model import Request, load_engine
 from tests.model.conftest import prompt_tokens
 from tests.serving import fake_control as fc
 from tests.serving.conftest import DTYPE, PAGE, worker_args
-from tests.serving.test_workers import addr, fc_params
 
 ucx = pytest.importorskip("kvrelay._ucx", reason="kvrelay._ucx was not built")
 
@@ -37,14 +36,14 @@ async def test_ucx_pair_matches_one_process_without_any_cache(pair, model_dir):
     prompt = prompt_tokens(3 * PAGE + 7, seed=31)
     sampling = fc.params(10, temperature=0.8, top_p=0.95, seed=8)
     engine = load_engine(model_dir, dtype=DTYPE, page_size=PAGE, num_pages=64)
-    want = engine.generate([Request(prompt, fc_params(sampling))])[0].tokens
+    want = engine.generate([Request(prompt, fc.sampling_params(sampling))])[0].tokens
     for rid in ("u1", "u2"):  # the same prompt twice: the baseline computes it twice
-        got = await fc.serve(addr(prefill), addr(decode), rid, prompt, sampling)
+        got = await fc.serve(fc.addr(prefill), fc.addr(decode), rid, prompt, sampling)
         assert got["ok"], got
         assert got["tokens"] == want
         assert got["prefill"]["cached_tokens"] == {"local": 0, "tier": 0}
         assert got["done"]["pulled"]["prefill_pages"] + got["done"]["pulled"]["local_pages"] == 4
-    stats = (await fc.call(addr(prefill), {"op": "stats"}))["stats"]
+    stats = (await fc.call(fc.addr(prefill), {"op": "stats"}))["stats"]
     assert stats["computed_tokens"] == 2 * len(prompt) and stats["local_hit_tokens"] == 0
 
 
@@ -56,7 +55,7 @@ async def test_staging_rows_held_by_handles_hold_back_the_queue(pair):
     async def burst():
         return await asyncio.gather(
             *(
-                fc.prefill(addr(prefill), f"b{i}", prompt, fc.params(4), lease_s=1.0)
+                fc.prefill(fc.addr(prefill), f"b{i}", prompt, fc.params(4), lease_s=1.0)
                 for i in range(6)
             )
         )
@@ -69,11 +68,11 @@ async def test_staging_rows_held_by_handles_hold_back_the_queue(pair):
     # The third waited for the first two handles' leases to run out.
     assert max(r["timings"]["queue_s"] for r in served) > 0.5
     # Nine new pages can never fit eight staging rows: refused up front.
-    too_big = await fc.prefill(addr(prefill), "big", prompt_tokens(9 * PAGE), fc.params())
+    too_big = await fc.prefill(fc.addr(prefill), "big", prompt_tokens(9 * PAGE), fc.params())
     assert too_big["error"] == "StagingTooSmall"
 
     async def staging_free():
-        return (await fc.call(addr(prefill), {"op": "stats"}))["stats"]["staging_free"]
+        return (await fc.call(fc.addr(prefill), {"op": "stats"}))["stats"]["staging_free"]
 
     async def wait_for_rows():
         async with asyncio.timeout(10):
@@ -86,8 +85,8 @@ async def test_staging_rows_held_by_handles_hold_back_the_queue(pair):
 @pytest.mark.asyncio
 async def test_drain_then_sigterm_deregisters(pair, control):
     prefill, decode = pair
-    assert (await fc.call(addr(prefill), {"op": "drain"}))["op"] == "ok"
-    reply = await fc.prefill(addr(prefill), "late", [1, 2, 3], fc.params(4))
+    assert (await fc.call(fc.addr(prefill), {"op": "drain"}))["op"] == "ok"
+    reply = await fc.prefill(fc.addr(prefill), "late", [1, 2, 3], fc.params(4))
     assert reply["error"] == "Busy"
     for worker in (prefill, decode):
         node_id = worker.info["node_id"]

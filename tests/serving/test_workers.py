@@ -11,11 +11,12 @@ import time
 
 import pytest
 
-from kvrelay.model import Request, SamplingParams, load_engine
+from kvrelay.model import Request, load_engine
 from kvrelay.transfer import BlockHandle
 from tests.model.conftest import prompt_tokens
 from tests.serving import fake_control as fc
 from tests.serving.conftest import DTYPE, PAGE, cache_args, worker_args
+from tests.serving.fake_control import addr, stats
 
 
 @pytest.fixture(scope="module")
@@ -25,18 +26,10 @@ def reference(model_dir):
 
     def generate(tokens, sampling: dict) -> list[int]:
         engine.pool.clear_cache()
-        params = fc_params(sampling)
+        params = fc.sampling_params(sampling)
         return engine.generate([Request(list(tokens), params)])[0].tokens
 
     return generate
-
-
-def fc_params(sampling: dict) -> SamplingParams:
-    return SamplingParams(
-        max_new_tokens=sampling["max_new_tokens"], temperature=sampling["temperature"],
-        top_k=sampling["top_k"], top_p=sampling["top_p"], seed=sampling["seed"] or 0,
-        stop_token_ids=tuple(sampling["stop_token_ids"]),
-    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -58,16 +51,6 @@ def cluster(launch, control, model_dir, page_bytes):
         "decode_tp2": worker("decode", tp=2, cache=()),
         "decode_rows4": worker("decode", extra=["--staging-pages", 4]),
     }
-
-
-def addr(process) -> str:
-    return process.info["address"]
-
-
-async def stats(process) -> dict:
-    reply = await fc.call(addr(process), {"op": "stats"})
-    assert reply["ok"], reply
-    return reply["stats"]
 
 
 def test_workers_register_with_control(cluster, control):
@@ -421,23 +404,3 @@ async def test_a_stalled_pull_does_not_stall_the_running_batch(cluster, control)
     assert "TransferTimeout" in stalled["message"] and 4 < waited < 15
     assert during >= 20  # tokens streamed while the pull waited
     assert (await stats(decode))["free_pages"] == start
-
-
-@pytest.mark.asyncio
-async def test_write_back_without_free_staging_rows_is_counted(
-    launch, control, model_dir, page_bytes
-):
-    """Staging of 3 rows, a 4-page conversation: the first 3 pages are written
-    back and the 4th is counted in the decode's stats, not skipped silently."""
-    cache = launch(*cache_args(page_bytes)).info["listen"]
-    prefill = launch(*worker_args("prefill", model_dir, control))  # writes nothing through
-    decode = launch(*worker_args("decode", model_dir, control, cache=[cache],
-                                 extra=["--write-back", "--staging-pages", 3]))  # fmt: skip
-    prompt = prompt_tokens(2 * PAGE + 3, seed=123)  # 3 pages: the load takes all 3 rows
-    got = await fc.serve(addr(prefill), addr(decode), "wb", prompt, fc.params(40))
-    assert got["ok"], got
-    full = (len(prompt) + len(got["tokens"]) - 1) // PAGE
-    assert full == 4
-    assert got["done"]["written_back_pages"] == 3
-    assert (await stats(decode))["writeback_skipped_pages"] == 1
-    assert (await stats(decode))["staging_free"] == 3
