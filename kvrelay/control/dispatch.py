@@ -15,7 +15,10 @@ refused connection removes the node, any other fault makes it suspect; both
 retry elsewhere, at most `max_retries` times per request. A decode that
 fails before streaming a token is retried on another decode worker with the
 same handles while their lease holds, else the request goes back to
-prefill with the tokens already sent appended to the prompt. After decode
+prefill with the tokens already sent appended to the prompt; a decode that
+answers `PullFailed` (the handles' prefill died, or their lease ended) is
+not at fault and stays in rotation: the request goes back to prefill at
+once (a retry), since no decode can pull those handles. After decode
 tokens were streamed, the request resumes: prefill of the prompt plus the
 tokens sent, then another decode worker (502 in-stream when none is left).
 """
@@ -35,6 +38,7 @@ from kvrelay.control.registry import Node, Registry
 from kvrelay.control.stats import ControlStats, ttft_phases
 from kvrelay.control.tier import TierProbe
 from kvrelay.control.worker_client import (
+    HandlesGone,
     WorkerBusy,
     WorkerCall,
     WorkerError,
@@ -159,6 +163,10 @@ class Dispatcher:
             self.registry.refused(node)
         else:
             self.registry.suspect(node)
+        self._retry(budget, what, exc)
+
+    def _retry(self, budget: list[int], what: str, exc: WorkerError) -> None:
+        """Spend one retry of the request (or give up)."""
         budget[0] += 1
         if budget[0] > self.config.max_retries:
             raise DispatchError(502, f"{what} failed {budget[0]} times, last: {exc}")
@@ -369,6 +377,11 @@ class Dispatcher:
                 self.stats.busy += 1
                 last = str(exc)
                 continue
+            except HandlesGone as exc:
+                # No decode can pull these handles (a pull precedes any token),
+                # and this one is not at fault: run() prefills again.
+                self._retry(budget, "decode", exc)
+                return
             except WorkerError as exc:
                 if isinstance(exc, WorkerRejected) and exc.error == "RequestError":
                     raise DispatchError(400, f"rejected by {node.node_id}: {exc}",
