@@ -1,8 +1,9 @@
 """`kvrelay bench long-request`: one very long request (1M tokens by default)
 through a local cluster, end to end, against one process.
 
-Computing a 1M-token context cold is hours of CPU, so the context's KV is
-synthetic (finite page bytes drawn per page from a seeded generator) and
+Computing a 1M-token context cold is about half an hour of CPU per copy
+with the one-layer long demo model (and the reference needs a second), so by
+default the context's KV is synthetic (finite page bytes drawn per page from a seeded generator) and
 written to the cluster's cache tier under the context's page keys, as an
 earlier turn's write-through would have left it. Then one completion of
 context + `--new-tokens` tokens goes through control: prefill pulls the
@@ -10,7 +11,12 @@ context from the tier through its bounded window, computes only the new
 tokens over it (chunked prefill, paged attention) and stages only the new
 pages; decode takes the context from the tier and the new pages from
 prefill, and generates. The reference is one process that imports the same
-page bytes and generates the same prompt: the tokens must be equal. Pools
+page bytes and generates the same prompt: the tokens must be equal. With
+`--computed` the context is computed instead: a first request of the context
+alone goes through the cluster cold (prefill computes it in chunks and
+writes its pages through to the tier), the prefill pool is restarted (its
+pool empty), and the request then takes the context from the tier; the
+reference computes the whole prompt cold in one process. Pools
 and staging are sized from the prompt (`pool_pages`); a pool too small for
 it is refused with PoolExhausted (a 4xx/5xx with the reason), never an
 out-of-memory. Printed: TTFT and total time, the workers' peak RSS (VmHWM,
@@ -48,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pool pages per worker (0: what the prompt needs)")  # fmt: skip
     parser.add_argument("--backend", default="tcp", choices=["tcp", "ucx"])
     parser.add_argument("--out", default="bench-long-request", help="logs go here")
+    parser.add_argument("--computed", action="store_true",
+                        help="compute the context cold through the cluster (a first request "
+                        "of the context alone, written through to the tier), restart the "
+                        "prefill pool, then the request, which takes the context from the tier; "
+                        "the reference computes the whole prompt in one process (about 30 "
+                        "CPU-minutes each at 1M: docs/benchmarks.md)")  # fmt: skip
     parser.add_argument("--json", metavar="PATH")
 
 
@@ -87,7 +99,8 @@ async def seed_tier(cluster, spec, keys: list[bytes], backend: str) -> None:
 
 
 def reference(model_dir: Path, tokens: list[int], context_pages: int, args) -> tuple:
-    """One process: the same page bytes imported, the same prompt generated."""
+    """One process: the same page bytes imported (computed with `--computed`),
+    the same prompt generated."""
     from kvrelay.model.engine import Request
     from kvrelay.model.loader import load_engine
     from kvrelay.model.page_export import import_prefix
@@ -99,7 +112,7 @@ def reference(model_dir: Path, tokens: list[int], context_pages: int, args) -> t
                          max_prefill_tokens=args.max_prefill_tokens)  # fmt: skip
     keys = engine.spec.page_keys(tokens)
     view = np.asarray(tokens)
-    for window, first in enumerate(range(0, context_pages, WINDOW)):
+    for window, first in enumerate(range(0, 0 if args.computed else context_pages, WINDOW)):
         count = min(WINDOW, context_pages - first)
         rows = page_bytes_of(window, count, engine.spec.page_bytes)
         import_prefix(engine, view[: (first + count) * ps], rows, list(range(count)),
@@ -168,8 +181,14 @@ def run(args: argparse.Namespace) -> None:
         )  # fmt: skip
         with LocalCluster(config) as cluster:
             started = time.perf_counter()
-            asyncio.run(seed_tier(cluster, spec, spec.page_keys(tokens)[:context_pages],
-                                  args.backend))  # fmt: skip
+            cold = None
+            if args.computed:
+                cold = send(cluster.control_url, tokens[: args.context], 1, 7200.0)
+                # A fresh prefill pool: the request's context can only come from the tier.
+                cluster.redeploy("prefill", config.prefill)
+            else:
+                asyncio.run(seed_tier(cluster, spec, spec.page_keys(tokens)[:context_pages],
+                                      args.backend))  # fmt: skip
             seeded_s = time.perf_counter() - started
             answer = send(cluster.control_url, tokens, args.max_tokens, 3600.0)
             peaks = {p.name: group_peak_rss(p.popen.pid) for p in cluster.processes}
@@ -183,7 +202,10 @@ def run(args: argparse.Namespace) -> None:
         "total_s": answer["elapsed_s"], "prefill_timings": kv.get("prefill_timings"),
         "decode_first_s": kv.get("decode_first_s"), "seed_tier_s": seeded_s,
         "reference_s": reference_s, "reference_cached": cached, "peak_rss_bytes": peaks,
-        "pool_pages": pages, "page_bytes": spec.page_bytes,
+        "pool_pages": pages, "page_bytes": spec.page_bytes, "computed": args.computed,
+        "cold_s": None if cold is None else cold["elapsed_s"],
+        "cold_cached_tokens": None if cold is None else cold.get("kvrelay", {}).get(
+            "cached_tokens"),
     }  # fmt: skip
     rows = [
         [
@@ -202,6 +224,13 @@ def run(args: argparse.Namespace) -> None:
     print("prefill phases (s): " + ", ".join(f"{k.removesuffix('_s')} {v:.2f}"
                                              for k, v in timings.items()))  # fmt: skip
     print("peak RSS (MiB): " + ", ".join(f"{n} {b / 2**20:.0f}" for n, b in peaks.items()))
+    if cold is not None:
+        print(
+            f"context computed cold through the cluster in {cold['elapsed_s']:.1f} s "
+            f"(cached {result['cold_cached_tokens']}), then the prefill pool restarted"
+        )
+    else:
+        print(f"context KV synthetic, seeded into the tier in {seeded_s:.1f} s")
     print(f"pool pages per worker {pages} x {spec.page_bytes} B; load average {os.getloadavg()}")
     if args.json:
         write_json(args.json, {"machine": info, "args": vars(args) | {"func": None},

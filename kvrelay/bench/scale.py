@@ -18,19 +18,25 @@ functions phase by phase, on a demo-sized model:
 
 The floor is a monolithic prefill of only the new tokens over the same
 cached context in one process (other new tokens after the same context, the
-context already in the pool): compute and nothing else. `x_floor` is the sum
-of the phases over the floor; `x_floor_move` adds to the floor two copies of
+context already in the pool; the whole `generate` call, timed as compute
+is): compute and nothing else. Load on a shared machine swings compute by
+tens of percent between two runs minutes apart, so each context runs
+`--repeats` pairs of (tier run, floor run) interleaved A B B A A B ... (both
+pools emptied before each tier run, fresh new tokens for each floor run):
+`x_floor` is the median of the pairs' own ratios of the phases' sum over the
+floor, with their min and max; `x_floor_move` adds to the floor two copies of
 the context's KV at memcpy speed (prefill's and decode's), the issue's goal
 reference. Peak memory is the RSS high-water mark above the phase's start,
 sampled every 5 ms.
 
 Control's per-request work is measured apart from the rest (it runs in
 control's process, beside the request's others): its CPU path without the
-network, from the completion's JSON body to the decode message, as
-`dispatch.py` does it: the body parsed, the prompt's page keys once
+network, from the completion's JSON body to the decode message, as the
+route and `dispatch.py` do it: the body decoded (`fast_json`) and validated
+(`CompletionRequest`), the vocabulary check, the prompt's page keys once
 (`Job.page_keys`), the estimate probes of the prefill and decode orders, the
-prefill and decode messages' packed tokens, and the keys of prompt + first
-token added to a worker's estimate after prefill and decode.
+prefill and decode messages' packed tokens (`Job.packed`), and the keys of
+prompt + first token added to a worker's estimate after prefill and decode.
 """
 
 from __future__ import annotations
@@ -74,6 +80,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="float32")
     parser.add_argument("--max-prefill-tokens", type=int, default=4096)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="pairs of (tier run, floor run) per context, interleaved A B B A; medians reported",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the results here")
     parser.add_argument("--plot", metavar="PNG", help="phase time against context length")
 
@@ -133,14 +145,17 @@ def _window_import(engine, tokens, keys, pages: int, window: torch.Tensor) -> No
         position += count
 
 
-def control_work(body: bytes, page_size: int, first_token: int) -> int:
+def control_work(body: bytes, page_size: int, first_token: int, vocab: int = 256) -> int:
     """Control's CPU work for one request (see the module's doc); returns
     the prompt's pages."""
     from types import SimpleNamespace
 
-    from kvrelay.rpc import pack_tokens
+    from kvrelay.control.fast_json import decode_json
+    from kvrelay.control.schemas import CompletionRequest
 
-    tokens = json.loads(body)["prompt"]
+    request = CompletionRequest.model_validate(decode_json(body))  # as the route's body
+    tokens = list(request.prompt)
+    assert min(tokens) >= 0 and max(tokens) < vocab  # the completion's vocabulary check
     estimate = PageEstimate(MAX_ESTIMATE_PAGES)
     node = SimpleNamespace(
         namespace=b"\x01" * 32, page_size=page_size, estimate=estimate, key_scheme="kvrelay"
@@ -148,38 +163,46 @@ def control_work(body: bytes, page_size: int, first_token: int) -> int:
     job = Job("bench", "model", tokens, {"max_new_tokens": 2})
     keys = job.page_keys(node)
     estimate.hit(keys)  # the prefill order
-    pack_tokens(tokens)  # the Prefill message
+    job.packed(tokens)  # the Prefill message
     estimate.add(job.page_keys(node, tokens))
     estimate.hit(keys)  # the decode order
     prompt = [*tokens, first_token]
-    pack_tokens(prompt)  # the Decode message
+    job.packed(prompt)  # the Decode message
     estimate.add(job.page_keys(node, prompt))
     return len(keys)
 
 
-def measure(model_dir: Path, context: int, args) -> dict:
+def _engines(model_dir: Path, context: int, args):
     ps, new = args.page_size, args.new_tokens
-    gen = torch.Generator().manual_seed(context)
-    vocab = 256
-    tokens = torch.randint(0, vocab, (context + new,), generator=gen).tolist()
-    other = torch.randint(0, vocab, (new,), generator=gen).tolist()
     pages = -(-(context + new + 1) // ps) + 1
     options = dict(dtype=args.dtype, page_size=ps, max_prefill_tokens=args.max_prefill_tokens)
-    prefill = load_engine(model_dir, num_pages=pages + pages // 4 + 4, **options)
+    # Prefill's pool holds the context, the tier run's new pages and two floor
+    # runs' (A B B A order): LRU eviction must never take the context.
+    spare = 3 * (-(-new // ps) + 2)
+    prefill = load_engine(model_dir, num_pages=pages + spare + 4, **options)
     decode = load_engine(model_dir, num_pages=pages + 4, **options)
-    page_bytes = prefill.spec.page_bytes
-    # The tier's stand-in: one window of synthetic page bytes (finite values).
-    window = torch.randn(TIER_WINDOW * page_bytes // 4, generator=gen).view(torch.uint8)
-    window = window.view(TIER_WINDOW, page_bytes)
+    return prefill, decode
+
+
+def _timed(fn) -> tuple[float, int, object]:
+    with PeakRSS() as mem:
+        start = time.perf_counter()
+        out = fn()
+        seconds = time.perf_counter() - start
+    return seconds, mem.grown, out
+
+
+def _tier_run(prefill, decode, tokens, window, args) -> tuple[dict, dict]:
+    """One request through every phase, both pools cold (the context comes
+    from the tier's stand-in)."""
+    ps, context = args.page_size, len(tokens) - args.new_tokens
     context_pages = context // ps
+    prefill.pool.clear_cache()
+    decode.pool.clear_cache()
     times, peaks = {}, {}
 
     def phase(name, fn):
-        with PeakRSS() as mem:
-            start = time.perf_counter()
-            out = fn()
-            times[name] = time.perf_counter() - start
-        peaks[name] = mem.grown
+        times[name], peaks[name], out = _timed(fn)
         return out
 
     body = json.dumps({"prompt": tokens, "max_tokens": 2}).encode()
@@ -193,8 +216,9 @@ def measure(model_dir: Path, context: int, args) -> dict:
     keys = phase("lookup", lookup)
     phase("tier_pull", lambda: _window_import(prefill, tokens, keys, context_pages, window))
     result = phase("compute", lambda: prefill.generate([Request(tokens, SamplingParams(1))])[0])
-    total_pages = -(-len(tokens) // ps)
-    staging = torch.zeros(total_pages - context_pages, page_bytes, dtype=torch.uint8)
+    assert result.cached_tokens == context, (result.cached_tokens, context)
+    staging = torch.zeros(-(-len(tokens) // ps) - context_pages, prefill.spec.page_bytes,
+                          dtype=torch.uint8)  # fmt: skip
     rows = list(range(staging.size(0)))
     phase("stage", lambda: export_prefix(prefill, tokens, staging, rows, context_pages, keys))
 
@@ -203,35 +227,98 @@ def measure(model_dir: Path, context: int, args) -> dict:
         import_prefix(decode, tokens, staging, rows, chain=keys, first_page=context_pages)
 
     phase("decode_pull", decode_pull)
-    floor_tokens = tokens[:context] + other
-    with PeakRSS() as mem:
-        floor_result = prefill.generate([Request(floor_tokens, SamplingParams(1))])[0]
-    floor_s, floor_peak = floor_result.prefill_seconds, mem.grown
-    # Two copies of the context's KV bytes (prefill's pool, decode's) at memcpy speed.
+    return times, peaks
+
+
+def _floor_run(prefill, context_tokens: list[int], other: list[int]) -> tuple[float, int]:
+    """Only the new tokens' compute over the context, already in the pool:
+    the whole `generate` call, as the tier run's compute phase is timed."""
+    seconds, grown, result = _timed(
+        lambda: prefill.generate([Request(context_tokens + other, SamplingParams(1))])[0]
+    )
+    assert result.cached_tokens == len(context_tokens), (result.cached_tokens, len(context_tokens))
+    return seconds, grown
+
+
+def _memcpy_twice(window: torch.Tensor, context_pages: int) -> float:
+    """Two copies of the context's KV bytes (prefill's pool, decode's) at memcpy speed."""
     copy_to = torch.empty_like(window)
     start = time.perf_counter()
     for _ in range(-(-context_pages // TIER_WINDOW)):
         copy_to.copy_(window)
-    memcpy_s = 2 * (time.perf_counter() - start)
-    assert result.cached_tokens == context and floor_result.cached_tokens == context
-    total = sum(times.values())
+    return 2 * (time.perf_counter() - start)
+
+
+def measure(model_dir: Path, context: int, args) -> dict:
+    """`args.repeats` pairs of (tier run, floor run), interleaved A B B A A B
+    ... so that drift and load spikes fall on both sides; each pair's ratio
+    is its own, and the figures are medians across pairs."""
+    ps, new = args.page_size, args.new_tokens
+    gen = torch.Generator().manual_seed(context)
+    vocab = 256
+    tokens = torch.randint(0, vocab, (context + new,), generator=gen).tolist()
+    prefill, decode = _engines(model_dir, context, args)
+    # The tier's stand-in: one window of synthetic page bytes (finite values).
+    window = torch.randn(TIER_WINDOW * prefill.spec.page_bytes // 4, generator=gen)
+    window = window.view(torch.uint8).view(TIER_WINDOW, prefill.spec.page_bytes)
+    pairs = []
+    for rep in range(args.repeats):
+        other = torch.randint(0, vocab, (new,), generator=gen).tolist()  # fresh new tokens
+        order = ("tier", "floor") if rep % 2 == 0 else ("floor", "tier")
+        pair = {"order": "".join(o[0] for o in order), "load_average": os.getloadavg()[0]}
+        for which in order:
+            if which == "tier":
+                pair["phases_s"], pair["phase_peak_rss_bytes"] = _tier_run(
+                    prefill, decode, tokens, window, args
+                )
+            else:  # the tier run of this pair or the previous one left the context cached
+                pair["floor_s"], pair["floor_peak_rss_bytes"] = _floor_run(
+                    prefill, tokens[:context], other
+                )
+        pair["memcpy_context_twice_s"] = _memcpy_twice(window, context // ps)
+        pair["total_s"] = sum(pair["phases_s"].values())
+        pair["x_floor"] = pair["total_s"] / pair["floor_s"]
+        pair["x_floor_move"] = pair["total_s"] / (pair["floor_s"] + pair["memcpy_context_twice_s"])
+        pairs.append(pair)
+        print(f"context {context} pair {rep + 1}/{args.repeats} ({pair['order']}): "
+              f"x_floor {pair['x_floor']:.3f}, load {pair['load_average']:.1f}",
+              file=sys.stderr)  # fmt: skip
+    return _summary(context, new, pairs, prefill, decode, ps)
+
+
+def _median(values) -> float:
+    return float(np.median(values))
+
+
+def _summary(context: int, new: int, pairs: list[dict], prefill, decode, ps: int) -> dict:
+    total_pages = -(-(context + new) // ps)
+    phases = {n: _median([p["phases_s"][n] for p in pairs]) for n in PHASES}
+    total = _median([p["total_s"] for p in pairs])
+    non_compute = _median([p["total_s"] - p["phases_s"]["compute"] for p in pairs])
+    ratios = [p["x_floor"] for p in pairs]
     return {
         "context": context,
         "new_tokens": new,
         "pages": total_pages,
-        "phases_s": times,
-        "phase_peak_rss_bytes": peaks,
+        "repeats": len(pairs),
+        "phases_s": phases,
+        "phase_peak_rss_bytes": {
+            n: max(p["phase_peak_rss_bytes"][n] for p in pairs) for n in PHASES
+        },
         "total_s": total,
-        "floor_s": floor_s,
-        "floor_peak_rss_bytes": floor_peak,
-        "memcpy_context_twice_s": memcpy_s,
-        "x_floor": total / floor_s,
-        "x_floor_move": total / (floor_s + memcpy_s),
-        "non_compute_s": total - times["compute"],
-        "non_compute_per_page_us": 1e6 * (total - times["compute"]) / total_pages,
-        "control_per_page_us": 1e6 * times["control"] / total_pages,
+        "floor_s": _median([p["floor_s"] for p in pairs]),
+        "floor_peak_rss_bytes": max(p["floor_peak_rss_bytes"] for p in pairs),
+        "memcpy_context_twice_s": _median([p["memcpy_context_twice_s"] for p in pairs]),
+        "x_floor": _median(ratios),  # the median of the pairs' own ratios
+        "x_floor_min": min(ratios),
+        "x_floor_max": max(ratios),
+        "x_floor_move": _median([p["x_floor_move"] for p in pairs]),
+        "non_compute_s": non_compute,
+        "non_compute_per_page_us": 1e6 * non_compute / total_pages,
+        "control_per_page_us": 1e6 * phases["control"] / total_pages,
         "pool_bytes": (prefill.pool.storage.numel() + decode.pool.storage.numel())
         * prefill.pool.storage.element_size(),
+        "pairs": pairs,
     }
 
 
@@ -271,8 +358,8 @@ def run(args: argparse.Namespace) -> None:
         raise SystemExit(
             f"--contexts: lengths are token counts or one of {list(CONTEXTS)}"
         ) from None
-    if args.new_tokens <= 0 or args.max_prefill_tokens <= 0:
-        raise SystemExit("--new-tokens and --max-prefill-tokens must be positive")
+    if min(args.new_tokens, args.max_prefill_tokens, args.repeats) <= 0:
+        raise SystemExit("--new-tokens, --max-prefill-tokens and --repeats must be positive")
     info = machine_info() | {"load_average": list(os.getloadavg())}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = _model(args, Path(tmp))
@@ -280,17 +367,22 @@ def run(args: argparse.Namespace) -> None:
         for context in contexts:
             results.append(measure(model_dir, context, args))
             print(f"context {context}: done", file=sys.stderr)
-    headers = ["context", *PHASES, "total", "floor", "x_floor", "x_floor_move", "us/page*",
-               "ctl us/page"]  # fmt: skip
+    headers = ["context", *PHASES, "total", "floor", "x_floor [min-max]", "x_floor_move",
+               "us/page*", "ctl us/page"]  # fmt: skip
     rows = []
     for r in results:
         p = r["phases_s"]
         rows.append([r["context"], *(f"{p[n]:.3f}" for n in PHASES), f"{r['total_s']:.3f}",
-                     f"{r['floor_s']:.3f}", f"{r['x_floor']:.2f}", f"{r['x_floor_move']:.2f}",
+                     f"{r['floor_s']:.3f}",
+                     f"{r['x_floor']:.2f} [{r['x_floor_min']:.2f}-{r['x_floor_max']:.2f}]",
+                     f"{r['x_floor_move']:.2f}",
                      f"{r['non_compute_per_page_us']:.0f}",
                      f"{r['control_per_page_us']:.1f}"])  # fmt: skip
     print(format_table(headers, rows))
-    print("* non-compute time per page of the prompt (us); seconds elsewhere")
+    print(
+        "* non-compute time per page of the prompt (us); seconds elsewhere; medians of "
+        f"{args.repeats} interleaved (tier, floor) pairs, x_floor the median of their ratios"
+    )
     peak = [[r["context"], *(f"{r['phase_peak_rss_bytes'][n] / 2**20:.0f}" for n in PHASES),
              f"{r['floor_peak_rss_bytes'] / 2**20:.0f}", f"{r['pool_bytes'] / 2**20:.0f}"]
             for r in results]  # fmt: skip

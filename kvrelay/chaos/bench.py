@@ -169,22 +169,40 @@ def fault_rows(cluster: ChaosCluster, args) -> dict[str, FaultRow]:
     return {name: FaultRow(name) for name in names}
 
 
-def fault_queue(rows: dict, args, rng: random.Random) -> asyncio.Queue:
+def fault_queue(rows: dict, args, rng: random.Random) -> list[str]:
     """Injection 1 of every fault (in a random order), then injection 2, ..."""
-    queue = asyncio.Queue()
+    queue = []
     for _ in range(args.injections):
-        for name in rng.sample(list(rows), len(rows)):
-            queue.put_nowait(name)
+        queue += rng.sample(list(rows), len(rows))
     return queue
 
 
-async def fault_worker(cluster, workload, rng, queue: asyncio.Queue, rows: dict, args,
+async def next_fault(queue: list[str], faults: Faults, wait_s: float = 60.0) -> str | None:
+    """Takes the first fault in `queue` this cluster can take now (e.g. not
+    a prefill kill while a killed prefill's replacement still starts), so a
+    cluster runs other injections instead of waiting; after `wait_s` with
+    none ready, the first in the queue (its round waits for the cluster);
+    None once another cluster took the last."""
+    deadline = time.monotonic() + wait_s
+    while queue:
+        ready = next((n for n in queue if faults.is_ready(n)), None)
+        if ready is not None or time.monotonic() > deadline:
+            name = ready if ready is not None else queue[0]
+            queue.remove(name)  # the first of its name: the queue stays in round order
+            return name
+        await asyncio.sleep(0.2)
+    return None
+
+
+async def fault_worker(cluster, workload, rng, queue: list[str], rows: dict, args,
                        end: float) -> None:  # fmt: skip
     """One fault cluster: takes the next injection until none is left or time is up."""
     faults = Faults(cluster, rng, background_restarts=True)
     try:
-        while not queue.empty() and time.monotonic() < end:
-            name = queue.get_nowait()
+        while queue and time.monotonic() < end:
+            name = await next_fault(queue, faults)
+            if name is None:
+                break
             try:
                 await fault_round(cluster, faults, workload, name, rows[name],
                                   sessions=args.sessions, turns=args.turns)  # fmt: skip

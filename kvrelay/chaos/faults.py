@@ -26,6 +26,7 @@ from kvrelay.chaos.pressure import Pressure
 from kvrelay.chaos.workload import CORRECT, ERROR, HUNG, LOST, WRONG, Workload
 
 STOP_S = 4.0  # how long a SIGSTOPped process stays stopped
+MAX_VALKEY_RECORDS = 5000  # records spoiled by one corrupt_valkey (all of a round's)
 HEARTBEATS_OFF_S = 4.5  # past control's 3 missed heartbeats of 1 s: the node is removed
 
 
@@ -46,7 +47,10 @@ class FaultRow:
     not_serving: int = 0  # rounds after which a good request failed
     at_moment: int = 0  # injections that struck at their moment (see `moments`)
     problems_after: int = 0  # checks after the fault failed (see `Faults.after`)
+    checks_skipped: int = 0  # checks after the fault with nothing to check (file L3)
     harness_errors: int = 0  # rounds the harness itself could not finish (bench only)
+    phase_s: Counter = field(default_factory=Counter)  # wall seconds per phase of a round
+    errors: Counter = field(default_factory=Counter)  # "status reason" of each failed request
 
     def as_dict(self) -> dict:
         lat = sorted(self.latencies)
@@ -59,6 +63,9 @@ class FaultRow:
             "leaked_pages": self.leaked_pages, "p99_latency_s": round(p99, 3),
             "not_serving_after": self.not_serving, "at_moment": self.at_moment,
             "problems_after": self.problems_after, "harness_errors": self.harness_errors,
+            "checks_skipped": self.checks_skipped,
+            "phase_s": {k: round(v, 1) for k, v in self.phase_s.items()},
+            "errors": dict(self.errors.most_common(8)),
         }  # fmt: skip
 
 
@@ -92,17 +99,20 @@ class Faults:
     def _pick(self, prefix: str):
         return self.rng.choice(self.cluster.ready(prefix))
 
-    async def ready_for(self, name: str, timeout_s: float = 300.0) -> None:
-        """Waits until each pool has a worker serving, and every worker of a
-        pool this fault kills or freezes (so it never takes a pool's last)."""
+    def is_ready(self, name: str) -> bool:
+        """Each pool has a worker serving, and every worker of a pool this
+        fault kills or freezes does (so it never takes a pool's last)."""
         roles = [r for r in ("prefill", "decode") if r in name] or ["prefill", "decode"]
         strict = [r for r in ("prefill", "decode") if r in name or "heartbeats" in name]
+        return all(self.cluster.ready(r) for r in roles) and all(
+            len(self.cluster.ready(r)) == len(self.cluster.named(r)) for r in strict
+        )
+
+    async def ready_for(self, name: str, timeout_s: float = 300.0) -> None:
+        """Waits until `is_ready(name)`; the round begins then."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            ok = all(self.cluster.ready(r) for r in roles) and all(
-                len(self.cluster.ready(r)) == len(self.cluster.named(r)) for r in strict
-            )
-            if ok:
+            if self.is_ready(name):
                 self.files.begin()
                 return
             await asyncio.sleep(0.2)
@@ -149,17 +159,17 @@ class Faults:
             raise ValueError(f"unknown fault {name!r}")
 
     def _corrupt_valkey(self) -> None:
-        """Flip bytes in the middle of every stored record (a checksum must catch it)."""
-        valkey = self.cluster.valkey
-        reply = valkey.command("KEYS", "*")
-        keys = [line for line in reply.split(b"\r\n") if line and line[:1] not in b"*$"]
-        for key in keys[:200]:
-            value = valkey.command("GET", key)
-            body = value.split(b"\r\n", 1)[-1][:-2] if value.startswith(b"$") else b""
-            if len(body) > 8:
-                middle = len(body) // 2
-                spoiled = body[:middle] + bytes([body[middle] ^ 0xFF]) + body[middle + 1 :]
-                valkey.command("SET", key, spoiled)
+        """Flip a byte in the middle of every stored record (a checksum must catch it)."""
+        with self.cluster.valkey.client() as client:
+            keys = list(client.scan_iter(count=1000))[:MAX_VALKEY_RECORDS]
+            values = client.mget(keys) if keys else []
+            pipe = client.pipeline(transaction=False)
+            for key, body in zip(keys, values, strict=True):
+                if body is not None and len(body) > 8:
+                    middle = len(body) // 2
+                    spoiled = body[:middle] + bytes([body[middle] ^ 0xFF]) + body[middle + 1 :]
+                    pipe.set(key, spoiled, keepttl=True)
+            pipe.execute()
 
     def sessions_for(self, name: str, sessions: int) -> int:
         """A burst is 4x the sessions; a timed kill gets enough traffic for its moment."""
@@ -242,7 +252,9 @@ async def settled_counts(cluster: ChaosCluster, baseline: dict, timeout_s: float
 async def fault_round(cluster: ChaosCluster, faults: Faults, workload: Workload, name: str,
                       row: FaultRow, *, sessions: int, turns: int) -> None:  # fmt: skip
     """One injection of `name` at a random moment of a workload."""
+    clock = _Phases(row.phase_s)
     await faults.ready_for(name)
+    clock("ready")
     baseline = await cluster.free_counts()
     before = len(workload.outcomes)
     # New prompts each round: pools miss, so lookups and writes reach the tier.
@@ -263,13 +275,33 @@ async def fault_round(cluster: ChaosCluster, faults: Faults, workload: Workload,
     finally:
         if not run.done():  # the fault raised: the workload still ends, bounded
             await run
+    clock("inject_run_clear")
+    skipped = faults.files.skipped
     row.problems_after += await faults.after(name, victim, workload, sessions, turns)
+    row.checks_skipped += faults.files.skipped - skipped
+    clock("after")
     outcomes = workload.outcomes[before:]
     row.requests += len(outcomes)
     for outcome in outcomes:
         row.outcomes[outcome.kind] += 1
         row.http_5xx += outcome.status >= 500
         row.latencies.append(outcome.latency_s)
+        if outcome.kind != CORRECT:
+            row.errors[f"{outcome.kind} {outcome.status} {outcome.reason[:160]}"] += 1
     row.leaked_pages += await settled_counts(cluster, baseline, timeout_s=45)
+    clock("settle")
     good = await workload.run(1, 1)
     row.not_serving += good[0].kind != CORRECT
+    clock("good")
+
+
+class _Phases:
+    """Adds the wall time since the last call to `totals[phase]`."""
+
+    def __init__(self, totals: Counter) -> None:
+        self.totals, self.last = totals, time.monotonic()
+
+    def __call__(self, phase: str) -> None:
+        now = time.monotonic()
+        self.totals[phase] += now - self.last
+        self.last = now

@@ -16,9 +16,11 @@ sealed page is on disk):
 Both checks need pages of the round's prompts on the server's disk, and a
 round may leave none there: the kill can come before the round's first
 pages reach the server, and pages pushed while it is down are dropped (a
-miss later, never an error). The check is skipped then: page files
-written (or read, which touches them) since the round began are the
-round's pages on disk; spoiling keeps a file's times."""
+miss later, never an error). The round's prompts are then sent once more
+(the server is back: their pages reach its disk) before the check; it is
+skipped (and counted in `skipped`) only when still none are there (page
+files written, or read, which touches them, since the round began are the
+round's pages on disk; spoiling keeps a file's times)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import contextlib
 import os
 import random
 import signal
+import sys
 import time
 
 from kvrelay.chaos import frames
@@ -73,6 +76,7 @@ class FileL3Faults:
                         if cluster.l3_of(i) == "file"]  # fmt: skip
         self._server = 0
         self._round_ns = 0  # when the round began (`begin`)
+        self.skipped = 0  # after-checks with none of the round's pages on the disk
 
     def begin(self) -> None:
         """A round starts: pages on disk from now on are its own."""
@@ -111,11 +115,17 @@ class FileL3Faults:
         """The round's prompts from empty pools against a server just
         restarted (its files spoiled again for `corrupt_file_l3`) with no
         request running: 1 when its L3 gave nothing back (or caught no
-        spoiled record); 0 with no check when none of the round's pages
-        reached the server's disk."""
+        spoiled record); 0 with no check (`skipped`) when none of the
+        round's pages reached the server's disk, even after a second pass."""
         await self._writes_settled()
         if not await asyncio.to_thread(round_pages, self.cluster, self._server, self._round_ns):
-            return 0  # the round's pages never reached its disk: nothing to check
+            # The kill came before the round's pages reached its disk: the
+            # round's prompts once more (the server is back) put them there.
+            await workload.run(sessions, turns)
+            await self._writes_settled()
+        if not await asyncio.to_thread(round_pages, self.cluster, self._server, self._round_ns):
+            self.skipped += 1
+            return 0  # still none on its disk (all on the other server): nothing to check
         if not await asyncio.to_thread(self.restart, name):
             return 0  # nothing on disk yet: nothing to check
         for worker in self.cluster.ready("prefill") + self.cluster.ready("decode"):
@@ -126,4 +136,8 @@ class FileL3Faults:
         stats = await self.cluster.cache_stats(self.cluster.cache_addresses[self._server])
         l3 = (stats or {}).get("l3") or {}
         wanted = "hits" if name == "restart_cache_file" else "checksum_failures"
-        return int(l3.get(wanted, 0) == 0)
+        if l3.get(wanted, 0) == 0:  # shown: the row only counts it
+            print(f"{name}: after-check failed: cache{self._server} l3 {l3 or stats}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            return 1
+        return 0

@@ -58,23 +58,13 @@ class Valkey:
             time.sleep(0.05)
         return self
 
-    def command(self, *args: bytes | str) -> bytes:
-        """One RESP command; the raw reply (enough for KEYS, SET, FLUSHALL)."""
-        parts = [a.encode() if isinstance(a, str) else a for a in args]
-        data = b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
-        with socket.create_connection(("127.0.0.1", self.port), timeout=5) as s:
-            s.sendall(data)
-            chunks = []
-            s.settimeout(0.3)
-            while True:
-                try:
-                    chunk = s.recv(1 << 16)
-                except TimeoutError:
-                    break
-                if not chunk:
-                    break
-                chunks.append(chunk)
-            return b"".join(chunks)
+    def client(self):
+        """A redis-py client of this server (KEYS, GET, SET in the faults).
+        Each reply is read to its end by the protocol parser, not by waiting
+        for the socket to go quiet."""
+        import redis
+
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -19,6 +19,7 @@ from kvrelay.control import metrics
 from kvrelay.control.completions import CompletionRunner, error_body
 from kvrelay.control.config import ControlConfig
 from kvrelay.control.dispatch import Dispatcher
+from kvrelay.control.fast_json import FastJSONRoute
 from kvrelay.control.openapi import (
     AUTH,
     BAD_REQUEST,
@@ -88,6 +89,7 @@ def create_app(config: ControlConfig) -> FastAPI:
                 tier.close()
 
     app = FastAPI(title="kvrelay control", lifespan=lifespan)
+    app.router.route_class = FastJSONRoute  # bodies through msgspec: 1M-token prompts
     app.openapi = openapi_without_422(app)
     app.state.registry, app.state.stats, app.state.tier = registry, stats, tier
 

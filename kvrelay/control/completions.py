@@ -140,6 +140,8 @@ class CompletionRunner:
         if not tokens:
             raise DispatchError(400, "the prompt encodes to no tokens")
         for name, ids in (("prompt", tokens), ("stop_token_ids", body.stop_token_ids)):
+            if not ids or (min(ids) >= 0 and max(ids) < vocab):  # in C; the list only if needed
+                continue
             outside = [t for t in ids if not 0 <= t < vocab]
             if outside:
                 raise DispatchError(

@@ -15,7 +15,10 @@ refused connection removes the node, any other fault makes it suspect; both
 retry elsewhere, at most `max_retries` times per request. A decode that
 fails before streaming a token is retried on another decode worker with the
 same handles while their lease holds, else the request goes back to
-prefill with the tokens already sent appended to the prompt. After decode
+prefill with the tokens already sent appended to the prompt; a decode that
+answers `PullFailed` (the handles' prefill died, or their lease ended) is
+not at fault and stays in rotation: the request goes back to prefill at
+once (a retry), since no decode can pull those handles. After decode
 tokens were streamed, the request resumes: prefill of the prompt plus the
 tokens sent, then another decode worker (502 in-stream when none is left).
 """
@@ -28,12 +31,15 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvrelay.control.config import ControlConfig
 from kvrelay.control.events import Done, Event, FirstToken, Tokens
 from kvrelay.control.registry import Node, Registry
 from kvrelay.control.stats import ControlStats, ttft_phases
 from kvrelay.control.tier import TierProbe
 from kvrelay.control.worker_client import (
+    HandlesGone,
     WorkerBusy,
     WorkerCall,
     WorkerError,
@@ -71,6 +77,18 @@ class Job:
     tier_hit: int | None = None  # pages, probed once per request
     waiting: bool = False  # every prefill worker answered Busy; waiting for one
     decode_first_s: float | None = None  # decode request sent -> its first token batch
+    packed_tokens: bytes | None = None  # `tokens` as the wire carries them, packed once
+
+    def packed(self, prompt: list[int]) -> bytes:
+        """`pack_tokens(prompt)` for a prompt that starts with the job's tokens
+        (they, plus what was generated): the job's part is packed once per
+        request, not once per message and attempt."""
+        return self._packed_tokens() + pack_tokens(prompt[len(self.tokens) :])
+
+    def _packed_tokens(self) -> bytes:
+        if self.packed_tokens is None:
+            self.packed_tokens = pack_tokens(self.tokens)
+        return self.packed_tokens
 
     def page_keys(self, node: Node, tokens: list[int] | None = None) -> list[bytes]:
         """Keys of the job's prompt (computed once per key scheme, namespace
@@ -81,8 +99,9 @@ class Job:
         scheme = node.key_scheme
         cache_key = (scheme, node.namespace, node.page_size)
         if cache_key not in self.keys:
+            tokens_u32 = np.frombuffer(self._packed_tokens(), dtype="<u4")
             self.keys[cache_key] = scheme_page_keys(
-                scheme, node.namespace, self.tokens, node.page_size
+                scheme, node.namespace, tokens_u32, node.page_size
             )
         keys = self.keys[cache_key]
         if tokens is None:
@@ -145,6 +164,10 @@ class Dispatcher:
             self.registry.refused(node)
         else:
             self.registry.suspect(node)
+        self._retry(budget, what, exc)
+
+    def _retry(self, budget: list[int], what: str, exc: WorkerError) -> None:
+        """Spend one retry of the request (or give up)."""
         budget[0] += 1
         if budget[0] > self.config.max_retries:
             raise DispatchError(502, f"{what} failed {budget[0]} times, last: {exc}")
@@ -236,7 +259,7 @@ class Dispatcher:
                 raise DispatchError(503, f"no prefill worker available for {job.model}{why}")
             node = order[0]
             tried.add(node.node_id)
-            message = Prefill(job.rid, pack_tokens(prompt), Params(**params), self.config.lease_s)
+            message = Prefill(job.rid, job.packed(prompt), Params(**params), self.config.lease_s)
             call = WorkerCall(node, self.config.token, self.config.connect_timeout_s)
             job.current = node
             node.inflight += 1
@@ -326,7 +349,7 @@ class Dispatcher:
                       budget: list[int]) -> AsyncIterator[Tokens | Done]:  # fmt: skip
         tried: set[str] = set()
         message = Decode(
-            job.rid, pack_tokens(prompt), prefill.first_token, prefill.pages, Params(**params),
+            job.rid, job.packed(prompt), prefill.first_token, prefill.pages, Params(**params),
             prefill.tier_pages, prefill.handles,
         )  # fmt: skip
         last: str | None = None
@@ -351,6 +374,11 @@ class Dispatcher:
                 self.stats.busy += 1
                 last = str(exc)
                 continue
+            except HandlesGone as exc:
+                # No decode can pull these handles (a pull precedes any token),
+                # and this one is not at fault: run() prefills again.
+                self._retry(budget, "decode", exc)
+                return
             except WorkerError as exc:
                 if isinstance(exc, WorkerRejected) and exc.error == "RequestError":
                     raise DispatchError(400, f"rejected by {node.node_id}: {exc}",

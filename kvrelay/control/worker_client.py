@@ -38,9 +38,17 @@ class WorkerRejected(WorkerError):
         self.error = error
 
 
+class HandlesGone(WorkerError):
+    """`PullFailed`: decode could not pull the pages prefill published (that
+    prefill died, or their lease ended): no decode can, and this one is not
+    at fault. The request goes back to prefill."""
+
+
 def _refusal(error: rpc.Error, node: Node) -> WorkerError:
     if error.error == "Busy":
         return WorkerBusy(f"{node.node_id} is busy")
+    if error.error == "PullFailed":
+        return HandlesGone(f"{node.node_id} answered PullFailed: {error.message[:500]}")
     if error.error in ("RequestError", "PoolExhausted", "StagingTooSmall"):
         return WorkerRejected(error.error, error.message[:500] or error.error)
     return WorkerFault(f"{node.node_id} answered {error.error}: {error.message[:500]}")

@@ -144,8 +144,10 @@ class DecodeWorker(WorkerFront):
             try:
                 started = await self.ranks(load)
             except PoolExhausted as exc:
-                if self._running or self._loading:
-                    self._blocked = True  # pages come back as sequences finish
+                if self._running or self._loading or self._writing:
+                    # Pages and staging rows come back as sequences finish and
+                    # as write-backs (which hold rows) end: wait, don't fail.
+                    self._blocked = True
                     return
                 self._waiting.popleft()
                 self._fail(job, exc)

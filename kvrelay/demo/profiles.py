@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 
-# A demo model per profile. The long one has one KV head of 16 dims: on a
-# CPU, attention's cost per (query, key) pair is per head, and a long
-# context is mostly attention.
+# A demo model per profile. The long one has one layer and one KV head of
+# 16 dims: on a CPU, attention's cost per (query, key) pair is per layer and
+# head, and a long context is mostly attention.
 MODELS = {
     "default": dict(layers=2, hidden=128, heads=4, kv_heads=2, vocab=256, max_positions=65536),
-    "long": dict(layers=2, hidden=16, heads=1, kv_heads=1, vocab=256,
+    "long": dict(layers=1, hidden=16, heads=1, kv_heads=1, vocab=256,
                  max_positions=(1 << 20) + (1 << 16)),
 }  # fmt: skip
 
@@ -30,12 +30,14 @@ PROFILES = {
         redeploy_turns=2, decode="1xtp1", prefill_pages=1024, decode_pages=2048,
         pool_contexts=0.0, sample=0, max_prefill_tokens=4096, cache_gb=0.5, slow_prefill_s=0.0,
     ),
-    # 3 sessions x 28 turns: 32K -> ~200K tokens (tool outputs of 6K tokens).
+    # 3 sessions x 8 turns: 32K -> 200K tokens (tool outputs of 24K tokens: a
+    # tier-mode request's compute is the new tokens times the context, so
+    # fewer, bigger turns cost the same compute with fewer round trips).
     "long": dict(
-        model=".kvrelay-demo/model-long", sessions=3, turns=28, system_tokens=30720,
-        user_tokens=2048, tool_tokens=6144, answer_tokens=16, prefill="2xtp1", redeploy="",
+        model=".kvrelay-demo/model-long-1l", sessions=3, turns=8, system_tokens=30720,
+        user_tokens=2048, tool_tokens=24560, answer_tokens=16, prefill="2xtp1", redeploy="",
         redeploy_turns=0, decode="1xtp1", prefill_pages=0, decode_pages=0,
-        pool_contexts=1.5, sample=4, max_prefill_tokens=8192, cache_gb=0.25,
+        pool_contexts=1.5, sample=2, max_prefill_tokens=8192, cache_gb=0.25,
         slow_prefill_s=1800.0,
     ),
 }  # fmt: skip

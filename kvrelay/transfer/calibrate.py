@@ -34,11 +34,12 @@ from pathlib import Path
 
 import numpy as np
 
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2  # 2: two threads must win by TWO_THREAD_MARGIN
 CONTIGUOUS_RUN_BYTES = 1 << 20  # a batch whose runs average this much is "contiguous"
 _SHAPE_BYTES = 8 << 20  # bytes per measured copy
 _RUN_BYTES = 64 << 10
 _ROUNDS = 3
+TWO_THREAD_MARGIN = 1.15
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,18 +224,30 @@ def measure(rounds: int = _ROUNDS) -> CopyPlan:
                 run_copy(choice, pid, dst.data_ptr(), source.address, shapes[shape], _SHAPE_BYTES)
                 out.append(time.perf_counter() - start)
         measured = {s: {} for s in shapes}
-        best = {}
         for (shape, choice), out in times.items():
             # The fastest round: other processes only ever slow a copy down,
             # and on a shared host a median still carried their bursts.
-            rate = _SHAPE_BYTES / min(out[1:]) / 1e9
-            measured[shape][choice.label] = round(rate, 3)
-            if shape not in best or rate > best[shape][0]:
-                best[shape] = (rate, choice)
+            measured[shape][choice.label] = round(_SHAPE_BYTES / min(out[1:]) / 1e9, 3)
     finally:
         source.close()
     elapsed = time.perf_counter() - started
-    return CopyPlan(best["scattered"][1], best["contiguous"][1], measured, facts, elapsed)
+    best = {shape: pick(choices, measured[shape]) for shape in shapes}
+    return CopyPlan(best["scattered"], best["contiguous"], measured, facts, elapsed)
+
+
+def pick(choices: list[CopyChoice], rates: dict[str, float]) -> CopyChoice:
+    """The fastest one-thread choice, or a two-thread one that beats it by
+    `TWO_THREAD_MARGIN`: a second thread only pays on an idle core, and in a
+    pull it competes with the owner and the reader's own loop (on this 2-core
+    host two-thread candidates won by under 1% or lost by up to 10x, by the
+    load of the moment)."""
+    single = max((c for c in choices if c.threads == 1), key=lambda c: rates[c.label])
+    multi = [c for c in choices if c.threads > 1]
+    if multi:
+        best = max(multi, key=lambda c: rates[c.label])
+        if rates[best.label] > TWO_THREAD_MARGIN * rates[single.label]:
+            return best
+    return single
 
 
 def _boot_id() -> str:

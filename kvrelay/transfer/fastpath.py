@@ -30,8 +30,11 @@ _INLINE_COPY_BYTES = 64 << 20
 # A second copying thread only for batches of at least this size: below it
 # starting the thread costs more than it saves.
 _BYTES_PER_COPY_THREAD = 4 << 20
-# Non-temporal stores (where chosen) only for batches of at least this size:
-# smaller pulls are often read right away, from the cache.
+# Non-temporal stores (where chosen) only where the destination spans at least
+# this much: smaller pulls are often read right away, from the cache, and a
+# batch that lands its runs on a few lines again and again (ucx_perftest's
+# pattern: 512 reads of one 64 KiB run into one place) would send to memory
+# what plain stores keep in the cache.
 _STREAM_MIN_BYTES = 8 << 20
 
 
@@ -72,9 +75,21 @@ def copy_job(peer, info: ArenaInfo, local, triples, read, nbytes: int, plan: Cop
     mapping = _mapping(peer, info)
     rows = np.ascontiguousarray(triples[:, [1, 0, 2]] if read else triples)  # (dst, src, length)
     dst, src = (local.address, mapping.address) if read else (mapping.address, local.address)
-    stream = chosen.method == "map" and chosen.stream and nbytes >= _STREAM_MIN_BYTES
+    footprint = destination_span(rows)
+    stream = chosen.method == "map" and chosen.stream and footprint >= _STREAM_MIN_BYTES
+    if footprint < _STREAM_MIN_BYTES:
+        threads = 1  # two threads storing to the same few lines bounce them between cores
     choice = CopyChoice("map", threads, stream, chosen.prefetch)
     return functools.partial(run_copy, choice, 0, dst, src, rows, nbytes)
+
+
+def destination_span(rows) -> int:
+    """Bytes from the lowest to the highest destination byte of (dst, src,
+    length) rows: what the copy leaves in the cache with plain stores."""
+    if not len(rows):
+        return 0
+    starts = rows[:, 0]
+    return int((starts + rows[:, 2]).max() - starts.min())
 
 
 def _readv(choice: CopyChoice, pid: int, local: int, remote: int, rows, read: bool) -> None:

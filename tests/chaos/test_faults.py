@@ -14,6 +14,7 @@ pull. The long run is `kvrelay bench chaos`."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -25,7 +26,7 @@ from kvrelay.chaos.cluster import ChaosCluster, ChaosConfig
 from kvrelay.chaos.faults import FaultRow, Faults, fault_round, settled_counts
 from kvrelay.chaos.valkey import server_binary
 from kvrelay.chaos.workload import Oracle, Workload
-from tests.chaos.conftest import DTYPE, PAGE, run
+from tests.chaos.conftest import DTYPE, PAGE
 
 SEED = int(os.environ.get("KVRELAY_CHAOS_SEED", random.randrange(1 << 16)))
 ALL_FAULTS = [
@@ -64,19 +65,15 @@ def oracle(chaos_model):
     return Oracle(chaos_model[0], DTYPE, PAGE)
 
 
-def one_round(cluster, oracle, name: str, seed: int) -> dict:
+async def one_round(cluster, oracle, name: str, seed: int) -> dict:
     faults = Faults(cluster, random.Random(f"{seed}:{name}"))  # fresh prompts per fault
     assert name in faults.names(), (name, faults.names())
     workload = Workload(cluster.control_url, oracle, seed=seed, deadline_s=30)
     row = FaultRow(name)
-
-    async def go():
-        try:
-            await fault_round(cluster, faults, workload, name, row, sessions=2, turns=2)
-        finally:
-            await faults.close()
-
-    run(go())
+    try:
+        await fault_round(cluster, faults, workload, name, row, sessions=2, turns=2)
+    finally:
+        await faults.close()
     return row.as_dict()
 
 
@@ -90,13 +87,14 @@ def check(row: dict, seed: int) -> None:
         assert row["failed_clear_error"] == 0, (seed, row)
 
 
-def test_random_faults_lose_nothing(cluster, oracle):
+@pytest.mark.asyncio
+async def test_random_faults_lose_nothing(cluster, oracle):
     rng = random.Random(SEED)
     named = os.environ.get("KVRELAY_CHAOS_FAULTS")
     chosen = named.split(",") if named else rng.sample([f for f in ALL_FAULTS if f not in KNOWN], 2)
     print(f"KVRELAY_CHAOS_SEED={SEED} KVRELAY_CHAOS_FAULTS={','.join(chosen)}")
     for name in chosen:
-        check(one_round(cluster, oracle, name, SEED), (SEED, name))
+        check(await one_round(cluster, oracle, name, SEED), (SEED, name))
     assert not any(cluster.unhandled_errors().values()), (SEED, cluster.unhandled_errors())
 
 
@@ -104,35 +102,38 @@ def test_random_faults_lose_nothing(cluster, oracle):
 @pytest.mark.parametrize("name", [
     pytest.param(name, marks=pytest.mark.xfail(reason=KNOWN[name])) if name in KNOWN else name
     for name in ALL_FAULTS])  # fmt: skip
-def test_each_fault(name, cluster, oracle):
-    row = one_round(cluster, oracle, name, SEED)
+@pytest.mark.asyncio
+async def test_each_fault(name, cluster, oracle):
+    row = await one_round(cluster, oracle, name, SEED)
     check(row, SEED)
     assert row["at_moment"] == row["injected"] == 1, (SEED, row)
     assert not any(cluster.unhandled_errors().values()), (SEED, cluster.unhandled_errors())
 
 
 @pytest.mark.slow
-def test_prefill_killed_after_publishing_handles(cluster):
+@pytest.mark.asyncio
+async def test_prefill_killed_after_publishing_handles(cluster):
     """Prefill answered (its handles name pages in its staging arena), then
     dies before decode pulls them: decode answers a typed error within its
     transfer deadline and its pool pages and staging rows all come back."""
     token = cluster.config.token
     victim = cluster.named("prefill")[0]
     decode = cluster.named("decode")[0]
-    baseline = {decode.name: run(cluster.free_counts())[decode.name]}
+    baseline = {decode.name: (await cluster.free_counts())[decode.name]}
     prompt = random.Random(SEED).choices(range(1, 256), k=3 * PAGE + 5)
     params = {"max_new_tokens": 6, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0,
               "stop_token_ids": []}  # fmt: skip
     request = {"op": "prefill", "rid": "p", "tokens": frames.tokens(prompt), "params": params,
                "lease_s": 30.0}  # fmt: skip
-    answer = run(frames.call(victim.ready["address"], request, token))
+    answer = await frames.call(victim.ready["address"], request, token)
     assert frames.accepted(answer) and answer["handles"], answer
     os.killpg(victim.popen.pid, signal.SIGKILL)
-    victim.popen.wait(10)
+    await asyncio.to_thread(victim.popen.wait, 10)
     message = {"op": "decode", "rid": "d", "tokens": frames.tokens(prompt), "params": params,
                "first_token": answer["first_token"], "tier_pages": 0, "pages": answer["pages"],
                "handles": answer["handles"]}  # fmt: skip
-    reply = run(frames.call(decode.ready["address"], message, token, timeout=30))
+    reply = await frames.call(decode.ready["address"], message, token, timeout=30)
     assert reply["op"] == "error" and reply["error"] == "PullFailed", reply
-    assert run(settled_counts(cluster, baseline, timeout_s=20)) == 0
-    cluster.restart_worker(victim)  # a new prefill on the cluster for the next test
+    assert await settled_counts(cluster, baseline, timeout_s=20) == 0
+    # A new prefill on the cluster for the next test.
+    await asyncio.to_thread(cluster.restart_worker, victim)

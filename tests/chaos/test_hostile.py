@@ -64,34 +64,34 @@ def test_hostile_frames_are_refused_and_the_server_keeps_serving(server, targets
     assert small_cluster.unhandled_errors() == dict.fromkeys(small_cluster.unhandled_errors(), 0)
 
 
+@pytest.mark.asyncio
 @pytest.mark.parametrize("server", SERVERS)
-def test_every_family_runs_clean(server, targets, small_cluster):
+async def test_every_family_runs_clean(server, targets, small_cluster):
     """A fixed number of each family (the same runner as `kvrelay bench chaos`)."""
     process = process_of(small_cluster, server)
     for family in hostile.FAMILIES:
-        result = run(hostile.run_family(targets[server], family, 25, seed=7,
-                                        alive=lambda: process.popen.poll() is None))  # fmt: skip
+        result = await hostile.run_family(targets[server], family, 25, seed=7,
+                                          alive=lambda: process.popen.poll() is None)  # fmt: skip
         assert result.crashes == 0, result.as_dict()
         assert result.rejected == result.tried, (result.as_dict(), result.samples)
 
 
+@pytest.mark.asyncio
 @pytest.mark.parametrize("trickle_s", [None, 0.5], ids=["silent", "one-byte-at-a-time"])
-def test_slow_clients_are_dropped_and_hold_nothing(trickle_s, targets, small_cluster):
+async def test_slow_clients_are_dropped_and_hold_nothing(trickle_s, targets, small_cluster):
     """20 such clients on each server at once: all dropped after the 2 s
     hello deadline, the server still answers, its open sockets go back."""
     pids = {s: process_of(small_cluster, s).popen.pid for s in SERVERS}
     before = {s: open_fds(pid) for s, pid in pids.items()}
 
-    async def many():
-        return await asyncio.gather(*(
-            frames.silent_client_dropped(targets[s].address, trickle_s=trickle_s, limit=15)
-            for s in SERVERS for _ in range(20)))  # fmt: skip
-
-    assert all(run(many()))
+    dropped = await asyncio.gather(*(
+        frames.silent_client_dropped(targets[s].address, trickle_s=trickle_s, limit=15)
+        for s in SERVERS for _ in range(20)))  # fmt: skip
+    assert all(dropped)
     for server in SERVERS:
-        assert run(hostile.still_serving(targets[server])), server
+        assert await hostile.still_serving(targets[server]), server
     deadline = time.monotonic() + 10  # a server sees the last close a moment later
     for server, pid in pids.items():
         while open_fds(pid) > before[server]:
             assert time.monotonic() < deadline, f"{server}: dropped clients' sockets stay open"
-            time.sleep(0.1)
+            await asyncio.sleep(0.1)

@@ -73,7 +73,8 @@ class FakeWorker:
     pool_exhausted, garbage (a reply missing its fields), mute (never answers
     the hello), drop (close without a reply), die (close the listener and the
     connection: the process died), slow (sleep `delay` before each reply or
-    token batch), drop_after (decode: one batch, then close).
+    token batch), drop_after (decode: one batch, then close), pull_failed_once
+    (decode: `PullFailed` once, then ok).
     """
 
     def __init__(self, role: str, control_url: str, *, model="fake", vocab=512, page_size=4,
@@ -207,6 +208,10 @@ class FakeWorker:
             write_frame(writer, error(errors[mode], f"fake {mode}"))
             return True
         if mode == "drop":
+            return True
+        if mode == "pull_failed_once" and message["op"] == "decode":
+            self.mode = "ok"  # the next request's handles are fine
+            write_frame(writer, error("PullFailed", "fake: the prefill's agent died"))
             return True
         if mode == "garbage":  # a well-framed answer without the fields control needs
             write_frame(writer, {"op": "prefill_reply", "rid": message["rid"], "tokens": "many"})

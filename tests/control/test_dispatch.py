@@ -271,6 +271,26 @@ def test_decode_failure_after_the_lease_goes_back_to_prefill(cluster):
     assert good.requests[0]["first_token"] == 54
 
 
+def test_handles_that_cannot_be_pulled_go_back_to_prefill(cluster):
+    """Decode answers PullFailed (the prefill that published the handles
+    died): no decode can pull them and this one is not at fault, so control
+    prefills again and the decode stays in rotation. (`kvrelay bench chaos`
+    found both decodes suspected in turn and requests ending with 503.)"""
+    control = cluster.control()
+    prefill = cluster.worker("prefill")
+    decode = cluster.worker("decode")
+    decode.mode = "pull_failed_once"
+    prompt = [90, 91, 92]
+    body = complete(control, prompt, max_tokens=6).json()
+    answer = expected_answer(prompt, 6, 512)
+    assert body["choices"][0]["token_ids"] == answer
+    # Prefill again on the prompt plus the first token the client already has.
+    assert [r["tokens"] for r in prefill.requests] == [prompt, [*prompt, answer[0]]]
+    assert len(decode.requests) == 2
+    assert control.registry.nodes[decode.node_id].state == "live"
+    assert stats(control)["retries"] == 1
+
+
 def test_decode_failure_after_tokens_resumes_on_another_decode(cluster):
     control = cluster.control()
     prefill = cluster.worker("prefill")

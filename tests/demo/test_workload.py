@@ -103,12 +103,12 @@ def test_long_profile_fills_only_unset_flags_and_sizes_pools_in_contexts():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = profiles.resolve(parser.parse_args(["--profile", "long", "--turns", "5"]))
-    assert (args.turns, args.sessions, args.tool_tokens) == (5, 3, 6144)
+    assert (args.turns, args.sessions, args.tool_tokens) == (5, 3, 24560)
     assert args.system_tokens + args.user_tokens == 32768
     assert profiles.MODELS["long"]["max_positions"] > 1 << 20
-    full = WorkloadConfig(sessions=3, turns=28, system_tokens=30720, user_tokens=2048,
-                          tool_tokens=6144, answer_tokens=16)  # fmt: skip
-    assert 190_000 < full.final_context() < 210_000  # the profile's 32K -> 200K
+    full = WorkloadConfig(sessions=3, turns=8, system_tokens=30720, user_tokens=2048,
+                          tool_tokens=24560, answer_tokens=16)  # fmt: skip
+    assert full.final_context() == 204_800  # the profile's 32K -> 200K
     # 1.5 contexts of 100 pages (+1 for the answer's page): 151 pages.
     assert profiles.pool_pages(1.5, 100 * 64 - 16, 16, 64) == 151
     assert profiles.pool_pages(0.5, 6400, 16, 64) == 103  # never below one context
