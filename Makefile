@@ -95,9 +95,10 @@ test-all: setup lint
 	$(MAKE) --no-print-directory test-sglang
 
 # The edit-run loop: unit tests only (no servers, clusters or rank processes,
-# nothing marked slow or gpu), under two minutes.
+# nothing marked slow or gpu), under two minutes; the 10 slowest are printed,
+# so a test that makes the loop slow is seen where it is added.
 test-fast: setup
-	$(PY) -m pytest -q $(PYTEST_XDIST) -m "not cluster and not slow and not gpu"
+	$(PY) -m pytest -q $(PYTEST_XDIST) -m "not cluster and not slow and not gpu" --durations=10
 
 # The same op tests through the numba fallback, as when the extension is absent.
 test-numba: setup

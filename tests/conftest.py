@@ -1,7 +1,19 @@
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# The HF oracle (tests/model) loads only local directories written by the
+# tests: never ask the Hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Tiny models on a shared 2-core machine: torch's intra-op threads only
+# contend with each other and with the other xdist worker (a speculative
+# generate of a hidden-64 model took 2 s on one thread, 5-20 s on two, under
+# load). The processes the tests start inherit the variable; rank processes
+# set one thread themselves (kvrelay/model/parallel.py).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # Folders whose tests start clusters, servers or rank processes: `make
 # test-fast` (-m "not cluster and not slow") leaves them out.
@@ -39,3 +51,12 @@ def fake_clock():
     from tests.support.clock import FakeClock
 
     return FakeClock()
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """`model_dirs(name, **overrides)`: the directory of a tiny model of
+    `tests.support.models.TINY`, written once per pytest process."""
+    from tests.support.models import ModelDirs
+
+    return ModelDirs(tmp_path_factory.mktemp("models"))

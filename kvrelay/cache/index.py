@@ -33,7 +33,6 @@ class PageEntry:
     key: bytes
     slot: int  # the L2 arena slot of its bytes
     page_bytes: int
-    last_use: float
     # Disjoint, sorted [start, end) byte intervals written so far.
     filled: list[tuple[int, int]] = field(default_factory=list)
     sealed: bool = False
@@ -140,7 +139,7 @@ class PageIndex:
         self.expire_leases()
         if key in self._entries:
             raise CacheIndexError(f"page {key.hex()[:16]} is already indexed")
-        entry = PageEntry(key, slot, self.page_bytes, self._clock(), namespace=namespace)
+        entry = PageEntry(key, slot, self.page_bytes, namespace=namespace)
         self._entries[key] = entry
         if sealed:
             entry.filled = [(0, self.page_bytes)]
@@ -223,7 +222,6 @@ class PageIndex:
         lease that expires after `lease_s` seconds unless released first.
         """
         self.expire_leases()
-        now = self._clock()
         hits: list[PageEntry] = []
         for key in keys:
             entry = self._entries.get(key)
@@ -231,7 +229,6 @@ class PageIndex:
                 break
             hits.append(entry)
         for entry in hits:
-            entry.last_use = now
             if entry.key in self._evictable:
                 self._evictable.move_to_end(entry.key)
         lease = None
@@ -299,7 +296,6 @@ class PageIndex:
 
     def _seal(self, entry: PageEntry) -> None:
         entry.sealed = True
-        entry.last_use = self._clock()
         if not entry.pins:
             self._evictable[entry.key] = None
 
@@ -323,5 +319,4 @@ class PageIndex:
             entry.pins -= 1
             if entry.pins == 0 and entry.sealed:
                 # A reader was using the page until now: that is its last use.
-                entry.last_use = self._clock()
                 self._evictable[key] = None

@@ -219,18 +219,28 @@ def progress(row: dict) -> None:
 
 
 def print_tables(results: dict) -> None:
+    """Markdown tables (with a total row each), as docs/benchmarks.md shows them."""
     print(f"load average {results['load_average']}  (a shared machine: figures are noisy)")
     head = ("fault", "injected", "at_moment", "requests", "completed_correct",
             "failed_clear_error", "lost", "hung", "wrong_tokens", "http_5xx", "leaked_pages",
-            "problems_after", "not_serving_after", "p99_latency_s")  # fmt: skip
-    print(" | ".join(head))
-    for row in results["faults"]:
-        print(" | ".join(str(row[k]) for k in head))
+            "problems_after", "checks_skipped", "not_serving_after", "harness_errors",
+            "p99_latency_s")  # fmt: skip
+    table(head, results["faults"], "fault")
     print()
-    head = ("target", "family", "tried", "rejected", "crashes")
-    print(" | ".join(head))
-    for row in results["hostile"]:
-        print(" | ".join(str(row[k]) for k in head))
+    table(("target", "family", "tried", "rejected", "crashes"), results["hostile"], "target")
     print()
     print("load:", json.dumps(results["load"]))
     print("unhandled errors in logs:", results["unhandled_errors_in_logs"])
+
+
+def table(head: tuple, rows: list[dict], label: str) -> None:
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    total = dict.fromkeys(head, "")
+    for row in rows:
+        print("| " + " | ".join(str(row.get(k, "")) for k in head) + " |")
+        for k in head:
+            if isinstance(row.get(k), int) and not isinstance(row.get(k), bool):
+                total[k] = (total[k] or 0) + row[k]
+    total[label] = "total"
+    print("| " + " | ".join(str(total[k]) for k in head) + " |")

@@ -16,11 +16,14 @@ sealed page is on disk):
 Both checks need pages of the round's prompts on the server's disk, and a
 round may leave none there: the kill can come before the round's first
 pages reach the server, and pages pushed while it is down are dropped (a
-miss later, never an error). The round's prompts are then sent once more
-(the server is back: their pages reach its disk) before the check; it is
-skipped (and counted in `skipped`) only when still none are there (page
-files written, or read, which touches them, since the round began are the
-round's pages on disk; spoiling keeps a file's times)."""
+miss later, never an error), and a dropped page cuts its prompt's prefix
+(lookups stop at the first missing page on either server) so the pages
+after it that did reach the disk are never asked for. So the round's
+prompts are sent once more, every server up (each prompt's whole prefix is
+then written), before the check; it is skipped (and counted in `skipped`)
+only when still none of the round's pages are on this server's disk (page
+files written, or read, which touches them, since the round began;
+spoiling keeps a file's times)."""
 
 from __future__ import annotations
 
@@ -111,27 +114,33 @@ class FileL3Faults:
             last = puts
             await asyncio.sleep(1.0)
 
+    async def _flush_workers(self) -> None:
+        """Empties every worker's pool: the next prompts look the tier up."""
+        for worker in self.cluster.ready("prefill") + self.cluster.ready("decode"):
+            with contextlib.suppress(OSError, TimeoutError):
+                await frames.call(worker.ready["address"], {"op": "flush"},
+                                  self.cluster.config.token)  # fmt: skip
+
     async def after(self, name: str, workload: Workload, sessions: int, turns: int) -> int:
         """The round's prompts from empty pools against a server just
         restarted (its files spoiled again for `corrupt_file_l3`) with no
         request running: 1 when its L3 gave nothing back (or caught no
         spoiled record); 0 with no check (`skipped`) when none of the
-        round's pages reached the server's disk, even after a second pass."""
+        round's pages reached the server's disk, even after the second pass."""
+        # The round's prompts once more, every server up: a page the kill
+        # dropped cuts its prompt's prefix (lookups stop at the first missing
+        # page, on whichever server), hiding the pages after it that did
+        # reach this disk; this pass (from empty pools: the workers compute
+        # what the tier lacks and write it) writes every prompt's whole prefix.
+        await self._flush_workers()
+        await workload.run(sessions, turns)
         await self._writes_settled()
-        if not await asyncio.to_thread(round_pages, self.cluster, self._server, self._round_ns):
-            # The kill came before the round's pages reached its disk: the
-            # round's prompts once more (the server is back) put them there.
-            await workload.run(sessions, turns)
-            await self._writes_settled()
         if not await asyncio.to_thread(round_pages, self.cluster, self._server, self._round_ns):
             self.skipped += 1
             return 0  # still none on its disk (all on the other server): nothing to check
         if not await asyncio.to_thread(self.restart, name):
             return 0  # nothing on disk yet: nothing to check
-        for worker in self.cluster.ready("prefill") + self.cluster.ready("decode"):
-            with contextlib.suppress(OSError, TimeoutError):
-                await frames.call(worker.ready["address"], {"op": "flush"},
-                                  self.cluster.config.token)  # fmt: skip
+        await self._flush_workers()
         await workload.run(sessions, turns)
         stats = await self.cluster.cache_stats(self.cluster.cache_addresses[self._server])
         l3 = (stats or {}).get("l3") or {}

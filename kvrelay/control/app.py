@@ -99,8 +99,7 @@ def create_app(config: ControlConfig) -> FastAPI:
             stats.requests += 1
             stats.errors += 1
             stats.client_errors += 1
-        message = _validation_message(exc)
-        return JSONResponse(error_body(400, message), status_code=400)
+        return JSONResponse(error_body(400, _validation_message(exc)), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

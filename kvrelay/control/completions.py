@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvrelay.control import tokenizer
 from kvrelay.control.dispatch import Dispatcher, DispatchError, Job
+from kvrelay.control.events import Done, FirstToken
 from kvrelay.control.registry import Registry
 from kvrelay.control.schemas import ChatCompletionRequest, CompletionRequest
 from kvrelay.control.stats import ControlStats
@@ -197,15 +198,15 @@ class CompletionRunner:
             await self._cancel(producer)
             return JSONResponse(error_body(499, "client went away"), status_code=499)
 
-    async def _collect(self, job: Job, first: dict, queue: asyncio.Queue, request: Request,
+    async def _collect(self, job: Job, first: FirstToken, queue: asyncio.Queue, request: Request,
                        producer: asyncio.Task, answer: Answer, shape):  # fmt: skip
         """A whole answer as one JSON document."""
         event, text = first, []
-        while event["type"] != "done":
-            text.append(answer.add(event["tokens"]))
+        while not isinstance(event, Done):
+            text.append(answer.add(event.tokens))
             if answer.stopped:  # a stop string: the worker's request ends here
                 await self._cancel(producer)
-                event = {"type": "done", "finish_reason": "stop", "decode": event.get("decode")}
+                event = Done("stop", event.decode)
                 break
             event = await self._next(queue, request)
             if isinstance(event, DispatchError):
@@ -215,7 +216,7 @@ class CompletionRunner:
         return {
             "id": job.rid, "object": shape.object, "created": int(time.time()),
             "model": job.model,
-            "choices": [shape.choice("".join(text), answer.tokens, event["finish_reason"])],
+            "choices": [shape.choice("".join(text), answer.tokens, event.finish_reason)],
             "usage": self._usage(job, answer.tokens), "kvrelay": self._info(first, event),
         }  # fmt: skip
 
@@ -262,13 +263,13 @@ class CompletionRunner:
                 "total_tokens": len(job.tokens) + len(tokens)}  # fmt: skip
 
     @staticmethod
-    def _info(first: dict, done: dict | None) -> dict:
-        return {"prefill_node": first["prefill"], "decode_node": done and done["decode"],
-                "cached_tokens": first["cached"], "ttft_s": first["ttft_s"],
-                "prefill_timings": first.get("prefill_timings", {}),
-                "decode_first_s": done.get("decode_first_s") if done else None}  # fmt: skip
+    def _info(first: FirstToken, done: Done) -> dict:
+        return {"prefill_node": first.prefill, "decode_node": done.decode,
+                "cached_tokens": first.cached, "ttft_s": first.ttft_s,
+                "prefill_timings": first.prefill_timings,
+                "decode_first_s": done.decode_first_s}  # fmt: skip
 
-    async def _sse(self, job: Job, first: dict, queue: asyncio.Queue, producer: asyncio.Task,
+    async def _sse(self, job: Job, first: FirstToken, queue: asyncio.Queue, producer: asyncio.Task,
                    answer: Answer, shape):  # fmt: skip
         created = int(time.time())
         sent = [0]
@@ -280,9 +281,9 @@ class CompletionRunner:
                     "model": job.model, "choices": [choice]} | extra  # fmt: skip
             return f"data: {json.dumps(data)}\n\n"
 
-        def last(event: dict) -> str:
+        def last(event: Done) -> str:
             self._finished(answer.tokens)
-            return chunk(answer.finish(), [], event["finish_reason"],
+            return chunk(answer.finish(), [], event.finish_reason,
                          usage=self._usage(job, answer.tokens),
                          kvrelay=self._info(first, event))  # fmt: skip
 
@@ -297,14 +298,14 @@ class CompletionRunner:
                     return
                 if event is _END:
                     return
-                if event["type"] == "done":
+                if isinstance(event, Done):
                     yield last(event)
                     yield "data: [DONE]\n\n"
                     return
-                yield chunk(answer.add(event["tokens"]), event["tokens"])
+                yield chunk(answer.add(event.tokens), event.tokens)
                 if answer.stopped:  # a stop string: the worker's request ends here
                     await self._cancel(producer)
-                    yield last({"finish_reason": "stop", "decode": event.get("decode")})
+                    yield last(Done("stop", event.decode))
                     yield "data: [DONE]\n\n"
                     return
                 event = await queue.get()

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvrelay.control.config import ControlConfig
+from kvrelay.control.events import Done, Event, FirstToken, Tokens
 from kvrelay.control.registry import Node, Registry
 from kvrelay.control.stats import ControlStats, ttft_phases
 from kvrelay.control.tier import TierProbe
@@ -172,10 +173,9 @@ class Dispatcher:
             raise DispatchError(502, f"{what} failed {budget[0]} times, last: {exc}")
         self.stats.retries += 1
 
-    async def run(self, job: Job) -> AsyncIterator[dict]:
-        """Events: `first` (prefill answered: first token), `tokens` (a decode
-        batch), `done` (finish_reason). Raises DispatchError; never outlives
-        the request timeout."""
+    async def run(self, job: Job) -> AsyncIterator[Event]:
+        """Events: `FirstToken` (prefill answered), `Tokens` (a decode batch),
+        `Done`. Raises DispatchError; never outlives the request timeout."""
         started = time.monotonic()
         emitted: list[int] = []
         budget = [0]  # retries spent, shared by prefill and decode
@@ -188,27 +188,25 @@ class Dispatcher:
                     prompt = job.tokens + emitted
                     left = job.params["max_new_tokens"] - len(emitted)
                     if left <= 0:  # a decode died after its last token, before its done frame
-                        yield {"type": "done", "finish_reason": "length", "decode": None}
+                        yield Done("length")
                         return
                     params = dict(job.params, max_new_tokens=left)
                     reply, pnode = await self._prefill(job, prompt, params, budget)
                     margin = min(LEASE_MARGIN_S, self.config.lease_s / 4)
                     lease_end = time.monotonic() + self.config.lease_s - margin
-                    event = {"type": "first", "tokens": [reply.first_token],
-                             "prefill": pnode.node_id}  # fmt: skip
+                    event = FirstToken([reply.first_token], pnode.node_id)
                     if not emitted:
                         self._first_answer(job, reply, event, time.monotonic() - started)
                     emitted.append(reply.first_token)
                     yield event
                     if reply.finish_reason:
-                        yield {"type": "done", "finish_reason": reply.finish_reason,
-                               "decode": None}  # fmt: skip
+                        yield Done(reply.finish_reason)
                         return
                     decode = self._decode(job, prompt, params, reply, lease_end, emitted, budget)
                     try:
                         async for event in decode:
                             yield event
-                            if event["type"] == "done":
+                            if isinstance(event, Done):
                                 return
                     finally:
                         await decode.aclose()  # closes its worker connection at once
@@ -226,18 +224,18 @@ class Dispatcher:
                 streamed=len(emitted) > 0,
             ) from None  # fmt: skip
 
-    def _first_answer(self, job: Job, reply: PrefillReply, event: dict, ttft_s: float) -> None:
+    def _first_answer(self, job: Job, reply: PrefillReply, event: FirstToken, ttft_s: float):
         """The request's first token: TTFT, its phases and the cache hits go
         into `event` and the stats (a resumed request's later prefills don't)."""
         cached = reply.cached_tokens
-        event["cached"] = {"local": cached.local, "tier": cached.tier}
-        event["ttft_s"] = ttft_s
-        event["prefill_timings"] = dict(reply.timings)
+        event.cached = {"local": cached.local, "tier": cached.tier}
+        event.ttft_s = ttft_s
+        event.prefill_timings = dict(reply.timings)
         self.stats.record_ttft(ttft_s)
-        self.stats.record_prefill_phases(event["prefill_timings"])
-        phases = ttft_phases(ttft_s, event["prefill_timings"])
+        self.stats.record_prefill_phases(event.prefill_timings)
+        phases = ttft_phases(ttft_s, event.prefill_timings)
         self.stats.record_ttft_phases(len(job.tokens), phases)
-        self.stats.record_prefill(len(job.tokens), **event["cached"])
+        self.stats.record_prefill(len(job.tokens), **event.cached)
 
     async def _prefill(self, job: Job, prompt: list[int], params: dict,
                        budget: list[int]) -> tuple[PrefillReply, Node]:  # fmt: skip
@@ -294,7 +292,7 @@ class Dispatcher:
             return reply, node
 
     async def _stream(self, job: Job, node, call: WorkerCall, message: Decode,
-                      emitted: list[int]) -> AsyncIterator[dict]:  # fmt: skip
+                      emitted: list[int]) -> AsyncIterator[Tokens | Done]:  # fmt: skip
         """One decode attempt on `node`: an event per token batch as it comes
         (appended to `emitted`), then the done event."""
         await call.open()
@@ -314,11 +312,10 @@ class Dispatcher:
                 last_at = now
                 streamed += len(tokens)
                 emitted.extend(tokens)
-                yield {"type": "tokens", "tokens": tokens, "decode": node.node_id}
+                yield Tokens(tokens, node.node_id)
             if isinstance(frame, DecodeDone):
                 node.estimate.add(job.page_keys(node, job.tokens + emitted))
-                yield {"type": "done", "finish_reason": frame.finish_reason,
-                       "decode": node.node_id, "decode_first_s": job.decode_first_s}  # fmt: skip
+                yield Done(frame.finish_reason, node.node_id, job.decode_first_s)
                 return
 
     def _resume_after(self, node: Node, exc: WorkerError, streamed: int, job: Job,
@@ -349,7 +346,7 @@ class Dispatcher:
 
     async def _decode(self, job: Job, prompt: list[int], params: dict, prefill: PrefillReply,
                       lease_end: float, emitted: list[int],
-                      budget: list[int]) -> AsyncIterator[dict]:  # fmt: skip
+                      budget: list[int]) -> AsyncIterator[Tokens | Done]:  # fmt: skip
         tried: set[str] = set()
         message = Decode(
             job.rid, job.packed(prompt), prefill.first_token, prefill.pages, Params(**params),

@@ -82,6 +82,22 @@ async def _one_turn(client: httpx.AsyncClient, url: str, record: TurnRecord, bod
     record.total_s = time.perf_counter() - start
 
 
+async def _timed_turn(client, url: str, config: WorkloadConfig, session: Session,
+                      timeout_s: float) -> TurnRecord:  # fmt: skip
+    """The session's next turn, streamed within `timeout_s`; a failure is the
+    record's `error`, not an exception."""
+    prompt = session.prompt()
+    record = TurnRecord(session.index, session.turn, len(prompt))
+    body = {"prompt": prompt, "max_tokens": config.answer_tokens, "temperature": 0.0,
+            "stream": True}  # fmt: skip
+    try:
+        async with asyncio.timeout(timeout_s):
+            await _one_turn(client, url, record, body)
+    except (ReplayError, httpx.HTTPError, TimeoutError) as error:
+        record.error = f"{type(error).__name__}: {error}"
+    return record
+
+
 async def replay(
     url: str,
     config: WorkloadConfig,
@@ -99,15 +115,7 @@ async def replay(
 
     async def run_session(session: Session, client: httpx.AsyncClient) -> None:
         while session.turn < turns.stop and not session.done:
-            prompt = session.prompt()
-            record = TurnRecord(session.index, session.turn, len(prompt))
-            body = {"prompt": prompt, "max_tokens": config.answer_tokens, "temperature": 0.0,
-                    "stream": True}  # fmt: skip
-            try:
-                async with asyncio.timeout(timeout_s):
-                    await _one_turn(client, url, record, body)
-            except (ReplayError, httpx.HTTPError, TimeoutError) as error:
-                record.error = f"{type(error).__name__}: {error}"
+            record = await _timed_turn(client, url, config, session, timeout_s)
             records.append(record)
             if progress is not None:
                 progress.update(1)
@@ -152,15 +160,7 @@ async def replay_sample(
                 if (index, earlier) not in answers:
                     raise ReplayError(f"the reference has no session {index} turn {earlier + 1}")
                 session.answered(answers[index, earlier])
-            prompt = session.prompt()
-            record = TurnRecord(index, turn, len(prompt))
-            body = {"prompt": prompt, "max_tokens": config.answer_tokens, "temperature": 0.0,
-                    "stream": True}  # fmt: skip
-            try:
-                async with asyncio.timeout(timeout_s):
-                    await _one_turn(client, url, record, body)
-            except (ReplayError, httpx.HTTPError, TimeoutError) as error:
-                record.error = f"{type(error).__name__}: {error}"
+            record = await _timed_turn(client, url, config, session, timeout_s)
             records.append(record)
             if progress is not None:
                 progress.update(1)

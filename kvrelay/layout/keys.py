@@ -58,16 +58,10 @@ def page_keys(parent: bytes, tokens: Sequence[int] | np.ndarray, page_size: int)
     """
     if not isinstance(parent, bytes) or len(parent) != DIGEST_BYTES:
         raise LayoutError("parent must be a 32-byte digest")
-    if page_size <= 0:
-        raise LayoutError("page_size must be positive")
-    data = tokens_as_uint32(tokens)
-    full = len(data) // page_size
-    raw = data[: full * page_size].tobytes()
-    stride = page_size * 4
     keys: list[bytes] = []
     key = parent
-    for i in range(full):
-        key = hashlib.sha256(key + raw[i * stride : (i + 1) * stride]).digest()
+    for page in _page_bytes(tokens, page_size):
+        key = hashlib.sha256(key + page).digest()
         keys.append(key)
     return keys
 

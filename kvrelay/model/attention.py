@@ -33,6 +33,12 @@ class AttentionBatch:
     page_tables: tuple[torch.Tensor, ...]
     page_size: int
 
+    def sequences(self):
+        """(query start, query length, context length, page table) of each sequence."""
+        return zip(
+            self.query_starts, self.query_lens, self.context_lens, self.page_tables, strict=True
+        )
+
 
 class AttentionBackend(Protocol):
     def attend(
@@ -59,13 +65,7 @@ class TorchSDPABackend:
         # then trimmed to the context.
         k_pages = k_pool.view(-1, batch.page_size, heads, dim)
         v_pages = v_pool.view(-1, batch.page_size, heads, dim)
-        for start, length, context, table in zip(
-            batch.query_starts,
-            batch.query_lens,
-            batch.context_lens,
-            batch.page_tables,
-            strict=True,
-        ):
+        for start, length, context, table in batch.sequences():
             k = k_pages.index_select(0, table).view(-1, heads, dim)[:context].transpose(0, 1)
             v = v_pages.index_select(0, table).view(-1, heads, dim)[:context].transpose(0, 1)
             query = q[start : start + length].transpose(0, 1)  # [q_heads, length, head_dim]

@@ -92,9 +92,7 @@ def split_batch(batch, comm, cp: int, cp_rank: int):
     att: AttentionBatch = batch.attention
     per_rank: list[list[torch.Tensor]] = [[] for _ in range(cp)]
     mine_att: list[tuple[int, int, int, torch.Tensor]] = []  # (len, context, table)
-    for start, length, context, table in zip(
-        att.query_starts, att.query_lens, att.context_lens, att.page_tables, strict=True
-    ):
+    for start, length, context, table in att.sequences():
         cached = context - length
         for rank, chunks in enumerate(page_zigzag_chunks(cached, length, att.page_size, cp)):
             for a, b in chunks:

@@ -17,8 +17,7 @@ import torch
 from kvrelay.cuda_ext import gather_pages, rect_geometry, scatter_pages
 from kvrelay.layout import draft_page_keys, draft_rectangle
 from kvrelay.model.engine import Engine
-from kvrelay.model.errors import PrefixNotCached
-from kvrelay.model.page_export import _arena_rows, _import_rows, _slot_mapping
+from kvrelay.model.page_export import _arena_rows, _export_rows, _import_rows, _slot_mapping
 
 
 def draft_keys(engine: Engine, tokens: list[int]) -> list[bytes]:
@@ -34,33 +33,20 @@ def export_draft_prefix(
     """Write this rank's rectangle of draft pages [first_page, n) of `tokens`
     into `arena` rows (default 0, 1, ...; row i holds page first_page + i).
     Returns n, the number of draft pages of `tokens`."""
-    tokens = [int(t) for t in tokens]
-    keys = draft_keys(engine, tokens)
+    keys = draft_keys(engine, [int(t) for t in tokens])
     draft = engine.draft
-    if draft is None or draft.pool is None or not keys:
+    if not keys or draft.pool is None:  # no draft pages, or not on this rank
         return len(keys)
-    pool = draft.pool
-    pages = pool.match_prefix(keys)
-    try:
-        if len(pages) < len(keys):
-            raise PrefixNotCached(f"{len(pages)} of {len(keys)} draft pages are cached")
-        rect = draft_rectangle(draft.spec, engine.parallel)
-        count = len(pages) - first_page
-        # Under CP every rank holds every draft page (the draft runs whole on
-        # each); draft page i is written by CP rank i % cp, as target page i.
-        owned = [
-            i - first_page for i in range(first_page, len(pages)) if engine.parallel.owns_page(i)
-        ]
-        if rect.writer and owned:
-            ids = _arena_rows(range(count) if page_ids is None else page_ids, count)
-            slots = _slot_mapping(
-                engine, pages[first_page:], first_page, len(pages) * draft.page_size
-            )
-            ids, slots = ids[owned].contiguous(), slots[owned].contiguous()
-            geometry = rect_geometry(draft.spec, rect)
-            gather_pages(pool.k_layers, pool.v_layers, arena, ids, slots, **geometry)
-    finally:
-        pool.release(pages)
+    rect = draft_rectangle(draft.spec, engine.parallel)
+    geometry = rect_geometry(draft.spec, rect)
+
+    def gather(ids: torch.Tensor, slots: torch.Tensor) -> None:
+        gather_pages(draft.pool.k_layers, draft.pool.v_layers, arena, ids, slots, **geometry)
+
+    # Under CP every rank holds every draft page (the draft runs whole on
+    # each); draft page i is written by CP rank i % cp, as target page i.
+    num_tokens = len(keys) * draft.page_size
+    _export_rows(engine, draft.pool, keys, page_ids, first_page, num_tokens, rect.writer, gather)
     return len(keys)
 
 
@@ -68,10 +54,9 @@ def import_draft_prefix(engine: Engine, tokens, arena: torch.Tensor, page_ids=No
     """Read this rank's rectangle of the draft pages of `tokens` from `arena`
     into fresh draft pool pages and index them (pages already cached are
     kept). Returns the number of draft pages of `tokens`."""
-    tokens = [int(t) for t in tokens]
-    keys = draft_keys(engine, tokens)
+    keys = draft_keys(engine, [int(t) for t in tokens])
     draft = engine.draft
-    if draft is None or draft.pool is None or not keys:
+    if not keys or draft.pool is None:  # no draft pages, or not on this rank
         return len(keys)
     pool = draft.pool
     ids = _arena_rows(range(len(keys)) if page_ids is None else page_ids, len(keys))

@@ -23,40 +23,28 @@ from kvrelay.model.device import synchronize
 from kvrelay.model.pool import PagedKVPool
 
 
-def gather_rect(
-    pool: PagedKVPool,
-    arena: torch.Tensor,
-    rows: torch.Tensor,
-    slots: torch.Tensor,
-    spec: ModelKVSpec,
-    rect: Rectangle,
-) -> None:
+def gather_rect(pool: PagedKVPool, arena: torch.Tensor, rows: torch.Tensor,
+                slots: torch.Tensor, spec: ModelKVSpec, rect: Rectangle) -> None:  # fmt: skip
     """The pool KV of `slots` ([pages, page_size], -1 for none) into `rect` of
     arena rows `rows`."""
-    dev = pool.device
-    if arena.device == dev:
-        geometry = rect_geometry(spec, rect)
-        gather_pages(pool.k_layers, pool.v_layers, arena, rows.to(dev), slots.to(dev), **geometry)
-    else:
-        gather_through_bounce(pool, arena, rows, slots, spec, rect)
-    synchronize(dev)
+    _copy_rect(gather_pages, gather_through_bounce, pool, arena, rows, slots, spec, rect)
 
 
-def scatter_rect(
-    pool: PagedKVPool,
-    arena: torch.Tensor,
-    rows: torch.Tensor,
-    slots: torch.Tensor,
-    spec: ModelKVSpec,
-    rect: Rectangle,
-) -> None:
+def scatter_rect(pool: PagedKVPool, arena: torch.Tensor, rows: torch.Tensor,
+                 slots: torch.Tensor, spec: ModelKVSpec, rect: Rectangle) -> None:  # fmt: skip
     """`rect` of arena rows `rows` into the pool slots `slots` (-1 skipped)."""
+    _copy_rect(scatter_pages, scatter_through_bounce, pool, arena, rows, slots, spec, rect)
+
+
+def _copy_rect(op, through_bounce, pool, arena, rows, slots, spec, rect) -> None:
+    """`op` straight between pool and arena when both are on one device, else
+    `through_bounce`; returns once the copy is done."""
     dev = pool.device
     if arena.device == dev:
         geometry = rect_geometry(spec, rect)
-        scatter_pages(pool.k_layers, pool.v_layers, arena, rows.to(dev), slots.to(dev), **geometry)
+        op(pool.k_layers, pool.v_layers, arena, rows.to(dev), slots.to(dev), **geometry)
     else:
-        scatter_through_bounce(pool, arena, rows, slots, spec, rect)
+        through_bounce(pool, arena, rows, slots, spec, rect)
     synchronize(dev)
 
 

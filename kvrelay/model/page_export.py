@@ -71,25 +71,12 @@ def export_prefix(
     of pages of `tokens`. `chain`: the full pages' keys, if already known."""
     spec, pool = engine.spec, engine.pool
     keys = _page_keys(engine, tokens, chain)
-    pages = pool.match_prefix(keys)
-    try:
-        if len(pages) < len(keys):
-            raise PrefixNotCached(
-                f"{len(pages)} of {len(keys)} pages of the prefix are cached on this rank"
-            )
-        rect = rank_rectangle(spec, engine.parallel)
-        # Under CP every rank holds every page; page i is written by CP rank i % cp only.
-        count = len(pages) - first_page
-        owned = [
-            i - first_page for i in range(first_page, len(pages)) if engine.parallel.owns_page(i)
-        ]
-        if rect.writer and owned:
-            ids = _arena_rows(range(count) if page_ids is None else page_ids, count)
-            slots = _slot_mapping(engine, pages[first_page:], first_page, len(tokens))
-            ids, slots = ids[owned].contiguous(), slots[owned].contiguous()
-            gather_rect(pool, arena, ids, slots, spec, rect)
-    finally:
-        pool.release(pages)
+    rect = rank_rectangle(spec, engine.parallel)
+
+    def gather(ids: torch.Tensor, slots: torch.Tensor) -> None:
+        gather_rect(pool, arena, ids, slots, spec, rect)
+
+    _export_rows(engine, pool, keys, page_ids, first_page, len(tokens), rect.writer, gather)
     return len(keys)
 
 
@@ -138,3 +125,25 @@ def _import_rows(pool, keys: list[bytes], ids: torch.Tensor, scatter) -> None:
                 pool.register(page, key)
     finally:
         pool.release(have + fresh)
+
+
+def _export_rows(engine, pool, keys, page_ids, first_page, num_tokens, writer, gather) -> None:
+    """The export both page kinds share (target and draft): every page of
+    `keys` must be cached (PrefixNotCached otherwise); pages [first_page, ...)
+    this rank writes (a rectangle's writer; under CP, where every rank holds
+    every page, page i is written by CP rank i % cp only) go to arena rows
+    `page_ids` (default 0, 1, ...) by `gather(rows, slots)`."""
+    pages = pool.match_prefix(keys)
+    try:
+        if len(pages) < len(keys):
+            raise PrefixNotCached(f"{len(pages)} of {len(keys)} pages are cached on this rank")
+        count = len(pages) - first_page
+        owned = [
+            i - first_page for i in range(first_page, len(pages)) if engine.parallel.owns_page(i)
+        ]
+        if writer and owned:
+            ids = _arena_rows(range(count) if page_ids is None else page_ids, count)
+            slots = _slot_mapping(engine, pages[first_page:], first_page, num_tokens)
+            gather(ids[owned].contiguous(), slots[owned].contiguous())
+    finally:
+        pool.release(pages)

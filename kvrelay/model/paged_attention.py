@@ -110,6 +110,15 @@ def read_pages(pool_pages: torch.Tensor, chunk: torch.Tensor, tokens: int) -> to
     return rows.flatten(0, 1)[:tokens].transpose(0, 1)
 
 
+def new_keys(k_pool, v_pool, table, cached: int, context: int, ps: int):
+    """[kv_heads, L, D] keys and values of a sequence's new tokens
+    [cached, context), read from the pool (attention runs after the new
+    tokens' K and V were written there)."""
+    positions = torch.arange(cached, context, dtype=torch.int64, device=table.device)
+    slots = table[positions // ps] * ps + positions % ps
+    return (pool.index_select(0, slots).transpose(0, 1) for pool in (k_pool, v_pool))
+
+
 def query_blocks(cached: int, context: int, page_size: int) -> list[tuple[int, int]]:
     """The new rows [cached, context) cut at page boundaries: global [start, end)
     of each query block (the first and last may be partial pages)."""
@@ -144,78 +153,55 @@ class PagedOnlineSoftmaxBackend:
         self.batch_invariant = bool(batch_invariant)
 
     def attend(self, q, k_pool, v_pool, batch: AttentionBatch, scale: float):
-        if self.batch_invariant:
-            return self._attend_in_page_blocks(q, k_pool, v_pool, batch, scale)
-        return self._attend_whole(q, k_pool, v_pool, batch, scale)
-
-    def _attend_whole(self, q, k_pool, v_pool, batch: AttentionBatch, scale: float):
         out = torch.empty_like(q)
         heads, dim = k_pool.shape[1:]
         ps = batch.page_size
-        k_pages = k_pool.view(-1, ps, heads, dim)
-        v_pages = v_pool.view(-1, ps, heads, dim)
-        chunk_pages = max(1, self.chunk_tokens // ps)
-        for start, length, context, table in zip(
-            batch.query_starts,
-            batch.query_lens,
-            batch.context_lens,
-            batch.page_tables,
-            strict=True,
-        ):
+        pages = (k_pool.view(-1, ps, heads, dim), v_pool.view(-1, ps, heads, dim))
+        one = self._attend_in_page_blocks if self.batch_invariant else self._attend_whole
+        for start, length, context, table in batch.sequences():
             query = q[start : start + length].transpose(0, 1)  # [q_heads, L, D]
-            cached = context - length
-            state = self._new_part(query, k_pool, v_pool, table, cached, context, ps, scale)
-            for chunk, tokens in context_chunks(table, cached, ps, chunk_pages):
-                k = read_pages(k_pages, chunk, tokens)
-                v = read_pages(v_pages, chunk, tokens)
-                state = merge_states(*state, *attend_block(query, k, v, scale, causal=False))
-            out[start : start + length] = state[0].transpose(0, 1).to(q.dtype)
+            rows = one(query, k_pool, v_pool, pages, table, context - length, ps, scale)
+            out[start : start + length] = rows.to(q.dtype)
         return out
 
-    def _attend_in_page_blocks(self, q, k_pool, v_pool, batch: AttentionBatch, scale: float):
-        out = torch.empty_like(q)
-        heads, dim = k_pool.shape[1:]
-        ps = batch.page_size
-        k_pages = k_pool.view(-1, ps, heads, dim)
-        v_pages = v_pool.view(-1, ps, heads, dim)
+    def _attend_whole(self, query, k_pool, v_pool, pages, table, cached, ps, scale):
+        """One sequence's new rows [L, q_heads, D] in one causal call over
+        their own keys, then one call per context chunk."""
+        context = cached + query.shape[1]
         chunk_pages = max(1, self.chunk_tokens // ps)
-        for start, length, context, table in zip(
-            batch.query_starts,
-            batch.query_lens,
-            batch.context_lens,
-            batch.page_tables,
-            strict=True,
-        ):
-            query = q[start : start + length].transpose(0, 1)  # [q_heads, L, D]
-            cached = context - length
-            blocks = query_blocks(cached, context, ps)
-            states = self._diagonal(query, k_pool, v_pool, table, cached, blocks, ps, scale)
-            # Each block's context before it, chunk by chunk; a chunk is read
-            # once (up to the last block's start) and cut for each block.
-            chunks = context_chunks(table, blocks[-1][0], ps, chunk_pages)
-            for number, (chunk, tokens) in enumerate(chunks):
-                begin = number * chunk_pages * ps
-                k = read_pages(k_pages, chunk, tokens)
-                v = read_pages(v_pages, chunk, tokens)
-                for index, (r0, r1) in enumerate(blocks):
-                    seen = min(tokens, r0 - begin)
-                    if seen > 0:
-                        rows = query[:, r0 - cached : r1 - cached].contiguous()
-                        part = attend_block(rows, k[:, :seen], v[:, :seen], scale, causal=False)
-                        states[index] = merge_states(*states[index], *part)
-            for (r0, r1), (state, _) in zip(blocks, states, strict=True):
-                out[start + r0 - cached : start + r1 - cached] = state.transpose(0, 1).to(q.dtype)
-        return out
+        k, v = new_keys(k_pool, v_pool, table, cached, context, ps)
+        state = attend_block(query, k, v, scale, causal=query.size(1) > 1)
+        for chunk, tokens in context_chunks(table, cached, ps, chunk_pages):
+            k, v = (read_pages(kv_pages, chunk, tokens) for kv_pages in pages)
+            state = merge_states(*state, *attend_block(query, k, v, scale, causal=False))
+        return state[0].transpose(0, 1)
+
+    def _attend_in_page_blocks(self, query, k_pool, v_pool, pages, table, cached, ps, scale):
+        """One sequence's new rows [L, q_heads, D], in query blocks cut at
+        page boundaries (see the class docstring)."""
+        context = cached + query.shape[1]
+        chunk_pages = max(1, self.chunk_tokens // ps)
+        blocks = query_blocks(cached, context, ps)
+        states = self._diagonal(query, k_pool, v_pool, table, cached, blocks, ps, scale)
+        # Each block's context before it, chunk by chunk; a chunk is read
+        # once (up to the last block's start) and cut for each block.
+        chunks = context_chunks(table, blocks[-1][0], ps, chunk_pages)
+        for number, (chunk, tokens) in enumerate(chunks):
+            begin = number * chunk_pages * ps
+            k, v = (read_pages(kv_pages, chunk, tokens) for kv_pages in pages)
+            for index, (r0, r1) in enumerate(blocks):
+                seen = min(tokens, r0 - begin)
+                if seen > 0:
+                    rows = query[:, r0 - cached : r1 - cached].contiguous()
+                    part = attend_block(rows, k[:, :seen], v[:, :seen], scale, causal=False)
+                    states[index] = merge_states(*states[index], *part)
+        return torch.cat([state.transpose(0, 1) for state, _ in states])
 
     @staticmethod
     def _diagonal(query, k_pool, v_pool, table, cached, blocks, ps, scale) -> list:
         """Each block's causal state over its own keys (the new tokens' K and V
         were written to the pool before attention); full pages in one call."""
-        context = blocks[-1][1]
-        positions = torch.arange(cached, context, dtype=torch.int64, device=table.device)
-        slots = table[positions // ps] * ps + positions % ps
-        k = k_pool.index_select(0, slots).transpose(0, 1)  # [kv_heads, L, D]
-        v = v_pool.index_select(0, slots).transpose(0, 1)
+        k, v = new_keys(k_pool, v_pool, table, cached, blocks[-1][1], ps)
         states: list = [None] * len(blocks)
         full = [i for i, (r0, r1) in enumerate(blocks) if r1 - r0 == ps]
         if len(full) > 1:  # consecutive blocks: rows [a, b) of the new tokens
@@ -236,13 +222,3 @@ class PagedOnlineSoftmaxBackend:
                     query[:, rows].contiguous(), k[:, rows], v[:, rows], scale, causal=r1 - r0 > 1
                 )
         return states
-
-    @staticmethod
-    def _new_part(query, k_pool, v_pool, table, cached, context, ps, scale):
-        """The causal state of the new tokens over themselves (their K and V
-        were written to the pool before attention)."""
-        positions = torch.arange(cached, context, dtype=torch.int64, device=table.device)
-        slots = table[positions // ps] * ps + positions % ps
-        k = k_pool.index_select(0, slots).transpose(0, 1)
-        v = v_pool.index_select(0, slots).transpose(0, 1)
-        return attend_block(query, k, v, scale, causal=query.size(1) > 1)

@@ -53,15 +53,6 @@ class SpecStats:
     def as_dict(self) -> dict:
         return {"proposed": self.proposed, "accepted": self.accepted, "steps": self.steps}
 
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.proposed if self.proposed else 0.0
-
-    @property
-    def mean_accept_length(self) -> float:
-        """Tokens per verify step (accepted proposals plus the target's own)."""
-        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
-
 
 @dataclass(slots=True)
 class DraftState:

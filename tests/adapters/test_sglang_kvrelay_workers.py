@@ -24,9 +24,9 @@ from kvrelay.model.loader import kv_spec
 from kvrelay.model.page_export import export_prefix
 from tests.adapters import sglang_env as env
 from tests.adapters.pages import write_page
-from tests.model.conftest import prompt_tokens
 from tests.serving import fake_control as fc
-from tests.serving.conftest import DTYPE, MODEL, PAGE, Process, cache_args, worker_args
+from tests.serving.conftest import DTYPE, PAGE, Process, cache_args, worker_args
+from tests.support.models import TINY, prompt_tokens
 
 FULL = 4  # full pages of the prompt
 NEW = 8
@@ -92,7 +92,7 @@ async def read_with_worker_keys(servers, spec, prompt) -> tuple[int, torch.Tenso
 
 
 def test_sglang_tp2_pages_are_a_full_hit_for_kvrelay_workers(tmp_path, processes):
-    model_dir = write_model(tmp_path / "llama", replace(MODEL))
+    model_dir = write_model(tmp_path / "llama", TINY["serving"])
     spec = kv_spec(model_dir, ModelConfig.from_dir(model_dir), DTYPE, PAGE, key_scheme="sglang")
     prompt = prompt_tokens(FULL * PAGE + 5, seed=16)
     # The reference: one process, kvrelay's own keys; its pages are the truth.

@@ -90,6 +90,7 @@ class FakeWorker:
         self.delay = 0.0
         self.queued = 0
         self.heartbeating = True
+        self.heartbeats = 0  # answered by control
         self.requests: list[dict] = []  # prefill/decode messages, in arrival order
         self.ops: list[str] = []  # other ops (flush, drain, stats)
         self.cancelled: list[str] = []  # rids whose connection control closed mid-answer
@@ -141,6 +142,7 @@ class FakeWorker:
                     "queued": self.queued, "active": 0, "free_pages": self.num_pages,
                     "stats": self.counters,
                 })  # fmt: skip
+                self.heartbeats += 1
                 if reply.status_code == 404:
                     await self.register()
 

@@ -56,7 +56,8 @@ def test_drain_reaches_the_worker_and_takes_it_out_of_rotation(cluster):
     reply = control.http.post("/admin/drain", json={"node_id": draining.node_id}, headers=AUTH)
     assert reply.json() == {"node_id": draining.node_id, "state": "draining", "acknowledged": True}
     assert draining.ops == ["drain"]
-    time.sleep(0.6)  # a heartbeat does not bring a draining node back
+    beats = draining.heartbeats  # a heartbeat does not bring a draining node back
+    wait_until(lambda: draining.heartbeats > beats, what="a heartbeat of the draining node")
     for _ in range(3):
         body = control.http.post("/v1/completions", json={"prompt": "d"}).json()
         assert body["kvrelay"]["prefill_node"] == other.node_id

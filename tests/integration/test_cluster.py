@@ -20,19 +20,17 @@ import pytest
 
 from kvrelay.cli import main as kvrelay_main
 from kvrelay.demo.cluster import ClusterConfig, LocalCluster, PoolConfig
-from kvrelay.model import RandomModelSpec, write_model
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.loader import kv_spec
 
 PAGE = 16
 DTYPE = "float64"
-MODEL = RandomModelSpec(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, std=0.2, seed=5)
 TIMEOUT_S = 120
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_model(tmp_path_factory.mktemp("cluster") / "llama", MODEL)
+def model_dir(model_dirs):
+    return model_dirs("cluster")
 
 
 def start_cluster(model_dir, tmp_path, prefill: PoolConfig, decode: PoolConfig) -> LocalCluster:

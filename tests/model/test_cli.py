@@ -8,7 +8,7 @@ import pytest
 
 from kvrelay.cli import main
 from kvrelay.model import Request, SamplingParams, load_engine
-from tests.model.conftest import prompt_tokens
+from tests.support.models import prompt_tokens
 
 MAKE = ["--arch", "qwen2", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2"]
 

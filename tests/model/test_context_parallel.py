@@ -12,8 +12,8 @@ from kvrelay.model import Request, SamplingParams, load_engine
 from kvrelay.model.context_parallel import page_zigzag_chunks, zigzag_chunks
 from kvrelay.model.page_export import export_prefix, import_prefix
 from kvrelay.model.parallel import ParallelEngine
-from tests.model.conftest import prompt_tokens
 from tests.model.oracle import hf_greedy, hf_model
+from tests.support.models import prompt_tokens
 
 PAGE = 16
 # 10 full pages and a partial 11th: CP=4's 8 page-aligned chunks, cold and

@@ -5,7 +5,7 @@ tokens."""
 import pytest
 
 from kvrelay.model import Request, SamplingParams, load_engine
-from tests.model.conftest import prompt_tokens
+from tests.support.models import prompt_tokens
 
 PAGE = 16
 

@@ -12,7 +12,7 @@ from kvrelay.layout import ParallelConfig
 from kvrelay.model import Request, SamplingParams, load_engine
 from kvrelay.model.commands import run_generate
 from kvrelay.model.cross_config import parse_parallel
-from tests.model.conftest import prompt_tokens
+from tests.support.models import prompt_tokens
 
 PAGE = 16
 PROMPT = 50

@@ -17,8 +17,8 @@ from kvrelay.model.device import (
     rank_device,
 )
 from kvrelay.model.page_export import export_prefix, import_prefix
-from tests.model.conftest import prompt_tokens
 from tests.model.oracle import hf_greedy, hf_model
+from tests.support.models import prompt_tokens
 
 CPU_TORCH = torch.version.cuda is None
 cpu_build_only = pytest.mark.skipif(not CPU_TORCH, reason="checks the CPU build's refusal")
@@ -75,6 +75,7 @@ def test_the_cpu_runs_the_same_code_path_with_device_given(model_dirs):
     assert torch.equal(got.prompt_logits, plain.prompt_logits)
 
 
+@pytest.mark.cluster  # starts rank or CLI processes
 @cpu_build_only
 @pytest.mark.parametrize(
     "command",

@@ -13,7 +13,7 @@ from kvrelay.model import Request, SamplingParams, load_engine
 from kvrelay.model.draft_transfer import draft_keys, export_draft_prefix, import_draft_prefix
 from kvrelay.model.page_export import export_prefix, import_prefix
 from kvrelay.model.parallel import ParallelEngine
-from tests.model.conftest import prompt_tokens
+from tests.support.models import prompt_tokens
 
 PAGE = 16
 PREFIX = 4 * PAGE  # page-aligned: draft page 3 needs the prompt's token 64
@@ -79,6 +79,7 @@ def test_local_cache_and_unified_pages_restore_the_draft(cold):
     same_speculation(moved, expected)
 
 
+@pytest.mark.cluster  # starts rank or CLI processes
 @pytest.mark.parametrize("sizes", [{"tp": 2, "pp": 2}, {"cp": 2}])
 def test_pages_written_under_another_config_restore_the_draft(cold, sizes):
     """TP=2 x PP=2, and CP=2 (each draft page written by its owner CP rank)."""

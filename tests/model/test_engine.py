@@ -10,7 +10,7 @@ from kvrelay.model import (
     SamplingParams,
     load_engine,
 )
-from tests.model.conftest import prompt_tokens
+from tests.support.models import prompt_tokens
 
 
 @pytest.fixture

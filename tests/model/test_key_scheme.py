@@ -4,7 +4,7 @@ and generates what an engine with kvrelay's own keys generates."""
 
 from kvrelay.model import Request, SamplingParams, load_engine
 from kvrelay.model.page_export import export_prefix
-from tests.model.conftest import prompt_tokens
+from tests.support.models import prompt_tokens
 
 PAGE = 8
 

@@ -14,8 +14,8 @@ from kvrelay.model.paged_attention import (
     attend_block,
     attend_block_reference,
 )
-from tests.model.conftest import prompt_tokens
 from tests.model.oracle import hf_greedy, hf_model
+from tests.support.models import prompt_tokens
 
 EXACT = 1e-9
 

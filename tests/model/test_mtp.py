@@ -7,8 +7,8 @@ import torch
 
 from kvrelay.model import ModelConfig, ModelLoadError, Request, SamplingParams, load_engine
 from kvrelay.model.mtp import mtp_prefix
-from tests.model.conftest import prompt_tokens
 from tests.model.oracle import hf_model
+from tests.support.models import prompt_tokens
 
 EXACT = 1e-9
 PAGE = 16

@@ -9,8 +9,8 @@ import torch
 
 from kvrelay.model import ModelConfig, Request, SamplingParams, load_engine
 from kvrelay.model.rope import inverse_frequencies, rope_parameters
-from tests.model.conftest import prompt_tokens
 from tests.model.oracle import hf_greedy, hf_model
+from tests.support.models import prompt_tokens
 
 EXACT = 1e-9
 NEW_TOKENS = 32

@@ -12,8 +12,8 @@ import torch
 from kvrelay.model import PoolExhausted, Request, SamplingParams, load_engine
 from kvrelay.model.errors import PrefixNotCached
 from kvrelay.model.page_export import export_prefix, import_prefix
-from tests.model.conftest import prompt_tokens
 from tests.model.oracle import hf_greedy, hf_model
+from tests.support.models import prompt_tokens
 
 
 def unpack_pages(arena: torch.Tensor, spec) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,7 @@ from kvrelay.layout import ParallelConfig, rank_rectangle
 from kvrelay.model import PoolExhausted, Request, SamplingParams, load_engine
 from kvrelay.model.page_export import export_prefix, import_prefix
 from kvrelay.model.parallel import ParallelEngine
-from tests.model.conftest import prompt_tokens
+from tests.support.models import prompt_tokens
 
 PAGE = 16
 PROMPT = 4 * PAGE + 9

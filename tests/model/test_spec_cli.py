@@ -8,7 +8,7 @@ import pytest
 
 from kvrelay.cli import main
 from kvrelay.model import Request, SamplingParams, load_engine
-from tests.model.conftest import prompt_tokens
+from tests.support.models import prompt_tokens
 
 MAKE = ["--arch", "llama", "--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2"]
 
@@ -27,6 +27,7 @@ def generate(capsys, *args):
     return json.loads(lines[0])
 
 
+@pytest.mark.cluster  # starts rank or CLI processes
 def test_generate_speculative_json_and_reuse_across_configs(mtp_model, capsys):
     ids = ",".join(map(str, prompt_tokens(37, vocab=128, seed=2)))
     common = ["--model", str(mtp_model), "--prompt-ids", ids, "--max-new-tokens", "12",
@@ -77,6 +78,7 @@ def test_mtp_fit_raises_agreement_on_its_fitting_data(tmp_path, capsys):
     assert after > before
 
 
+@pytest.mark.cluster  # starts rank or CLI processes
 def test_bench_spec_prints_both_halves(tmp_path, capsys):
     out = tmp_path / "spec.json"
     main(["bench", "spec", "--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2",

@@ -10,7 +10,7 @@ from kvrelay.model.page_export import export_prefix
 from kvrelay.model.parallel import ParallelEngine
 from kvrelay.model.sampling import Sampler
 from kvrelay.model.speculative import verify
-from tests.model.conftest import prompt_tokens
+from tests.support.models import prompt_tokens
 
 PAGE = 16
 NEW = 40
@@ -66,6 +66,7 @@ def test_stats_and_stop_tokens(plain):
     assert spec["steps"] + spec["accepted"] >= len(result.tokens) - 1
 
 
+@pytest.mark.cluster  # starts rank or CLI processes
 def test_tp_pp_speculation_matches_one_process(model_dirs):
     model_dir = model_dirs("parallel", mtp=1)
     prompt = prompt_tokens(4 * PAGE + 9, seed=21)
@@ -82,6 +83,7 @@ def test_tp_pp_speculation_matches_one_process(model_dirs):
     assert [r.spec for r in results] == [r.spec for r in single]
 
 
+@pytest.mark.cluster  # starts rank or CLI processes
 def test_speculation_after_a_context_parallel_prefill_matches_one_process(model_dirs):
     """CP=2 prefill (the MTP layer runs whole on each CP rank over the
     gathered hidden states), then CP=1-style decode steps on every rank."""

@@ -15,7 +15,6 @@ MAX_MODULE_LINES = 400
 LONG_FUNCTIONS = {
     "kvrelay/bench/transfer.py::run": "issue 14's engineer is rewriting this bench now",
     "kvrelay/chaos/targets.py::worker_target": "issue 15's engineer owns kvrelay/chaos now",
-    "kvrelay/bench/scale.py::measure": "issue 13's engineer owns bench/scale.py now",
     "kvrelay/demo/command.py::run": "issue 13's engineer owns kvrelay/demo now",
     "kvrelay/bench/long_request.py::run": "issue 13's engineer's new bench, theirs to split",
 }

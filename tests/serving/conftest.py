@@ -9,18 +9,15 @@ import select
 import signal
 import subprocess
 import sys
-from dataclasses import replace
 
 import pytest
 
-from kvrelay.model import RandomModelSpec, write_model
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.loader import kv_spec
 from tests.serving.fake_control import TOKEN, FakeControl
 
 PAGE = 16
 DTYPE = "float64"  # TP/PP configs agree with TP=1 to rounding; greedy ties stay put
-MODEL = RandomModelSpec(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, std=0.2, seed=9)
 START_TIMEOUT_S = 120
 
 
@@ -59,8 +56,8 @@ class Process:
 
 
 @pytest.fixture(scope="session")
-def model_dir(tmp_path_factory):
-    return write_model(tmp_path_factory.mktemp("serving") / "llama", replace(MODEL))
+def model_dir(model_dirs):
+    return model_dirs("serving")
 
 
 @pytest.fixture(scope="session")

@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from kvrelay.model import Request, SamplingParams, load_engine
-from tests.model.conftest import prompt_tokens
 from tests.serving import fake_control as fc
 from tests.serving.conftest import DTYPE, PAGE, cache_args, worker_args
+from tests.support.models import prompt_tokens
 
 
 @pytest.fixture(scope="module")

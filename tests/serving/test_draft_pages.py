@@ -9,27 +9,24 @@ so the draft agrees with the target often and the counts say something."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
 from kvrelay.cache.client import CacheClient, CacheClientConfig
 from kvrelay.layout import ParallelConfig, draft_rectangle, rank_rectangle
-from kvrelay.model import Request, SamplingParams, load_engine, write_model
+from kvrelay.model import Request, SamplingParams, load_engine
 from kvrelay.model.draft_transfer import draft_keys, export_draft_prefix
 from kvrelay.model.page_export import export_prefix
 from kvrelay.transfer import create_agent
-from tests.model.conftest import prompt_tokens
 from tests.serving import fake_control as fc
-from tests.serving.conftest import DTYPE, MODEL, PAGE, cache_args, worker_args
+from tests.serving.conftest import DTYPE, PAGE, cache_args, worker_args
+from tests.support.models import prompt_tokens
 
 NEW = 12  # tokens per request (first token included)
 
 
 @pytest.fixture(scope="module")
-def mtp_model(tmp_path_factory):
-    spec = replace(MODEL, layers=1, mtp=1, mtp_init="copy")
-    return write_model(tmp_path_factory.mktemp("draft") / "llama-mtp", spec)
+def mtp_model(model_dirs):
+    return model_dirs("serving", layers=1, mtp=1, mtp_init="copy")
 
 
 def spec_engine(mtp_model):

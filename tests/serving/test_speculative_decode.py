@@ -5,19 +5,18 @@ batch, and the speculation counts reach the done frame and the stats."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 
 import pytest
 
-from kvrelay.model import Request, SamplingParams, load_engine, write_model
-from tests.model.conftest import prompt_tokens
+from kvrelay.model import Request, SamplingParams, load_engine
 from tests.serving import fake_control as fc
-from tests.serving.conftest import DTYPE, MODEL, PAGE, worker_args
+from tests.serving.conftest import DTYPE, PAGE, worker_args
+from tests.support.models import prompt_tokens
 
 
 @pytest.fixture(scope="module")
-def mtp_model(tmp_path_factory):
-    return write_model(tmp_path_factory.mktemp("spec") / "llama-mtp", replace(MODEL, mtp=1))
+def mtp_model(model_dirs):
+    return model_dirs("serving", mtp=1)
 
 
 @pytest.mark.asyncio

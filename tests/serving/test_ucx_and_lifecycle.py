@@ -8,9 +8,9 @@ import asyncio
 import pytest
 
 from kvrelay.model import Request, load_engine
-from tests.model.conftest import prompt_tokens
 from tests.serving import fake_control as fc
 from tests.serving.conftest import DTYPE, PAGE, worker_args
+from tests.support.models import prompt_tokens
 
 ucx = pytest.importorskip("kvrelay._ucx", reason="kvrelay._ucx was not built")
 

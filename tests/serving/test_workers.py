@@ -13,10 +13,10 @@ import pytest
 
 from kvrelay.model import Request, load_engine
 from kvrelay.transfer import BlockHandle
-from tests.model.conftest import prompt_tokens
 from tests.serving import fake_control as fc
 from tests.serving.conftest import DTYPE, PAGE, cache_args, worker_args
 from tests.serving.fake_control import addr, stats
+from tests.support.models import prompt_tokens
 
 
 @pytest.fixture(scope="module")
@@ -313,7 +313,7 @@ async def test_cancelled_decode_returns_its_pages(cluster):
     deadline = time.monotonic() + 15
     while (await stats(decode))["free_pages"] != start:
         assert time.monotonic() < deadline, "the cancelled sequence kept its pages"
-        time.sleep(0.1)
+        await asyncio.sleep(0.1)
 
 
 @pytest.mark.asyncio

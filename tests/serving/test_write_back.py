@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.model.conftest import prompt_tokens
 from tests.serving import fake_control as fc
 from tests.serving.conftest import PAGE, cache_args, worker_args
+from tests.support.models import prompt_tokens
 
 
 @pytest.mark.asyncio

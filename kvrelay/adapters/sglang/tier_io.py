@@ -57,10 +57,6 @@ def client_groups(spec: ModelKVSpec, rect: Rectangle) -> list[tuple[Rectangle, i
     return groups
 
 
-def _shifted(bases: list[int], shift: int) -> list[int]:
-    return [b - shift for b in bases]
-
-
 class RankTier:
     def __init__(
         self, config: AdapterConfig, spec: ModelKVSpec, rect: Rectangle, mover: PoolMover

@@ -18,6 +18,7 @@ touches the arena afterwards.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import functools
@@ -56,7 +57,8 @@ class TcpTransport(Transport):
         async with conn.lock:
             # No deadline of its own: the caller's covers the whole move.
             await _call(conn, request, Accepted, peer.address)
-            views = [local.buffer(lo, n) for lo, n in triples[:, 1:].tolist()]
+            # The bytes arrive as one stream: runs adjacent here take one buffer.
+            views = [local.buffer(lo, n) for lo, n in merge_adjacent(triples[:, 1:])]
             await move_bytes(conn, views, receive=read)
             if not read:
                 await _call(conn, None, rpc.Ok, peer.address)
@@ -66,7 +68,7 @@ class TcpTransport(Transport):
             return await super().serve(agent, conn, request)
         arena, runs = _checked(agent, request)  # refused with its HandleError's name
         await conn.send(Accepted(int(runs[:, 1].sum())))
-        views = [arena.buffer(offset, length) for offset, length in runs.tolist()]
+        views = [arena.buffer(offset, length) for offset, length in merge_adjacent(runs)]
         # A writer that announces bytes and stalls must not hold the connection.
         async with asyncio.timeout(agent.config.timeout):
             await move_bytes(conn, views, receive=isinstance(request, Write))
@@ -75,6 +77,7 @@ class TcpTransport(Transport):
 
 _BULK_BYTES = 1 << 20
 _IOV_MAX = 1024  # Linux's limit of buffers per sendmsg/recvmsg
+_WINDOW_BYTES = 8 << 20  # more than a loopback socket buffer here (4 MiB)
 _STALL_S = 30.0
 
 
@@ -103,33 +106,62 @@ async def move_bytes(conn, views: list[memoryview], receive: bool) -> None:
 
 
 def _blocking_move(sock: socket.socket, views: list[memoryview], receive: bool) -> None:
-    # One sendmsg/recvmsg_into call covers up to _IOV_MAX runs (a 512-run
-    # batch is a handful of system calls, not one per run).
+    # One sendmsg/recvmsg_into call covers a window of runs of about a socket
+    # buffer (a 512-run batch is tens of system calls, not one per run). A
+    # call moves at most what the socket buffer holds, so handing each one
+    # every run left (up to _IOV_MAX) cost O(runs) buffer lookups per call:
+    # O(runs^2) per batch, about as long as the transfer itself for 512 runs.
     # Blocking, but a call that moves nothing for _STALL_S fails: a peer that
     # stops mid-transfer cannot hold a thread of the pool for ever (the
     # reader's own deadline usually ends it sooner, by shutting the socket).
     sock.settimeout(_STALL_S)
     try:
-        pending = [v.cast("B") for v in views if len(v)]
+        pending = collections.deque(v.cast("B") for v in views if len(v))
         while pending:
-            batch = pending[:_IOV_MAX]
-            n = sock.recvmsg_into(batch)[0] if receive else sock.sendmsg(batch)
+            window = _window(pending)
+            n = sock.recvmsg_into(window)[0] if receive else sock.sendmsg(window)
             if n == 0:
                 raise PeerError("the peer closed the connection")
-            pending = _advance(batch, n) + pending[_IOV_MAX:]
+            _consume(pending, n)
     except OSError as exc:
         raise PeerError(f"connection lost while moving bytes: {exc}") from None
     finally:
         sock.setblocking(False)
 
 
-def _advance(views: list[memoryview], n: int) -> list[memoryview]:
-    """What is left of `views` once their first `n` bytes moved."""
-    for i, view in enumerate(views):
+def _window(pending: collections.deque) -> list[memoryview]:
+    """The first views of `pending`, up to _WINDOW_BYTES (at least one view)."""
+    window, size = [], 0
+    for view in pending:
+        window.append(view)
+        size += len(view)
+        if size >= _WINDOW_BYTES or len(window) == _IOV_MAX:
+            break
+    return window
+
+
+def _consume(pending: collections.deque, n: int) -> None:
+    """Drops the first `n` bytes of `pending`."""
+    while n:
+        view = pending[0]
         if n < len(view):
-            return [view[n:], *views[i + 1 :]]
+            pending[0] = view[n:]
+            return
         n -= len(view)
-    return []
+        pending.popleft()
+
+
+def merge_adjacent(runs: np.ndarray) -> list[tuple[int, int]]:
+    """(offset, length) rows with each run that continues the one before it
+    joined to it, in order (what one stream of bytes fills or drains)."""
+    offsets = np.asarray(runs[:, 0], dtype=np.uint64)
+    lengths = np.asarray(runs[:, 1], dtype=np.uint64)
+    if not len(offsets):
+        return []
+    starts = np.ones(len(offsets), dtype=bool)
+    starts[1:] = offsets[1:] != offsets[:-1] + lengths[:-1]
+    first = np.flatnonzero(starts)
+    return list(zip(offsets[first].tolist(), np.add.reduceat(lengths, first).tolist(), strict=True))
 
 
 def _checked(agent, request):
