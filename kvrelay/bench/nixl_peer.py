@@ -57,8 +57,8 @@ def find_nixl() -> str | None:
 def descriptor_rows(runs: Runs, local_base: int, remote_base: int) -> tuple:
     """NIXL xfer descriptor arrays (address, length, device id) for reading
     `runs` (offset, length) of the remote buffer into the local buffer at
-    the bench's own destination layout (`transfer.local_offsets`)."""
-    from kvrelay.bench.transfer import local_offsets
+    the bench's own destination layout (`transfer_pulls.local_offsets`)."""
+    from kvrelay.bench.transfer_pulls import local_offsets
 
     if not runs:
         raise ValueError("a transfer needs at least one run")
@@ -124,7 +124,7 @@ def _read_cases(module: str, owner_conn, cases, runs: int, timeout: float) -> di
     nixl = _import_nixl(module)
     import torch
 
-    from kvrelay.bench.transfer import _sweep_bytes
+    from kvrelay.bench.transfer_pulls import sweep_bytes
     from kvrelay.transfer.arena import private_tensor
 
     if "kvrelay._ucx" in sys.modules:
@@ -133,7 +133,7 @@ def _read_cases(module: str, owner_conn, cases, runs: int, timeout: float) -> di
     largest = max(sum(n for _, n in run_list) for _, run_list in cases)
     local = private_tensor(largest)
     agent.register_memory(local)
-    sweep = torch.zeros(_sweep_bytes(), dtype=torch.uint8)
+    sweep = torch.zeros(sweep_bytes(), dtype=torch.uint8)
     if not owner_conn.poll(_STARTUP_S):
         raise TimeoutError("the NIXL owner process did not start")
     reply = owner_conn.recv()
@@ -179,7 +179,7 @@ def _transfer(agent, handle, timeout: float) -> None:
 def _check_landed(local, run_list: Runs) -> None:
     import torch
 
-    from kvrelay.bench.transfer import local_offsets
+    from kvrelay.bench.transfer_pulls import local_offsets
 
     for (offset, length), at in zip(run_list, local_offsets(run_list), strict=True):
         if offset % 8 or length % 8:

@@ -14,15 +14,19 @@ same byte count on the reader's GPU.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import os
-import time
 
-import msgpack
 import torch
 
 from kvrelay.bench.stats import Summary, format_table, machine_info, time_once, write_json
-from kvrelay.bench.transfer import NAMESPACE, TOKEN, _cases, local_offsets
+from kvrelay.bench.transfer_pulls import (
+    TOKEN,
+    bench_cases,
+    owner_process,
+    publish_until_stopped,
+    restored_ucx_tls,
+    timed_pulls,
+)
 
 UCX_TLS = "sm,self,cuda_copy,cuda_ipc"
 # name: (owner's arena, reader's arena); "gpu" = the reader's device, "peer" =
@@ -48,27 +52,16 @@ async def _own(pipe, device, arena_bytes, runs_list) -> None:
     else:
         arena = agent.register_tensor(torch.ones(arena_bytes, dtype=torch.uint8, device=device))
     arena.tensor.fill_(1)
-    handles = [agent.publish(arena, runs, NAMESPACE).to_bytes() for runs in runs_list]
-    pipe.send_bytes(msgpack.packb(handles))
-    await asyncio.get_running_loop().run_in_executor(None, pipe.recv_bytes)
-    await agent.close()
+    await publish_until_stopped(pipe, agent, arena, runs_list)
 
 
 async def _pull(direction, device, peer_device, cases, arena_bytes, runs, timeout) -> dict:
     from kvrelay.transfer import create_agent
 
     remote, local_kind = DIRECTIONS[direction]
-    ctx = multiprocessing.get_context("spawn")
-    pipe, child = ctx.Pipe()
     owner_device = peer_device if remote == "peer" else "host"
-    args = (child, owner_device, arena_bytes, [r for _, r in cases])
-    owner = ctx.Process(target=_owner, args=args, daemon=True)
-    owner.start()
-    out = {}
-    try:
-        if not pipe.poll(120):
-            raise RuntimeError("the owner process did not start")
-        handles = msgpack.unpackb(pipe.recv_bytes())
+    args = (owner_device, arena_bytes, [r for _, r in cases])
+    with owner_process(_owner, args) as handles:
         agent = await create_agent("ucx", token=TOKEN, fast_path=False)
         largest = max(sum(n for _, n in r) for _, r in cases)
         if local_kind == "host":
@@ -82,49 +75,29 @@ async def _pull(direction, device, peer_device, cases, arena_bytes, runs, timeou
             dst[:n].copy_(src[:n])
             torch.cuda.synchronize(device)
 
-        for (name, run_list), handle in zip(cases, handles, strict=True):
-            offsets = local_offsets(run_list)
-            at = sum(n for _, n in run_list)
-            pulls, copies = [], []
-            for i in range(runs + 1):  # the first pull connects and registers: not timed
-                baseline = time_once(lambda n=at: copy(n))
-                start = time.perf_counter()
-                await agent.read(handle, local, offsets, namespace=NAMESPACE, timeout=timeout)
-                if i:
-                    pulls.append(time.perf_counter() - start)
-                    copies.append(baseline)
-            out[name] = (pulls, copies)
+        def device_copy(n: int) -> float:
+            return time_once(lambda: copy(n))
+
+        out = await timed_pulls(agent, local, cases, handles, runs, timeout, device_copy)
         await agent.close()
-    finally:
-        pipe.send_bytes(b"stop")
-        owner.join(30)
-        if owner.is_alive():
-            owner.kill()
     return out
 
 
 def run(args, device: torch.device) -> dict:
     """The GPU benchmark; `device` is the reader's GPU, already validated."""
     peer = torch.device("cuda", (device.index + 1) % torch.cuda.device_count())
-    arena = args.arena_mib << 20
-    sizes = [int(s) for s in args.sizes_mib.split(",") if s]
-    cases = _cases(arena, sizes, args.batch, args.run_kib)
-    saved = os.environ.get("UCX_TLS")
-    os.environ["UCX_TLS"] = UCX_TLS
-    try:
+    arena, cases = bench_cases(args)
+    with restored_ucx_tls():
+        os.environ["UCX_TLS"] = UCX_TLS
         pulls = {
             d: asyncio.run(_pull(d, device, str(peer), cases, arena, args.runs, args.timeout))
             for d in DIRECTIONS
         }
-    finally:
-        os.environ.pop("UCX_TLS", None)
-        if saved is not None:
-            os.environ["UCX_TLS"] = saved
     rows, results = [], []
     for direction in DIRECTIONS:
         for name, run_list in cases:
             nbytes = sum(n for _, n in run_list)
-            pull_times, copy_times = pulls[direction][name]
+            pull_times, copy_times, _ = pulls[direction][name]
             pull, copy = Summary.of(pull_times), Summary.of(copy_times)
             ratio = Summary.of([c / p for p, c in zip(pull_times, copy_times, strict=True)])
             rows.append([
