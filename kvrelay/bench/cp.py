@@ -25,8 +25,10 @@ import torch
 from kvrelay.bench.stats import Summary, format_table, machine_info, write_json
 from kvrelay.model.config import TORCH_DTYPES
 from kvrelay.model.engine import Request
-from kvrelay.model.make_model import RandomModelSpec, write_model
+from kvrelay.model.make_model import add_shape_arguments, shape_spec, write_model
 from kvrelay.model.sampling import SamplingParams
+
+SHAPE = {"layers": 4, "hidden": 256, "heads": 8, "kv_heads": 2, "vocab": 1024}
 
 
 def measure_cp_prefill(
@@ -86,11 +88,7 @@ def measure_cp_prefill(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model directory (default: a random demo model)")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=1024)
+    add_shape_arguments(parser, SHAPE)
     parser.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="float32")
     parser.add_argument("--prompt-tokens", type=int, default=4096)
     parser.add_argument("--cp", default="1,2", help="comma-separated CP degrees (first: baseline)")
@@ -116,11 +114,8 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
         if model_dir is None:
-            spec = RandomModelSpec(
-                arch="llama", layers=args.layers, hidden=args.hidden, heads=args.heads,
-                kv_heads=args.kv_heads, vocab=args.vocab, dtype=args.dtype,
-                max_positions=max(16384, 2 * args.prompt_tokens),
-            )  # fmt: skip
+            positions = max(16384, 2 * args.prompt_tokens)
+            spec = shape_spec(args, arch="llama", dtype=args.dtype, max_positions=positions)
             model_dir = write_model(f"{tmp}/model", spec)
         result = measure_cp_prefill(
             model_dir, prompt_tokens=args.prompt_tokens, cps=cps, runs=args.runs,

@@ -28,19 +28,17 @@ from kvrelay.bench.stats import Summary, format_table, machine_info, write_json
 from kvrelay.model.config import TORCH_DTYPES
 from kvrelay.model.engine import Request
 from kvrelay.model.loader import load_engine
-from kvrelay.model.make_model import RandomModelSpec, write_model
+from kvrelay.model.make_model import add_shape_arguments, shape_spec, write_model
 from kvrelay.model.sampling import SamplingParams
+
+SHAPE = {"layers": 8, "hidden": 512, "heads": 8, "kv_heads": 2, "vocab": 32000}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model directory (default: a random demo model)")
     parser.add_argument("--arch", choices=["llama", "qwen2"], default="llama")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=2)
+    add_shape_arguments(parser, SHAPE)
     parser.add_argument("--intermediate", type=int, default=1536)
-    parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="float32")
     parser.add_argument("--contexts", default="2048,8192", help="comma-separated prompt lengths")
     parser.add_argument("--decode-tokens", type=int, default=32)
@@ -144,14 +142,10 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvrelay-bench-model-") as tmp:
         model_dir = args.model
         if model_dir is None:
-            spec = RandomModelSpec(
+            spec = shape_spec(
+                args,
                 arch=args.arch,
-                layers=args.layers,
-                hidden=args.hidden,
-                heads=args.heads,
-                kv_heads=args.kv_heads,
                 intermediate=args.intermediate,
-                vocab=args.vocab,
                 max_positions=max(contexts) + args.decode_tokens + 1,
                 dtype=args.dtype if args.dtype != "float64" else "float32",
             )

@@ -27,17 +27,15 @@ from kvrelay.bench.stats import Summary, format_table, machine_info, write_json
 from kvrelay.model.config import TORCH_DTYPES, ModelConfig
 from kvrelay.model.engine import Request
 from kvrelay.model.loader import load_engine
-from kvrelay.model.make_model import RandomModelSpec, write_model
+from kvrelay.model.make_model import add_shape_arguments, shape_spec, write_model
 from kvrelay.model.sampling import SamplingParams
+
+SHAPE = {"layers": 4, "hidden": 256, "heads": 8, "kv_heads": 2, "vocab": 1024}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model directory with an MTP layer (default: random)")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=1024)
+    add_shape_arguments(parser, SHAPE)
     parser.add_argument("--fit-steps", type=int, default=0, help="fit the random MTP layer first")
     parser.add_argument(
         "--mtp-init",
@@ -118,11 +116,7 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
         if model_dir is None:
-            spec = RandomModelSpec(
-                arch="llama", layers=args.layers, hidden=args.hidden, heads=args.heads,
-                kv_heads=args.kv_heads, vocab=args.vocab, dtype=args.dtype, mtp=1,
-                mtp_init=args.mtp_init,
-            )  # fmt: skip
+            spec = shape_spec(args, arch="llama", dtype=args.dtype, mtp=1, mtp_init=args.mtp_init)
             model_dir = write_model(f"{tmp}/model", spec)
             if args.fit_steps:
                 from kvrelay.model.mtp_fit import fit_mtp

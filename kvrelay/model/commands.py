@@ -14,7 +14,7 @@ from kvrelay.model.config import TORCH_DTYPES, ModelConfig
 from kvrelay.model.cross_config import open_runner, parse_parallel, prefix_unified_pages
 from kvrelay.model.engine import DEFAULT_MAX_PREFILL_TOKENS, Request
 from kvrelay.model.errors import ModelLoadError, PoolExhausted, RequestError
-from kvrelay.model.make_model import RandomModelSpec, write_model
+from kvrelay.model.make_model import add_shape_arguments, shape_spec, write_model
 from kvrelay.model.sampling import SamplingParams
 
 
@@ -188,11 +188,7 @@ def _print_result(result, as_json: bool) -> None:
 
 def add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", choices=["llama", "qwen2"], required=True)
-    parser.add_argument("--layers", type=int, required=True)
-    parser.add_argument("--hidden", type=int, required=True)
-    parser.add_argument("--heads", type=int, required=True)
-    parser.add_argument("--kv-heads", type=int, required=True)
-    parser.add_argument("--vocab", type=int, required=True)
+    add_shape_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--intermediate", type=int, help="MLP width (default 2 x hidden)")
     parser.add_argument("--head-dim", type=int, help="default hidden / heads")
@@ -225,13 +221,9 @@ def add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_make_model(args: argparse.Namespace) -> None:
-    spec = RandomModelSpec(
+    spec = shape_spec(
+        args,
         arch=args.arch,
-        layers=args.layers,
-        hidden=args.hidden,
-        heads=args.heads,
-        kv_heads=args.kv_heads,
-        vocab=args.vocab,
         intermediate=args.intermediate,
         head_dim=args.head_dim,
         tie_embeddings=args.tie_embeddings,

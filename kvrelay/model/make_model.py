@@ -79,6 +79,27 @@ class RandomModelSpec:
         return config
 
 
+# A random model's shape flags (RandomModelSpec fields), shared by
+# `make-model` and the benches that write a model of their own.
+SHAPE_FIELDS = ("layers", "hidden", "heads", "kv_heads", "vocab")
+
+
+def add_shape_arguments(parser, defaults: dict | None = None) -> None:
+    """--layers, --hidden, --heads, --kv-heads, --vocab on an argparse
+    parser: required, or with the caller's `defaults` (field -> value)."""
+    for field in SHAPE_FIELDS:
+        flag = "--" + field.replace("_", "-")
+        if defaults is None:
+            parser.add_argument(flag, type=int, required=True)
+        else:
+            parser.add_argument(flag, type=int, default=defaults[field])
+
+
+def shape_spec(args, **fields) -> RandomModelSpec:
+    """The random model of `args`' shape flags, with the other `fields`."""
+    return RandomModelSpec(**{f: getattr(args, f) for f in SHAPE_FIELDS}, **fields)
+
+
 def random_weights(spec: RandomModelSpec) -> dict[str, torch.Tensor]:
     hidden = spec.hidden
     gen = torch.Generator().manual_seed(spec.seed)
