@@ -6,6 +6,18 @@ from hypothesis import strategies as st
 
 from kvrelay.layout import KV_DTYPE_ITEMSIZE, ModelKVSpec, ParallelConfig
 
+# One small fixed spec for the key and layout tests.
+TINY_SPEC = ModelKVSpec(
+    model_id="llama-tiny",
+    weights_fingerprint="w0",
+    num_layers=4,
+    num_kv_heads=2,
+    k_head_dim=8,
+    v_head_dim=8,
+    kv_dtype="float32",
+    page_size=4,
+)
+
 
 @st.composite
 def kv_specs(draw, max_layers: int = 12, max_dim: int = 16, max_page: int = 16):

@@ -9,19 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrelay.layout import LayoutError, ModelKVSpec
+from kvrelay.layout import LayoutError
 from kvrelay.layout.keys import PageKeyChain, scheme_page_keys, sglang_chain
+from tests.layout.strategies import TINY_SPEC
 
-KVRELAY = ModelKVSpec(
-    model_id="llama-tiny",
-    weights_fingerprint="w0",
-    num_layers=4,
-    num_kv_heads=2,
-    k_head_dim=8,
-    v_head_dim=8,
-    kv_dtype="float32",
-    page_size=4,
-)
+KVRELAY = TINY_SPEC
 SGLANG = replace(KVRELAY, key_scheme="sglang")
 
 

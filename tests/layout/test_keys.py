@@ -7,19 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrelay.layout import LayoutError, ModelKVSpec, ParallelConfig, page_keys, rank_rectangle
-from tests.layout.strategies import kv_specs, parallel_configs
+from kvrelay.layout import LayoutError, ParallelConfig, page_keys, rank_rectangle
+from tests.layout.strategies import TINY_SPEC, kv_specs, parallel_configs
 
-BASE = ModelKVSpec(
-    model_id="llama-tiny",
-    weights_fingerprint="w0",
-    num_layers=4,
-    num_kv_heads=2,
-    k_head_dim=8,
-    v_head_dim=8,
-    kv_dtype="float32",
-    page_size=4,
-)
+BASE = TINY_SPEC
 
 token_lists = st.lists(st.integers(0, 2**32 - 1), min_size=0, max_size=40)
 

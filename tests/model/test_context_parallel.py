@@ -23,6 +23,10 @@ PAGES = 11
 CACHED = 2 * PAGE + 8  # a cached prefix that ends inside page 2
 NEW = 24
 EXACT = 1e-9
+# The process groups whose pages are compared byte for byte across CP degrees.
+BYTE_EXACT_GROUP = dict(
+    dtype="float64", page_size=PAGE, batch_invariant_attention=True, num_pages=32, timeout_s=240
+)
 
 
 def max_diff(a, b) -> float:
@@ -133,15 +137,7 @@ def generate_from_pages(engine_or_group, prompt, hf):
 @pytest.fixture(scope="module")
 def cp2_pages(oracle):
     model_dir, prompt, hf, cp1_pages = oracle
-    with ParallelEngine(
-        model_dir,
-        cp=2,
-        dtype="float64",
-        page_size=PAGE,
-        batch_invariant_attention=True,
-        num_pages=32,
-        timeout_s=240,
-    ) as group:
+    with ParallelEngine(model_dir, cp=2, **BYTE_EXACT_GROUP) as group:
         pages = run_group(group, prompt, hf)
         # CP=1's pages read by the CP group (every CP rank imports every page).
         group.clear_cache()
@@ -212,10 +208,7 @@ def test_a_cp_rank_without_its_group_says_so(oracle):
 )
 def test_cp_with_tp_and_pp_matches_hf_and_reads_cp2_pages(oracle, cp2_pages, tp, pp, cp):
     model_dir, prompt, hf, cp1_pages = oracle
-    with ParallelEngine(
-        model_dir, tp=tp, pp=pp, cp=cp, dtype="float64", page_size=PAGE, num_pages=32,
-        batch_invariant_attention=True, timeout_s=240,
-    ) as group:  # fmt: skip
+    with ParallelEngine(model_dir, tp=tp, pp=pp, cp=cp, **BYTE_EXACT_GROUP) as group:
         pages = run_group(group, prompt, hf)
         group.clear_cache()
         assert group.import_prefix(prompt, cp2_pages) == PAGES
@@ -227,15 +220,6 @@ def test_cp_with_tp_and_pp_matches_hf_and_reads_cp2_pages(oracle, cp2_pages, tp,
     # to rounding across TP, byte for byte against the same TP at CP=1.
     torch.testing.assert_close(pages.view(torch.float64), cp1_pages.view(torch.float64),
                                rtol=0, atol=1e-12)  # fmt: skip
-    with ParallelEngine(
-        model_dir,
-        tp=tp,
-        pp=pp,
-        dtype="float64",
-        page_size=PAGE,
-        batch_invariant_attention=True,
-        num_pages=32,
-        timeout_s=240,
-    ) as same_tp:
+    with ParallelEngine(model_dir, tp=tp, pp=pp, **BYTE_EXACT_GROUP) as same_tp:
         same_tp.generate([Request(prompt, SamplingParams(1))])
         assert_pages_equal(pages, same_tp.export_prefix(prompt))

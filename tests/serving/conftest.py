@@ -12,8 +12,10 @@ import sys
 
 import pytest
 
+from kvrelay.model import Request, load_engine
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.loader import kv_spec
+from tests.serving import fake_control as fc
 from tests.serving.fake_control import TOKEN, FakeControl
 
 PAGE = 16
@@ -101,3 +103,16 @@ def worker_args(role, model_dir, control, *, tp=1, pp=1, cache=(), backend="tcp"
     if cache:
         args += ["--cache", ",".join(cache)]
     return args
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """Monolithic generation in this process: what the workers must reproduce."""
+    engine = load_engine(model_dir, dtype=DTYPE, page_size=PAGE, num_pages=128)
+
+    def generate(tokens, sampling: dict) -> list[int]:
+        engine.pool.clear_cache()
+        params = fc.sampling_params(sampling)
+        return engine.generate([Request(list(tokens), params)])[0].tokens
+
+    return generate

@@ -11,25 +11,11 @@ import time
 
 import pytest
 
-from kvrelay.model import Request, load_engine
 from kvrelay.transfer import BlockHandle
 from tests.serving import fake_control as fc
-from tests.serving.conftest import DTYPE, PAGE, cache_args, worker_args
+from tests.serving.conftest import PAGE, cache_args, worker_args
 from tests.serving.fake_control import addr, stats
 from tests.support.models import prompt_tokens
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    """Monolithic generation in this process: what the workers must reproduce."""
-    engine = load_engine(model_dir, dtype=DTYPE, page_size=PAGE, num_pages=128)
-
-    def generate(tokens, sampling: dict) -> list[int]:
-        engine.pool.clear_cache()
-        params = fc.sampling_params(sampling)
-        return engine.generate([Request(list(tokens), params)])[0].tokens
-
-    return generate
 
 
 @pytest.fixture(scope="module")
