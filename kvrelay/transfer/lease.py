@@ -31,18 +31,21 @@ def covers(lease: RunLease, runs: np.ndarray) -> bool:
     the lease's runs (adjacent lease runs join, as a reader coalesces them)."""
     if not lease.runs:
         return False
-    spans = sorted(lease.runs)
-    starts, ends = [spans[0][0]], [spans[0][0] + spans[0][1]]
-    for offset, length in spans[1:]:
-        if offset <= ends[-1]:
-            ends[-1] = max(ends[-1], offset + length)
-        else:
-            starts.append(offset)
-            ends.append(offset + length)
+    # Vectorised: a loop over a 512-run lease cost the tcp owner 0.4 ms per pull.
+    flat = itertools.chain.from_iterable(lease.runs)
+    spans = np.fromiter(flat, dtype=np.uint64, count=2 * len(lease.runs)).reshape(-1, 2)
+    order = np.argsort(spans[:, 0], kind="stable")
+    starts = spans[order, 0]
+    reach = np.maximum.accumulate(starts + spans[order, 1])  # furthest end so far
+    # A run starting after everything before it ended begins a new piece of
+    # the union; a piece ends at the reach of its last run.
+    first = np.flatnonzero(np.concatenate(([True], starts[1:] > reach[:-1])))
+    piece_starts = starts[first]
+    piece_ends = reach[np.append(first[1:] - 1, len(starts) - 1)]
     offset = runs[:, 0].astype(np.uint64)
     end = offset + runs[:, 1].astype(np.uint64)  # bounds-checked: no wrap
-    index = np.searchsorted(np.array(starts, dtype=np.uint64), offset, side="right") - 1
-    inside = (index >= 0) & (end <= np.array(ends, dtype=np.uint64)[np.maximum(index, 0)])
+    index = np.searchsorted(piece_starts, offset, side="right") - 1
+    inside = (index >= 0) & (end <= piece_ends[np.maximum(index, 0)])
     return bool(inside.all())
 
 

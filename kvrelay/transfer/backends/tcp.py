@@ -6,33 +6,43 @@ arena, and the reader receives them straight into its arena (no staging
 copies on either side). A write is announced the same way and sent only
 after the owner accepted it.
 
-Bulk bytes (a megabyte or more) move on a worker thread with the socket in
-blocking mode, one `sendall`/`recv_into` loop over all runs with the GIL
-released in each call: through the event loop every socket-buffer-sized
-chunk cost a wake-up and a callback, and a 512-run batch ran at about half
-of loopback TCP's speed. A deadline or cancellation shuts the socket down,
-which ends the blocked call at once, and waits for the thread, so nothing
-touches the arena afterwards.
+Every exchange that moves bytes runs on a worker thread with the socket in
+blocking mode, from the request to the last byte: the reader's thread sends
+the request, reads the owner's answer and receives the runs; the owner's
+sends its answer and the runs in one `writev`. Through the event loop every
+socket-buffer-sized chunk cost a wake-up and a callback, and the hops
+between loop and thread around the answer cost a pull of 32 MiB a fifth of
+its time (see docs/architecture.md, "Where a pull's time goes"). The runs
+travel as a C `iovec` array built by numpy, handed to `readv` / `writev`
+(ctypes, the GIL released): no Python object per run. A deadline or
+cancellation shuts the socket down, which ends the blocked call at once, and
+waits for the thread, so nothing touches the arena afterwards.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import contextlib
+import ctypes
+import errno
 import functools
+import os
 import socket
+import struct
 
 import numpy as np
 
 from kvrelay import rpc
 from kvrelay.rpc.agent_ops import Accepted, Read, Write
+from kvrelay.rpc.framing import MAX_FRAME, decode, encode
+from kvrelay.rpc.messages import Error
 from kvrelay.transfer.base import Transport
 from kvrelay.transfer.errors import (
     LeaseExpired,
     MalformedHandle,
     PeerError,
+    ProtocolError,
     RunOutOfBounds,
     UnknownArena,
 )
@@ -42,6 +52,17 @@ from kvrelay.transfer.lease import covers
 _REMOTE_ERRORS = {
     cls.__name__: cls for cls in (LeaseExpired, RunOutOfBounds, UnknownArena, MalformedHandle)
 }
+_FRAME_LEN = struct.Struct(">I")  # rpc.framing's header: the frame's length, big-endian
+_IOV_MAX = 1024  # Linux's limit of buffers per readv/writev
+# A blocked call that moves nothing for this long fails (SO_RCVTIMEO /
+# SO_SNDTIMEO): a peer that stops mid-transfer cannot hold a thread of the
+# pool for ever (the caller's own deadline usually ends it sooner).
+_STALL_S = 30.0
+
+_libc = ctypes.CDLL(None, use_errno=True)
+for _call_name in ("readv", "writev"):
+    getattr(_libc, _call_name).argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    getattr(_libc, _call_name).restype = ctypes.c_ssize_t
 
 
 class TcpTransport(Transport):
@@ -54,114 +75,176 @@ class TcpTransport(Transport):
         # to check item by item before the first byte moved.
         runs = np.ascontiguousarray(triples[:, [0, 2]], dtype="<u8").tobytes()
         request = (Read if read else Write)(handle.arena_id, handle.lease_id, runs)
+        # The bytes arrive as one stream: runs adjacent here take one iovec.
+        iov = iovecs(local, merge_adjacent(triples[:, 1:]))
+        nbytes = int(triples[:, 2].sum())
         async with conn.lock:
             # No deadline of its own: the caller's covers the whole move.
-            await _call(conn, request, Accepted, peer.address)
-            # The bytes arrive as one stream: runs adjacent here take one buffer.
-            views = [local.buffer(lo, n) for lo, n in merge_adjacent(triples[:, 1:])]
-            await move_bytes(conn, views, receive=read)
-            if not read:
-                await _call(conn, None, rpc.Ok, peer.address)
+            try:
+                await in_thread(conn.sock, _request_and_move, frame(request), nbytes, iov, read)
+                if not read:
+                    await rpc.answer(conn, rpc.Ok)
+            except rpc.RemoteError as exc:
+                cls = _REMOTE_ERRORS.get(exc.error, PeerError)
+                raise cls(f"agent {peer.address} refused: {exc.remote_message}") from exc
 
     async def serve(self, agent, conn, request):
         if not isinstance(request, Read | Write):
             return await super().serve(agent, conn, request)
         arena, runs = _checked(agent, request)  # refused with its HandleError's name
-        await conn.send(Accepted(int(runs[:, 1].sum())))
-        views = [arena.buffer(offset, length) for offset, length in merge_adjacent(runs)]
+        answer = frame(Accepted(int(runs[:, 1].sum())))
+        iov = iovecs(arena, merge_adjacent(runs))
+        receive = isinstance(request, Write)
         # A writer that announces bytes and stalls must not hold the connection.
         async with asyncio.timeout(agent.config.timeout):
-            await move_bytes(conn, views, receive=isinstance(request, Write))
-        return rpc.Ok() if isinstance(request, Write) else None
+            await in_thread(conn.sock, _answer_and_move, answer, iov, receive)
+        return rpc.Ok() if receive else None
 
 
-_BULK_BYTES = 1 << 20
-_IOV_MAX = 1024  # Linux's limit of buffers per sendmsg/recvmsg
-_WINDOW_BYTES = 8 << 20  # more than a loopback socket buffer here (4 MiB)
-_STALL_S = 30.0
+def frame(message) -> bytes:
+    """`message` as one wire frame (what `rpc.Connection.send` writes)."""
+    body = encode(message)
+    return _FRAME_LEN.pack(len(body)) + body
+
+
+def merge_adjacent(runs: np.ndarray) -> np.ndarray:
+    """(k, 2) uint64 (offset, length) rows with each run that continues the
+    one before it joined to it, in order (what one stream of bytes fills or
+    drains)."""
+    offsets = np.asarray(runs[:, 0], dtype=np.uint64)
+    lengths = np.asarray(runs[:, 1], dtype=np.uint64)
+    if not len(offsets):
+        return np.empty((0, 2), dtype=np.uint64)
+    starts = np.ones(len(offsets), dtype=bool)
+    starts[1:] = offsets[1:] != offsets[:-1] + lengths[:-1]
+    first = np.flatnonzero(starts)
+    return np.stack([offsets[first], np.add.reduceat(lengths, first)], axis=1)
+
+
+def iovecs(arena, ranges: np.ndarray) -> np.ndarray:
+    """A C `struct iovec` array (rows of uint64 address, length) for the
+    (offset, length) `ranges` of a host arena, checked against its bounds."""
+    if arena.is_cuda or arena.closed:
+        raise ValueError(f"arena {arena.arena_id} has no host memory to move")
+    ends = ranges[:, 0] + ranges[:, 1]
+    # Both sides checked their runs already; this keeps the raw pointers
+    # honest whoever calls it.
+    if len(ranges) and (int(ends.max()) > arena.size or bool((ends < ranges[:, 0]).any())):
+        raise RunOutOfBounds(f"runs outside arena {arena.arena_id} of {arena.size} bytes")
+    iov = np.empty((len(ranges), 2), dtype=np.uint64)
+    iov[:, 0] = ranges[:, 0] + np.uint64(arena.address)
+    iov[:, 1] = ranges[:, 1]
+    return iov
 
 
 @functools.cache
-def _bulk_pool() -> concurrent.futures.ThreadPoolExecutor:
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvrelay-tcp")
 
 
-async def move_bytes(conn, views: list[memoryview], receive: bool) -> None:
-    """Sends or receives `views` in order on the connection's socket."""
-    if sum(len(v) for v in views) < _BULK_BYTES:
-        for view in views:
-            await (conn.recv_into(view) if receive else conn.send_bytes(view))
-        return
-    sock = conn.sock
-    job = _bulk_pool().submit(_blocking_move, sock, views, receive)
+async def in_thread(sock: socket.socket, fn, *args) -> None:
+    """`fn(sock, *args)` on a pool thread with `sock` blocking. On
+    cancellation (a deadline, a cancelled caller) the socket is shut down,
+    which ends a blocked call at once, and the thread waited for: nothing
+    touches the arena after this returns."""
+    job = _pool().submit(_blocking, sock, fn, *args)
     try:
         await asyncio.wrap_future(job)
     except asyncio.CancelledError:
-        # A deadline or a cancelled caller: end the blocked call, then wait
-        # for the thread so that nothing writes into the views after this.
         with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)
         concurrent.futures.wait([job])
         raise
 
 
-def _blocking_move(sock: socket.socket, views: list[memoryview], receive: bool) -> None:
-    # One sendmsg/recvmsg_into call covers a window of runs of about a socket
-    # buffer (a 512-run batch is tens of system calls, not one per run). A
-    # call moves at most what the socket buffer holds, so handing each one
-    # every run left (up to _IOV_MAX) cost O(runs) buffer lookups per call:
-    # O(runs^2) per batch, about as long as the transfer itself for 512 runs.
-    # Blocking, but a call that moves nothing for _STALL_S fails: a peer that
-    # stops mid-transfer cannot hold a thread of the pool for ever (the
-    # reader's own deadline usually ends it sooner, by shutting the socket).
-    sock.settimeout(_STALL_S)
+def _blocking(sock: socket.socket, fn, *args) -> None:
+    stall = struct.pack("ll", int(_STALL_S), int(_STALL_S % 1 * 1e6))  # a struct timeval
     try:
-        pending = collections.deque(v.cast("B") for v in views if len(v))
-        while pending:
-            window = _window(pending)
-            n = sock.recvmsg_into(window)[0] if receive else sock.sendmsg(window)
-            if n == 0:
-                raise PeerError("the peer closed the connection")
-            _consume(pending, n)
+        sock.setblocking(True)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, stall)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, stall)
+        fn(sock, *args)
     except OSError as exc:
         raise PeerError(f"connection lost while moving bytes: {exc}") from None
     finally:
-        sock.setblocking(False)
+        with contextlib.suppress(OSError):  # shut down or closed meanwhile
+            none = struct.pack("ll", 0, 0)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, none)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, none)
+            sock.setblocking(False)
 
 
-def _window(pending: collections.deque) -> list[memoryview]:
-    """The first views of `pending`, up to _WINDOW_BYTES (at least one view)."""
-    window, size = [], 0
-    for view in pending:
-        window.append(view)
-        size += len(view)
-        if size >= _WINDOW_BYTES or len(window) == _IOV_MAX:
-            break
-    return window
+def _request_and_move(sock, request: bytes, nbytes: int, iov: np.ndarray, read: bool) -> None:
+    """The reader's (or writer's) side: request, the owner's answer, the bytes."""
+    sock.sendall(request)
+    answer = decode(_recv_frame(sock), Accepted | Error)
+    if isinstance(answer, Error):
+        raise answer.exception()
+    if answer.nbytes != nbytes:
+        raise PeerError(f"the owner accepted {answer.nbytes} bytes, the request has {nbytes}")
+    move_iovecs(sock, iov, receive=read)
 
 
-def _consume(pending: collections.deque, n: int) -> None:
-    """Drops the first `n` bytes of `pending`."""
-    while n:
-        view = pending[0]
-        if n < len(view):
-            pending[0] = view[n:]
-            return
-        n -= len(view)
-        pending.popleft()
+def _answer_and_move(sock, answer: bytes, iov: np.ndarray, receive: bool) -> None:
+    """The owner's side: the answer, then the bytes (sent with it in one writev)."""
+    if receive:
+        sock.sendall(answer)
+        move_iovecs(sock, iov, receive=True)
+        return
+    keep = np.frombuffer(answer, dtype=np.uint8)  # alive while the iovec points at it
+    head = np.array([[keep.ctypes.data, len(answer)]], dtype=np.uint64)
+    move_iovecs(sock, np.concatenate([head, iov]), receive=False)
 
 
-def merge_adjacent(runs: np.ndarray) -> list[tuple[int, int]]:
-    """(offset, length) rows with each run that continues the one before it
-    joined to it, in order (what one stream of bytes fills or drains)."""
-    offsets = np.asarray(runs[:, 0], dtype=np.uint64)
-    lengths = np.asarray(runs[:, 1], dtype=np.uint64)
-    if not len(offsets):
-        return []
-    starts = np.ones(len(offsets), dtype=bool)
-    starts[1:] = offsets[1:] != offsets[:-1] + lengths[:-1]
-    first = np.flatnonzero(starts)
-    return list(zip(offsets[first].tolist(), np.add.reduceat(lengths, first).tolist(), strict=True))
+def _recv_frame(sock: socket.socket) -> bytes:
+    header = _recv_exactly(sock, _FRAME_LEN.size)
+    (length,) = _FRAME_LEN.unpack(header)
+    if length > MAX_FRAME:
+        raise ProtocolError(f"frame of {length} bytes exceeds {MAX_FRAME}")
+    return _recv_exactly(sock, length)
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = bytearray(n)
+    view, got = memoryview(data), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise PeerError("the peer closed the connection")
+        got += k
+    return bytes(data)
+
+
+def move_iovecs(sock: socket.socket, iov: np.ndarray, receive: bool) -> None:
+    """`readv` into (or `writev` from) every buffer of `iov` in order, on a
+    blocking socket. `iov` is consumed (its rows advanced)."""
+    call = _libc.readv if receive else _libc.writev
+    ends = np.cumsum(iov[:, 1])
+    first, done, fd = 0, 0, sock.fileno()
+    while first < len(iov):
+        n = call(fd, iov.ctypes.data + iov.itemsize * 2 * first, min(len(iov) - first, _IOV_MAX))
+        if n < 0:
+            err = ctypes.get_errno()
+            if err == errno.EINTR:
+                continue
+            if err in (errno.EAGAIN, errno.EWOULDBLOCK):
+                raise PeerError(f"the peer moved no byte for {_STALL_S:g} s")
+            raise PeerError(f"connection lost while moving bytes: {os.strerror(err)}")
+        if n == 0:
+            raise PeerError("the peer closed the connection")
+        done += n
+        first = _advance(iov, ends, first, done)
+
+
+def _advance(iov: np.ndarray, ends: np.ndarray, first: int, done: int) -> int:
+    """The index of the first buffer not yet full after `done` bytes, with
+    its row moved past the bytes already done."""
+    first = int(np.searchsorted(ends, done, side="right"))
+    if first < len(iov):
+        left = int(ends[first]) - done
+        iov[first, 0] += iov[first, 1] - np.uint64(left)
+        iov[first, 1] = left
+    return first
 
 
 def _checked(agent, request):
@@ -185,15 +268,3 @@ def _checked(agent, request):
     if not covers(lease, runs):
         raise RunOutOfBounds(f"requested runs lie outside lease {request.lease!r}'s pages")
     return arena, runs
-
-
-async def _call(conn, request, reply, address: str):
-    """Sends `request` (None: only reads the reply); a refusal raises the
-    owner's error class where the reader knows it."""
-    try:
-        if request is None:
-            return await rpc.answer(conn, reply)
-        return await rpc.call(conn, request, reply, None)
-    except rpc.RemoteError as exc:
-        cls = _REMOTE_ERRORS.get(exc.error, PeerError)
-        raise cls(f"agent {address} refused: {exc.remote_message}") from exc
