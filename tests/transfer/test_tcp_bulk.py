@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import random
 import socket
+import struct
 import threading
 
 import numpy as np
@@ -15,6 +16,7 @@ import pytest
 
 from kvrelay import rpc
 from kvrelay.rpc.agent_ops import Accepted, Read
+from kvrelay.rpc.framing import encode
 from kvrelay.rpc.messages import Error
 from kvrelay.transfer import PeerError, RunOutOfBounds, create_agent
 from kvrelay.transfer.arena import Arena
@@ -96,6 +98,11 @@ def torch_random(size):
     return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator())
 
 
+def frame(message) -> bytes:
+    body = encode(message)
+    return struct.pack(">I", len(body)) + body
+
+
 class FakeOwner(threading.Thread):
     """Reads one request frame, then does `act(sock)`."""
 
@@ -113,10 +120,10 @@ def _exchange(owner_act, nbytes=4096):
     reader, owner = tcp_pair()
     local = Arena.allocate_private(1, nbytes)
     FakeOwner(owner, owner_act).start()
-    request = tcp.frame(Read(1, 1, b""))
+    reader.sendall(frame(Read(1, 1, b"")))
     iov = tcp.iovecs(local, np.array([[0, nbytes]], dtype=np.uint64))
     try:
-        tcp._blocking(reader, tcp._request_and_move, request, nbytes, iov, True)
+        tcp._blocking(reader, tcp._answer_and_move, nbytes, iov, True)
     finally:
         reader.close()
         owner.close()
@@ -125,25 +132,25 @@ def _exchange(owner_act, nbytes=4096):
 
 def test_the_reader_takes_the_owner_answer_and_the_bytes():
     payload = bytes(range(256)) * 16
-    local = _exchange(lambda s: s.sendall(tcp.frame(Accepted(4096)) + payload))
+    local = _exchange(lambda s: s.sendall(frame(Accepted(4096)) + payload))
     assert bytes(local.buffer(0, 4096)) == payload
 
 
 def test_a_refusal_a_wrong_count_and_a_dead_owner_fail_the_pull():
-    refusal = tcp.frame(Error("LeaseExpired", "gone"))
+    refusal = frame(Error("LeaseExpired", "gone"))
     with pytest.raises(rpc.RemoteError, match="gone"):
         _exchange(lambda s: s.sendall(refusal))
     with pytest.raises(PeerError, match="accepted 4095 bytes"):
-        _exchange(lambda s: s.sendall(tcp.frame(Accepted(4095))))
+        _exchange(lambda s: s.sendall(frame(Accepted(4095))))
     with pytest.raises(PeerError, match="closed"):  # dies after half the bytes
-        _exchange(lambda s: (s.sendall(tcp.frame(Accepted(4096)) + b"x" * 2048), s.close()))
+        _exchange(lambda s: (s.sendall(frame(Accepted(4096)) + b"x" * 2048), s.close()))
 
 
 def test_an_owner_that_stops_sending_fails_after_the_stall_limit(monkeypatch):
     monkeypatch.setattr(tcp, "_STALL_S", 0.3)
     stop = threading.Event()
     with pytest.raises(PeerError, match="moved no byte"):
-        _exchange(lambda s: (s.sendall(tcp.frame(Accepted(4096)) + b"x"), stop.wait(5)))
+        _exchange(lambda s: (s.sendall(frame(Accepted(4096)) + b"x"), stop.wait(5)))
     stop.set()
 
 

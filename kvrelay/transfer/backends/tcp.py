@@ -6,10 +6,10 @@ arena, and the reader receives them straight into its arena (no staging
 copies on either side). A write is announced the same way and sent only
 after the owner accepted it.
 
-Every exchange that moves bytes runs on a worker thread with the socket in
-blocking mode, from the request to the last byte: the reader's thread sends
-the request, reads the owner's answer and receives the runs; the owner's
-sends its answer and the runs in one `writev`. Through the event loop every
+Bytes move on a worker thread per side with the socket in blocking mode:
+the reader sends its request from the event loop and its thread reads the
+owner's answer and receives the runs; the owner answers from the loop and
+its thread sends the runs with `writev`. Through the event loop every
 socket-buffer-sized chunk cost a wake-up and a callback, and the hops
 between loop and thread around the answer cost a pull of 32 MiB a fifth of
 its time (see docs/architecture.md, "Where a pull's time goes"). The runs
@@ -35,7 +35,7 @@ import numpy as np
 
 from kvrelay import rpc
 from kvrelay.rpc.agent_ops import Accepted, Read, Write
-from kvrelay.rpc.framing import MAX_FRAME, decode, encode
+from kvrelay.rpc.framing import MAX_FRAME, decode
 from kvrelay.rpc.messages import Error
 from kvrelay.transfer.base import Transport
 from kvrelay.transfer.errors import (
@@ -81,7 +81,10 @@ class TcpTransport(Transport):
         async with conn.lock:
             # No deadline of its own: the caller's covers the whole move.
             try:
-                await in_thread(conn.sock, _request_and_move, frame(request), nbytes, iov, read)
+                # Sent from the loop (a small frame leaves at once): the
+                # owner works on it while the worker thread wakes up.
+                await conn.send(request)
+                await in_thread(conn.sock, _answer_and_move, nbytes, iov, read)
                 if not read:
                     await rpc.answer(conn, rpc.Ok)
             except rpc.RemoteError as exc:
@@ -92,19 +95,15 @@ class TcpTransport(Transport):
         if not isinstance(request, Read | Write):
             return await super().serve(agent, conn, request)
         arena, runs = _checked(agent, request)  # refused with its HandleError's name
-        answer = frame(Accepted(int(runs[:, 1].sum())))
         iov = iovecs(arena, merge_adjacent(runs))
+        # Sent from the loop, so the reader wakes while this side's worker
+        # thread does.
+        await conn.send(Accepted(int(runs[:, 1].sum())))
         receive = isinstance(request, Write)
         # A writer that announces bytes and stalls must not hold the connection.
         async with asyncio.timeout(agent.config.timeout):
-            await in_thread(conn.sock, _answer_and_move, answer, iov, receive)
+            await in_thread(conn.sock, move_iovecs, iov, receive)
         return rpc.Ok() if receive else None
-
-
-def frame(message) -> bytes:
-    """`message` as one wire frame (what `rpc.Connection.send` writes)."""
-    body = encode(message)
-    return _FRAME_LEN.pack(len(body)) + body
 
 
 def merge_adjacent(runs: np.ndarray) -> np.ndarray:
@@ -174,26 +173,14 @@ def _blocking(sock: socket.socket, fn, *args) -> None:
             sock.setblocking(False)
 
 
-def _request_and_move(sock, request: bytes, nbytes: int, iov: np.ndarray, read: bool) -> None:
-    """The reader's (or writer's) side: request, the owner's answer, the bytes."""
-    sock.sendall(request)
+def _answer_and_move(sock, nbytes: int, iov: np.ndarray, read: bool) -> None:
+    """The reader's (or writer's) side, after its request: the owner's answer, the bytes."""
     answer = decode(_recv_frame(sock), Accepted | Error)
     if isinstance(answer, Error):
         raise answer.exception()
     if answer.nbytes != nbytes:
         raise PeerError(f"the owner accepted {answer.nbytes} bytes, the request has {nbytes}")
     move_iovecs(sock, iov, receive=read)
-
-
-def _answer_and_move(sock, answer: bytes, iov: np.ndarray, receive: bool) -> None:
-    """The owner's side: the answer, then the bytes (sent with it in one writev)."""
-    if receive:
-        sock.sendall(answer)
-        move_iovecs(sock, iov, receive=True)
-        return
-    keep = np.frombuffer(answer, dtype=np.uint8)  # alive while the iovec points at it
-    head = np.array([[keep.ctypes.data, len(answer)]], dtype=np.uint64)
-    move_iovecs(sock, np.concatenate([head, iov]), receive=False)
 
 
 def _recv_frame(sock: socket.socket) -> bytes:
