@@ -37,6 +37,7 @@ import httpx
 import numpy as np
 import torch
 
+from kvrelay import procfs
 from kvrelay.bench.stats import format_table, machine_info, write_json
 
 WINDOW = 256  # pages per write and per import of the synthetic context
@@ -125,22 +126,10 @@ def reference(model_dir: Path, tokens: list[int], context_pages: int, args) -> t
 def group_peak_rss(pgid: int) -> int:
     """Sum of VmHWM over the processes of one process group (a worker's
     front and its ranks), bytes."""
-    total = 0
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[2]) != pgid:
-                continue
-            with open(f"/proc/{name}/status") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        total += int(line.split()[1]) * 1024
-        except (OSError, ValueError, IndexError):
-            continue
-    return total
+    pids = [
+        n for n in os.listdir("/proc") if n.isdigit() and procfs.stat_fields(n)[2:3] == [str(pgid)]
+    ]
+    return sum(procfs.status_kib(pid, "VmHWM") for pid in pids) * 1024
 
 
 def send(url: str, tokens: list[int], max_tokens: int, timeout_s: float) -> dict:

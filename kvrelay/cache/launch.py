@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-from kvrelay import options
+from kvrelay import options, procfs
 from kvrelay.cache.server import CacheServer, CacheServerConfig
 
 
@@ -75,7 +75,7 @@ class CacheServerProcess:
         `/proc`), so that nothing it answers can race the caller's next step."""
         self.process.send_signal(signal.SIGSTOP)
         deadline = time.monotonic() + timeout_s
-        while _state(self.process.pid) not in ("T", "t"):
+        while procfs.stat_fields(self.process.pid)[:1] not in (["T"], ["t"]):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"cache server {self.process.pid} did not stop in {timeout_s} s")
             time.sleep(0.005)
@@ -87,9 +87,3 @@ class CacheServerProcess:
 
     def resume(self) -> None:
         self.process.send_signal(signal.SIGCONT)
-
-
-def _state(pid: int) -> str:
-    """The process state letter of `pid` from /proc (after the parenthesised name)."""
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().rpartition(")")[2].split()[0]
