@@ -22,7 +22,7 @@ from contextlib import ExitStack
 
 import torch
 
-from kvrelay.bench.stats import Summary, format_table, machine_info, write_json
+from kvrelay.bench.stats import Summary, format_table, write_report
 from kvrelay.model.config import TORCH_DTYPES
 from kvrelay.model.engine import Request
 from kvrelay.model.make_model import add_shape_arguments, shape_spec, write_model
@@ -131,10 +131,7 @@ def run(args: argparse.Namespace) -> dict:
           f"(load average {result['load_average']['before'][0]:.1f} before, "
           f"{result['load_average']['after'][0]:.1f} after)")  # fmt: skip
     print(format_table(["cp", "prefill s", "tok/s", f"x CP={cps[0]}"], rows))
-    if args.json:
-        payload = {"benchmark": "cp", "machine": machine_info(), "args": vars(args)} | result
-        payload["args"] = {k: v for k, v in payload["args"].items() if k != "func"}
-        write_json(args.json, payload)
+    write_report(args, "cp", result)
     sys.stdout.flush()
     return result
 

@@ -23,7 +23,7 @@ import tempfile
 
 import torch
 
-from kvrelay.bench.stats import Summary, format_table, machine_info, write_json
+from kvrelay.bench.stats import Summary, format_table, write_report
 from kvrelay.model.config import TORCH_DTYPES, ModelConfig
 from kvrelay.model.engine import Request
 from kvrelay.model.loader import load_engine
@@ -138,10 +138,7 @@ def run(args: argparse.Namespace) -> dict:
     _print(args, spec_report, cp_report, load_before, load_after)
     result = {"speculation": spec_report, "cp_prefill": cp_report,
               "load_average": {"before": load_before, "after": load_after}}  # fmt: skip
-    if args.json:
-        payload = {"benchmark": "spec", "machine": machine_info(), "args": vars(args)} | result
-        payload["args"] = {k: v for k, v in payload["args"].items() if k != "func"}
-        write_json(args.json, payload)
+    write_report(args, "spec", result)
     sys.stdout.flush()
     return result
 
