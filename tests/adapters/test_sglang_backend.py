@@ -244,3 +244,6 @@ def test_unknown_extra_config_key_is_refused():
     assert AdapterConfig.from_extra_config(extra).servers == ("127.0.0.1:1",)
     with pytest.raises(AdapterConfigError, match="unknown extra config keys"):
         AdapterConfig.from_extra_config({**extra, "servres": []})
+    for bad in ({"timeout_s": 0}, {"backend": "loopback"}, {"servers": ["no-port"]}):
+        with pytest.raises(AdapterConfigError, match=next(iter(bad))):
+            AdapterConfig.from_extra_config({**extra, **bad})
