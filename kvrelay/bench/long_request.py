@@ -39,6 +39,7 @@ import torch
 
 from kvrelay import procfs
 from kvrelay.bench.stats import format_table, machine_info, write_json
+from kvrelay.layout import DEFAULT_PAGE_SIZE
 
 WINDOW = 256  # pages per write and per import of the synthetic context
 
@@ -49,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "2**20 tokens, control's most)")  # fmt: skip
     parser.add_argument("--new-tokens", type=int, default=2048)
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated")
-    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     parser.add_argument("--max-prefill-tokens", type=int, default=8192)
     parser.add_argument("--num-pages", type=int, default=0,
                         help="pool pages per worker (0: what the prompt needs)")  # fmt: skip

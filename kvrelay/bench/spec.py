@@ -24,6 +24,7 @@ import tempfile
 import torch
 
 from kvrelay.bench.stats import Summary, format_table, write_report
+from kvrelay.layout import DEFAULT_PAGE_SIZE
 from kvrelay.model.config import TORCH_DTYPES, ModelConfig
 from kvrelay.model.engine import Request
 from kvrelay.model.loader import load_engine
@@ -48,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, default=2, help="requests decoded together")
-    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--cp-prompt-tokens", type=int, default=2048, help="0: skip the CP half")
     parser.add_argument("--json", metavar="PATH", help="write the results here")

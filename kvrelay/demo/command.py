@@ -23,6 +23,7 @@ from kvrelay.demo.cluster import ClusterConfig, LocalCluster, PoolConfig
 from kvrelay.demo.replay import TurnRecord, replay, replay_sample, sample_turns
 from kvrelay.demo.report import MODE_LABELS, plot, summarize, table
 from kvrelay.demo.workload import Session, WorkloadConfig, optimum_hit_tokens
+from kvrelay.layout import DEFAULT_PAGE_SIZE
 
 DEMO_MODEL = profiles.MODELS["default"]
 
@@ -38,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "layer (a demo model with --mtp 1; --model must have one)")  # fmt: skip
     parser.add_argument("--backend", default=_default_backend(), choices=["tcp", "ucx"],
                         help="transfer backend of every process (ucx when built)")  # fmt: skip
-    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="per request")
     parser.add_argument("--json", default=None, help="default: OUT/demo.json")
