@@ -38,6 +38,12 @@ _CLOSE_TIMEOUT = 1.0
 # hand-off to the waiter thread and the eventfd wake-up of the loop.
 _INLINE_DRIVE_S = 0.016
 _WAIT_LIMIT = 24 * 3600.0  # a batch's own bound; the caller's deadline aborts it first
+# UCX settings kvrelay applies unless a UCX_* variable sets them. cma copies
+# a GET in segments of UCX_CMA_SEG_SIZE (512 KiB by default), one
+# process_vm_readv and one progress call each: a 16 MiB GET took 32. One
+# segment up to 64 MiB keeps a segment's copy short enough for an abort to
+# be seen within a few ms (measured in issue 14: docs/architecture.md).
+UCX_DEFAULTS = {"CMA_SEG_SIZE": "64M"}
 
 
 @dataclass(slots=True)
@@ -52,7 +58,7 @@ class UcxTransport(Transport):
 
     def __init__(self) -> None:
         try:
-            self.context = _ucx.Context()
+            self.context = _ucx.Context(UCX_DEFAULTS)
             self.worker = _ucx.Worker(self.context)
         except _ucx.UcxError as exc:
             raise BackendUnavailable(f"UCX failed to start: {exc}") from exc

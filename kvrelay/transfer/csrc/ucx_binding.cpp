@@ -213,7 +213,9 @@ PYBIND11_MODULE(_ucx, m) {
   m.def("version", &version, "version of the libucp loaded at run time");
 
   py::class_<Context, std::shared_ptr<Context>>(m, "Context")
-      .def(py::init<>(), "ucp_init with the RMA feature; UCX_* variables configure it")
+      .def(py::init<const std::map<std::string, std::string>&>(), py::arg("defaults"),
+           "ucp_init with the RMA feature; UCX_* variables configure it, `defaults` "
+           "(names without UCX_) what they leave unset")
       .def("close", &Context::close);
   py::class_<Worker, std::shared_ptr<Worker>>(m, "Worker")
       .def(py::init<std::shared_ptr<Context>>())
