@@ -47,7 +47,11 @@ _REMOTE_ERRORS = {
 class TcpTransport(Transport):
     name = "tcp"
 
-    async def move(self, peer, handle, local, triples, read) -> None:
+    async def move(self, peer, handle, local, triples, read, deadline) -> None:
+        async with asyncio.timeout_at(deadline):
+            await self._move(peer, handle, local, triples, read)
+
+    async def _move(self, peer, handle, local, triples, read) -> None:
         conn = peer.conn
         # The runs go packed (little-endian uint64 offset, length pairs), as
         # in a handle: a list of 512 pairs cost the owner half a millisecond
@@ -55,7 +59,7 @@ class TcpTransport(Transport):
         runs = np.ascontiguousarray(triples[:, [0, 2]], dtype="<u8").tobytes()
         request = (Read if read else Write)(handle.arena_id, handle.lease_id, runs)
         async with conn.lock:
-            # No deadline of its own: the caller's covers the whole move.
+            # No deadline of its own: move's covers the whole of it.
             await _call(conn, request, Accepted, peer.address)
             # The bytes arrive as one stream: runs adjacent here take one buffer.
             views = [local.buffer(lo, n) for lo, n in merge_adjacent(triples[:, 1:])]
