@@ -22,7 +22,8 @@ from contextlib import ExitStack
 
 import torch
 
-from kvrelay.bench.stats import Summary, format_table, machine_info, write_json
+from kvrelay.bench.stats import Summary, format_table, write_report
+from kvrelay.layout import DEFAULT_PAGE_SIZE
 from kvrelay.model.config import TORCH_DTYPES
 from kvrelay.model.engine import Request
 from kvrelay.model.make_model import add_shape_arguments, shape_spec, write_model
@@ -38,7 +39,7 @@ def measure_cp_prefill(
     cps: tuple[int, ...] = (1, 2),
     runs: int = 3,
     dtype: str = "float32",
-    page_size: int = 64,
+    page_size: int = DEFAULT_PAGE_SIZE,
     seed: int = 0,
     timeout_s: float = 600.0,
 ) -> dict:
@@ -92,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="float32")
     parser.add_argument("--prompt-tokens", type=int, default=4096)
     parser.add_argument("--cp", default="1,2", help="comma-separated CP degrees (first: baseline)")
-    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--json", metavar="PATH", help="write the results here")
 
@@ -131,10 +132,7 @@ def run(args: argparse.Namespace) -> dict:
           f"(load average {result['load_average']['before'][0]:.1f} before, "
           f"{result['load_average']['after'][0]:.1f} after)")  # fmt: skip
     print(format_table(["cp", "prefill s", "tok/s", f"x CP={cps[0]}"], rows))
-    if args.json:
-        payload = {"benchmark": "cp", "machine": machine_info(), "args": vars(args)} | result
-        payload["args"] = {k: v for k, v in payload["args"].items() if k != "func"}
-        write_json(args.json, payload)
+    write_report(args, "cp", result)
     sys.stdout.flush()
     return result
 

@@ -24,7 +24,7 @@ from kvrelay.cuda_ext import (
     scatter_pages,
     slot_mapping_from_block_table,
 )
-from kvrelay.layout import ModelKVSpec, ParallelConfig, rank_rectangle
+from kvrelay.layout import DEFAULT_PAGE_SIZE, ModelKVSpec, ParallelConfig, rank_rectangle
 from kvrelay.model.device import DeviceError, parse_device, synchronize
 
 TORCH_DTYPES = {
@@ -135,7 +135,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="bfloat16")
-    parser.add_argument("--page-size", type=int, default=64, help="unified page, tokens")
+    parser.add_argument(
+        "--page-size", type=int, default=DEFAULT_PAGE_SIZE, help="unified page, tokens"
+    )
     parser.add_argument("--engine-page-size", type=int, default=16)
     parser.add_argument("--tp", type=int, default=4, help="TP degree of the partial case")
     parser.add_argument("--runs", type=int, default=7)

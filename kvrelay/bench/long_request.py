@@ -37,7 +37,9 @@ import httpx
 import numpy as np
 import torch
 
+from kvrelay import procfs
 from kvrelay.bench.stats import format_table, machine_info, write_json
+from kvrelay.layout import DEFAULT_PAGE_SIZE
 
 WINDOW = 256  # pages per write and per import of the synthetic context
 
@@ -48,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "2**20 tokens, control's most)")  # fmt: skip
     parser.add_argument("--new-tokens", type=int, default=2048)
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated")
-    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     parser.add_argument("--max-prefill-tokens", type=int, default=8192)
     parser.add_argument("--num-pages", type=int, default=0,
                         help="pool pages per worker (0: what the prompt needs)")  # fmt: skip
@@ -125,22 +127,10 @@ def reference(model_dir: Path, tokens: list[int], context_pages: int, args) -> t
 def group_peak_rss(pgid: int) -> int:
     """Sum of VmHWM over the processes of one process group (a worker's
     front and its ranks), bytes."""
-    total = 0
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[2]) != pgid:
-                continue
-            with open(f"/proc/{name}/status") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        total += int(line.split()[1]) * 1024
-        except (OSError, ValueError, IndexError):
-            continue
-    return total
+    pids = [
+        n for n in os.listdir("/proc") if n.isdigit() and procfs.stat_fields(n)[2:3] == [str(pgid)]
+    ]
+    return sum(procfs.status_kib(pid, "VmHWM") for pid in pids) * 1024
 
 
 def send(url: str, tokens: list[int], max_tokens: int, timeout_s: float) -> dict:
@@ -155,6 +145,25 @@ def send(url: str, tokens: list[int], max_tokens: int, timeout_s: float) -> dict
 
 
 def run(args: argparse.Namespace) -> None:
+    ps = args.page_size
+    if min(args.context, args.new_tokens, args.max_tokens) <= 0 or args.context % ps:
+        raise SystemExit("--context (a multiple of --page-size), --new-tokens, --max-tokens > 0")
+    info = machine_info() | {"load_average": list(os.getloadavg())}
+    gen = np.random.default_rng(args.context)
+    tokens = gen.integers(0, 256, args.context + args.new_tokens).tolist()
+    result = _measure(args, tokens)
+    _print_result(result)
+    if args.json:
+        write_json(args.json, {"machine": info, "args": vars(args) | {"func": None},
+                               "result": result})  # fmt: skip
+    if not result["tokens_equal"]:
+        print("tokens differ from the one-process reference", file=sys.stderr)
+        raise SystemExit(1)
+
+
+def _measure(args: argparse.Namespace, tokens: list[int]) -> dict:
+    """One long request through a fresh cluster whose tier holds its context,
+    and the one-process reference's tokens."""
     from kvrelay.demo.cluster import ClusterConfig, LocalCluster, PoolConfig
     from kvrelay.demo.profiles import MODELS
     from kvrelay.model.config import ModelConfig
@@ -162,11 +171,6 @@ def run(args: argparse.Namespace) -> None:
     from kvrelay.model.make_model import RandomModelSpec, write_model
 
     ps = args.page_size
-    if min(args.context, args.new_tokens, args.max_tokens) <= 0 or args.context % ps:
-        raise SystemExit("--context (a multiple of --page-size), --new-tokens, --max-tokens > 0")
-    info = machine_info() | {"load_average": list(os.getloadavg())}
-    gen = np.random.default_rng(args.context)
-    tokens = gen.integers(0, 256, args.context + args.new_tokens).tolist()
     context_pages = args.context // ps
     pages = args.num_pages or -(-(len(tokens) + args.max_tokens) // ps) + 4
     with tempfile.TemporaryDirectory() as tmp:
@@ -195,7 +199,7 @@ def run(args: argparse.Namespace) -> None:
         got = answer["choices"][0]["token_ids"]
         want, reference_s, cached = reference(model_dir, tokens, context_pages, args)
     kv = answer.get("kvrelay", {})
-    result = {
+    return {
         "context": args.context, "new_tokens": args.new_tokens, "max_tokens": args.max_tokens,
         "tokens_equal": got == want, "tokens": got, "reference_tokens": want,
         "cached_tokens": kv.get("cached_tokens"), "ttft_s": kv.get("ttft_s"),
@@ -207,34 +211,25 @@ def run(args: argparse.Namespace) -> None:
         "cold_cached_tokens": None if cold is None else cold.get("kvrelay", {}).get(
             "cached_tokens"),
     }  # fmt: skip
-    rows = [
-        [
-            args.context,
-            args.new_tokens,
-            f"{result['ttft_s']:.2f}",
-            f"{result['total_s']:.2f}",
-            f"{reference_s:.2f}",
-            str(kv.get("cached_tokens")),
-            "yes" if got == want else "NO",
-        ]
-    ]
+
+
+def _print_result(result: dict) -> None:
+    row = [result["context"], result["new_tokens"], f"{result['ttft_s']:.2f}",
+           f"{result['total_s']:.2f}", f"{result['reference_s']:.2f}",
+           str(result["cached_tokens"]), "yes" if result["tokens_equal"] else "NO"]  # fmt: skip
     print(format_table(["context", "new", "TTFT s", "total s", "one process s", "cached",
-                        "same tokens"], rows))  # fmt: skip
-    timings = kv.get("prefill_timings") or {}
+                        "same tokens"], [row]))  # fmt: skip
+    timings = result["prefill_timings"] or {}
     print("prefill phases (s): " + ", ".join(f"{k.removesuffix('_s')} {v:.2f}"
                                              for k, v in timings.items()))  # fmt: skip
+    peaks = result["peak_rss_bytes"]
     print("peak RSS (MiB): " + ", ".join(f"{n} {b / 2**20:.0f}" for n, b in peaks.items()))
-    if cold is not None:
+    if result["computed"]:
         print(
-            f"context computed cold through the cluster in {cold['elapsed_s']:.1f} s "
+            f"context computed cold through the cluster in {result['cold_s']:.1f} s "
             f"(cached {result['cold_cached_tokens']}), then the prefill pool restarted"
         )
     else:
-        print(f"context KV synthetic, seeded into the tier in {seeded_s:.1f} s")
-    print(f"pool pages per worker {pages} x {spec.page_bytes} B; load average {os.getloadavg()}")
-    if args.json:
-        write_json(args.json, {"machine": info, "args": vars(args) | {"func": None},
-                               "result": result})  # fmt: skip
-    if got != want:
-        print("tokens differ from the one-process reference", file=sys.stderr)
-        raise SystemExit(1)
+        print(f"context KV synthetic, seeded into the tier in {result['seed_tier_s']:.1f} s")
+    print(f"pool pages per worker {result['pool_pages']} x {result['page_bytes']} B; "
+          f"load average {os.getloadavg()}")  # fmt: skip

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from kvrelay.bench.stats import Summary, format_table, machine_info, write_json
+from kvrelay.layout import DEFAULT_PAGE_SIZE
 from kvrelay.model.config import TORCH_DTYPES
 from kvrelay.model.engine import Request
 from kvrelay.model.loader import load_engine
@@ -43,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contexts", default="2048,8192", help="comma-separated prompt lengths")
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--hit", type=float, default=0.9, help="cached fraction of the prompt")
-    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--json", metavar="PATH", help="write the results here")
 

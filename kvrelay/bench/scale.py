@@ -56,6 +56,7 @@ import torch
 from kvrelay.bench.stats import format_table, machine_info, write_json
 from kvrelay.control.dispatch import Job
 from kvrelay.control.registry import MAX_ESTIMATE_PAGES, PageEstimate
+from kvrelay.layout import DEFAULT_PAGE_SIZE
 from kvrelay.model.config import TORCH_DTYPES
 from kvrelay.model.engine import Request
 from kvrelay.model.loader import load_engine
@@ -77,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"cached context lengths: {', '.join(CONTEXTS)} or a token count",
     )
     parser.add_argument("--new-tokens", type=int, default=2048)
-    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     parser.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="float32")
     parser.add_argument("--max-prefill-tokens", type=int, default=4096)
     parser.add_argument(

@@ -23,7 +23,7 @@ from contextlib import ExitStack
 
 import torch
 
-from kvrelay.bench.stats import Summary, format_table, machine_info, write_json
+from kvrelay.bench.stats import Summary, format_table, write_report
 
 ROWS = ("kvrelay set", "kvrelay get", "HiCacheFile set", "HiCacheFile get")
 MODEL = "bench/sglang-hicache"
@@ -208,9 +208,6 @@ def run(args: argparse.Namespace) -> dict:
           f"{args.runs} runs, {args.servers} cache servers (load average "
           f"{load['before'][0]:.1f} before, {load['after'][0]:.1f} after)")  # fmt: skip
     print(format_table(["", "pages/s", "GB/s", "x HiCacheFile"], table))
-    if args.json:
-        payload = {"benchmark": "sglang", "machine": machine_info(), "args": vars(args)} | result
-        payload["args"] = {k: v for k, v in payload["args"].items() if k != "func"}
-        write_json(args.json, payload)
+    write_report(args, "sglang", result)
     sys.stdout.flush()
     return result

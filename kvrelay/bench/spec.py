@@ -23,7 +23,8 @@ import tempfile
 
 import torch
 
-from kvrelay.bench.stats import Summary, format_table, machine_info, write_json
+from kvrelay.bench.stats import Summary, format_table, write_report
+from kvrelay.layout import DEFAULT_PAGE_SIZE
 from kvrelay.model.config import TORCH_DTYPES, ModelConfig
 from kvrelay.model.engine import Request
 from kvrelay.model.loader import load_engine
@@ -48,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, default=2, help="requests decoded together")
-    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--cp-prompt-tokens", type=int, default=2048, help="0: skip the CP half")
     parser.add_argument("--json", metavar="PATH", help="write the results here")
@@ -138,10 +139,7 @@ def run(args: argparse.Namespace) -> dict:
     _print(args, spec_report, cp_report, load_before, load_after)
     result = {"speculation": spec_report, "cp_prefill": cp_report,
               "load_average": {"before": load_before, "after": load_after}}  # fmt: skip
-    if args.json:
-        payload = {"benchmark": "spec", "machine": machine_info(), "args": vars(args)} | result
-        payload["args"] = {k: v for k, v in payload["args"].items() if k != "func"}
-        write_json(args.json, payload)
+    write_report(args, "spec", result)
     sys.stdout.flush()
     return result
 

@@ -64,3 +64,12 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
 
 def write_json(path: str | os.PathLike, payload: dict) -> None:
     Path(path).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+
+
+def write_report(args, benchmark: str, result: dict) -> None:
+    """With `--json`: the benchmark's name, the machine and the arguments
+    (less the command's function), then `result`'s fields."""
+    if args.json:
+        plain = {k: v for k, v in vars(args).items() if k != "func"}
+        write_json(args.json, {"benchmark": benchmark, "machine": machine_info(), "args": plain}
+                   | result)  # fmt: skip

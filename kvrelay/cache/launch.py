@@ -10,8 +10,9 @@ import select
 import signal
 import subprocess
 import sys
+import time
 
-from kvrelay import options
+from kvrelay import options, procfs
 from kvrelay.cache.server import CacheServer, CacheServerConfig
 
 
@@ -69,8 +70,20 @@ class CacheServerProcess:
                 self.process.wait(5)
         self.process.stdout.close()
 
-    def pause(self) -> None:
+    def pause(self, timeout_s: float = 10.0) -> None:
+        """SIGSTOP, and wait until the kernel shows the process stopped (Linux
+        `/proc`), so that nothing it answers can race the caller's next step."""
         self.process.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + timeout_s
+        while procfs.stat_fields(self.process.pid)[:1] not in (["T"], ["t"]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cache server {self.process.pid} did not stop in {timeout_s} s")
+            time.sleep(0.005)
+
+    def kill(self, timeout_s: float = 10.0) -> None:
+        """SIGKILL, and wait until the process is gone (its sockets closed)."""
+        self.process.kill()
+        self.process.wait(timeout_s)
 
     def resume(self) -> None:
         self.process.send_signal(signal.SIGCONT)

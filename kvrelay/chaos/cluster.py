@@ -206,21 +206,3 @@ class ChaosCluster(LocalCluster):
             out[process.name] = None if s is None else (
                 s["free_pages"], s["staging_free"], s["queued"], s["active"])  # fmt: skip
         return out
-
-
-def children(pid: int) -> list[int]:
-    """Every descendant of `pid` (a worker's rank processes)."""
-    out = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for task in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                kids = [int(k) for k in f.read().split()]
-        except OSError:
-            continue
-        for kid in kids:
-            out += [kid, *children(kid)]
-    return out

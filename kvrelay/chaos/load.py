@@ -7,28 +7,17 @@ from __future__ import annotations
 import time
 from collections import Counter
 
+from kvrelay import procfs
 from kvrelay.chaos.cluster import ChaosCluster
 from kvrelay.chaos.workload import CORRECT, Workload
 
 
-def rss_kib(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
 def process_rss(cluster: ChaosCluster) -> dict[str, int]:
-    from kvrelay.chaos.cluster import children
-
+    """KiB resident per process of the cluster, its children included."""
     out = {}
     for process in cluster.processes:
-        pids = [process.popen.pid, *children(process.popen.pid)]
-        out[process.name] = sum(rss_kib(pid) for pid in pids)
+        pids = [process.popen.pid, *procfs.descendants(process.popen.pid)]
+        out[process.name] = sum(procfs.status_kib(pid, "VmRSS") for pid in pids)
     return out
 
 

@@ -41,6 +41,7 @@ import httpx
 from kvrelay.chaos import frames
 from kvrelay.chaos.cluster import ChaosCluster
 from kvrelay.chaos.procs import group_pids, rank_pids, running, unread_bytes
+from kvrelay.chaos.targets import WORKER_PARAMS
 from kvrelay.demo.cluster import Process
 
 POLL_S = 0.01
@@ -75,8 +76,8 @@ async def until(predicate, timeout_s: float = MOMENT_S) -> bool:
 
 
 def params(max_new: int) -> dict:
-    return {"max_new_tokens": max_new, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0,
-            "stop_token_ids": []}  # fmt: skip
+    """Greedy sampling params of a frame-level request (the fuzzers' valid ones)."""
+    return dict(WORKER_PARAMS, max_new_tokens=max_new)
 
 
 class Moments:

@@ -9,21 +9,21 @@ from __future__ import annotations
 
 import os
 
-from kvrelay.chaos.cluster import children
+from kvrelay.procfs import descendants, stat_fields
 
 ESTABLISHED, LISTEN = "01", "0A"
 
 
 def group_pids(pid: int) -> list[int]:
     """A worker's front and every process under it (ranks, their trackers)."""
-    return [pid, *children(pid)]
+    return [pid, *descendants(pid)]
 
 
 def rank_pids(pid: int) -> list[int]:
     """The rank processes under a worker's front (spawned multiprocessing
     children; the resource tracker is not a rank)."""
     out = []
-    for kid in children(pid):
+    for kid in descendants(pid):
         try:
             with open(f"/proc/{kid}/cmdline", "rb") as f:
                 cmdline = f.read()
@@ -40,15 +40,7 @@ def running(pid: int) -> bool:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return False
-    for task in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{task}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        if stat[stat.rfind(")") + 2 :].startswith("R"):
-            return True
-    return False
+    return any(stat_fields(f"{pid}/task/{task}")[:1] == ["R"] for task in tasks)
 
 
 def _socket_inodes(pids: list[int]) -> set[str]:

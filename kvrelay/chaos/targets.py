@@ -129,79 +129,64 @@ def agent_target(
     return Target("agent", address, token, ops, bad, forged, dead_leases, checked, {"op": "arenas"})
 
 
+WORKER_PARAMS = {
+    "max_new_tokens": 4,
+    "temperature": 0.0,
+    "top_k": 0,
+    "top_p": 1.0,
+    "seed": 0,
+    "stop_token_ids": [],
+}
+
+
 def worker_target(
     role: str, address: str, token: str, vocab: int, page_size: int, handle: bytes
 ) -> Target:
     """A prefill or decode worker's front; `handle` a real handle that decode
     may not use (another namespace, or a released lease)."""
-    params = {
-        "max_new_tokens": 4,
-        "temperature": 0.0,
-        "top_k": 0,
-        "top_p": 1.0,
-        "seed": 0,
-        "stop_token_ids": [],
-    }
     tokens = struct.pack("<3I", 1, 2, 3)  # token ids travel packed (uint32)
     if role == "prefill":
-        ops = {
-            "prefill": {
-                "op": "prefill",
-                "rid": "h",
-                "tokens": tokens,
-                "params": params,
-                "lease_s": 5.0,
-            }
-        }
-        checked = {"prefill": ("tokens", "params", "lease_s")}
+        request = {"op": "prefill", "rid": "h", "tokens": tokens, "params": dict(WORKER_PARAMS),
+                   "lease_s": 5.0}  # fmt: skip
+        checked = ("tokens", "params", "lease_s")
     else:
-        entry = {"handle": handle, "runs": [[0, 8]]}
-        ops = {
-            "decode": {
-                "op": "decode",
-                "rid": "h",
-                "tokens": tokens,
-                "first_token": 4,
-                "params": params,
-                "tier_pages": 0,
-                "pages": 1,
-                "handles": [entry],
-            }
-        }
-        checked = {"decode": ("tokens", "first_token", "params", "tier_pages", "pages", "handles")}
-    bad = {
-        "tokens": [
-            b"",
-            b"\x01\x00\x00",
-            struct.pack("<I", vocab),
-            struct.pack("<3I", 1, 2, vocab + 5),
-            struct.pack("<I", 2**32 - 1),
-            [1, 2],
-            [True],
-            "abc",
-            7,
-        ],
+        request = {"op": "decode", "rid": "h", "tokens": tokens, "first_token": 4,
+                   "params": dict(WORKER_PARAMS), "tier_pages": 0, "pages": 1,
+                   "handles": [{"handle": handle, "runs": [[0, 8]]}]}  # fmt: skip
+        checked = ("tokens", "first_token", "params", "tier_pages", "pages", "handles")
+    forged = _forged_handles(request, handle) if role == "decode" else []
+    return Target(role, address, token, {role: request}, _worker_bad(role, vocab, handle),
+                  forged, [], {role: checked}, {"op": "stats"})  # fmt: skip
+
+
+def _worker_bad(role: str, vocab: int, handle: bytes) -> dict[str, list]:
+    """Field -> invalid values for a worker's prefill or decode request."""
+    params = [
+        dict(WORKER_PARAMS, **{k: v})
+        for k, v in (
+            ("max_new_tokens", 0),
+            ("max_new_tokens", -1),
+            ("temperature", -1.0),
+            ("temperature", math.nan),
+            ("temperature", math.inf),
+            ("top_p", 0.0),
+            ("top_p", 1.5),
+            ("top_p", math.nan),
+            ("top_k", -1),
+            ("seed", 1.5),
+            ("stop_token_ids", [vocab]),
+            ("stop_token_ids", [-1]),
+            ("unknown", 1),
+            ("max_new_tokens", True),
+            ("top_k", 2**63 - 1 if role == "decode" else -5),
+        )
+    ]
+    tokens = [b"", b"\x01\x00\x00", struct.pack("<I", vocab), struct.pack("<3I", 1, 2, vocab + 5),
+              struct.pack("<I", 2**32 - 1), [1, 2], [True], "abc", 7]  # fmt: skip
+    return {
+        "tokens": tokens,
         "first_token": [-1, vocab, 2**63 - 1, True, 1.5],
-        "params": [
-            dict(params, **{k: v})
-            for k, v in (
-                ("max_new_tokens", 0),
-                ("max_new_tokens", -1),
-                ("temperature", -1.0),
-                ("temperature", math.nan),
-                ("temperature", math.inf),
-                ("top_p", 0.0),
-                ("top_p", 1.5),
-                ("top_p", math.nan),
-                ("top_k", -1),
-                ("seed", 1.5),
-                ("stop_token_ids", [vocab]),
-                ("stop_token_ids", [-1]),
-                ("unknown", 1),
-                ("max_new_tokens", True),
-                ("top_k", 2**63 - 1 if role == "decode" else -5),
-            )
-        ],
+        "params": params,
         "lease_s": [*BAD_LEASE_S, 3601],
         "tier_pages": [-1, -(2**63), True, 1.5],
         "pages": [-1, 0, 2, 2**63 - 1, True],
@@ -214,19 +199,22 @@ def worker_target(
             [{"runs": [[0, 8]]}],
         ],
     }
+
+
+def _forged_handles(decode: dict, handle: bytes) -> list[dict]:
+    """Decode requests whose handle is `handle` with one field forged."""
+    fields = msgpack.unpackb(handle, raw=False)
     forged = []
-    if role == "decode":
-        fields = msgpack.unpackb(handle, raw=False)
-        for change in (
-            {"runs": packed((2**63, 8))},
-            {"base": 0},
-            {"arena": 999},
-            {"agent": "127.0.0.1:1"},
-            {"v": 99},
-            {"expiry": 0.0},
-            {"ns": b"\x00" * 32},
-            {"lease": 10**9},
-        ):
-            raw = msgpack.packb(fields | change, use_bin_type=True)
-            forged.append(dict(ops["decode"], handles=[{"handle": raw, "runs": [[0, 8]]}]))
-    return Target(role, address, token, ops, bad, forged, [], checked, {"op": "stats"})
+    for change in (
+        {"runs": packed((2**63, 8))},
+        {"base": 0},
+        {"arena": 999},
+        {"agent": "127.0.0.1:1"},
+        {"v": 99},
+        {"expiry": 0.0},
+        {"ns": b"\x00" * 32},
+        {"lease": 10**9},
+    ):
+        raw = msgpack.packb(fields | change, use_bin_type=True)
+        forged.append(dict(decode, handles=[{"handle": raw, "runs": [[0, 8]]}]))
+    return forged

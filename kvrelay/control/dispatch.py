@@ -10,8 +10,7 @@ included), so a conversation's next turn returns to its decode worker.
 
 Failures (see docs/architecture.md): `Busy` -> next worker, not a retry
 (when every worker is busy, the request waits for capacity within its
-deadline); a
-refused connection removes the node, any other fault makes it suspect; both
+deadline); a refused connection removes the node, any other fault makes it suspect; both
 retry elsewhere, at most `max_retries` times per request. A decode that
 fails before streaming a token is retried on another decode worker with the
 same handles while their lease holds, else the request goes back to
@@ -26,6 +25,7 @@ tokens sent, then another decode worker (502 in-stream when none is left).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -116,6 +116,11 @@ class Job:
         return keys + page_keys(parent, tokens[full * ps :], ps)
 
 
+def _malformed(exc: WorkerError) -> bool:
+    """The worker refused the request itself as bad input: the client's fault."""
+    return isinstance(exc, WorkerRejected) and exc.error == "RequestError"
+
+
 def rank(nodes: list[Node], scores: dict[str, int]) -> list[Node]:
     """Nodes within one page of the best score by load, then the rest by score, load."""
     if not nodes:
@@ -137,9 +142,11 @@ class Dispatcher:
         self.stats = stats
         self.tier = tier
 
+    def _candidates(self, role: str, job: Job, exclude: set[str]) -> list[Node]:
+        return [n for n in self.registry.in_rotation(role, job.model) if n.node_id not in exclude]
+
     async def _prefill_order(self, job: Job, exclude: set[str]) -> list[Node]:
-        nodes = [n for n in self.registry.in_rotation("prefill", job.model)
-                 if n.node_id not in exclude]  # fmt: skip
+        nodes = self._candidates("prefill", job, exclude)
         if not nodes:
             return []
         if job.tier_hit is None:
@@ -154,17 +161,8 @@ class Dispatcher:
         return rank(nodes, scores)
 
     def _decode_order(self, job: Job, exclude: set[str]) -> list[Node]:
-        nodes = [n for n in self.registry.in_rotation("decode", job.model)
-                 if n.node_id not in exclude]  # fmt: skip
+        nodes = self._candidates("decode", job, exclude)
         return rank(nodes, {n.node_id: n.estimate.hit(job.page_keys(n)) for n in nodes})
-
-    def _fault(self, node: Node, exc: WorkerError, budget: list[int], what: str) -> None:
-        """Take a faulty node out of rotation and spend one retry (or give up)."""
-        if isinstance(exc, WorkerRefused):
-            self.registry.refused(node)
-        else:
-            self.registry.suspect(node)
-        self._retry(budget, what, exc)
 
     def _retry(self, budget: list[int], what: str, exc: WorkerError) -> None:
         """Spend one retry of the request (or give up)."""
@@ -237,6 +235,45 @@ class Dispatcher:
         self.stats.record_ttft_phases(len(job.tokens), phases)
         self.stats.record_prefill(len(job.tokens), **event.cached)
 
+    @contextlib.asynccontextmanager
+    async def _attempt(self, job: Job, node: Node, tried: set[str]) -> AsyncIterator[WorkerCall]:
+        """One prefill or decode attempt on `node`: in flight (the node's load,
+        blamed for a timeout) until it ends, then, however it ends, capacity
+        is announced and the connection closes. Failures are handled inside
+        the block: a faulty node leaves rotation before capacity is announced."""
+        tried.add(node.node_id)
+        call = WorkerCall(node, self.config.token, self.config.connect_timeout_s)
+        job.current = node
+        node.inflight += 1
+        try:
+            yield call
+        finally:
+            node.inflight -= 1
+            self.registry.capacity_changed()
+            call.close()
+
+    def _answer_of(self, role: str, job: Job, node: Node, exc: WorkerError, budget: list[int],
+                   streamed: bool = False) -> str:  # fmt: skip
+        """A failed attempt, prefill or decode: bad input is the client's (400),
+        a busy or rejecting worker is passed over, a fault takes the node out
+        of rotation and spends a retry. Returns the reason, for a 503 later."""
+        if _malformed(exc):
+            raise DispatchError(400, f"rejected by {node.node_id}: {exc}",
+                                streamed=streamed) from exc  # fmt: skip
+        if isinstance(exc, WorkerBusy):
+            self.stats.busy += 1
+        elif not isinstance(exc, WorkerRejected):  # a fault: out of rotation, one retry
+            refused = isinstance(exc, WorkerRefused)
+            (self.registry.refused if refused else self.registry.suspect)(node)
+            self._retry(budget, role, exc)
+        return str(exc)
+
+    @staticmethod
+    def _none_left(role: str, job: Job, last: str | None, streamed: bool = False):
+        why = f" (last: {last})" if last else ""
+        return DispatchError(503, f"no {role} worker available for {job.model}{why}",
+                             streamed=streamed)  # fmt: skip
+
     async def _prefill(self, job: Job, prompt: list[int], params: dict,
                        budget: list[int]) -> tuple[PrefillReply, Node]:  # fmt: skip
         tried: set[str] = set()
@@ -255,38 +292,23 @@ class Dispatcher:
             if not order:
                 if rejected is not None:
                     raise DispatchError(400, f"{rejected.error}: {rejected}")
-                why = f" (last: {last})" if last else ""
-                raise DispatchError(503, f"no prefill worker available for {job.model}{why}")
+                raise self._none_left("prefill", job, last)
             node = order[0]
-            tried.add(node.node_id)
             message = Prefill(job.rid, job.packed(prompt), Params(**params), self.config.lease_s)
-            call = WorkerCall(node, self.config.token, self.config.connect_timeout_s)
-            job.current = node
-            node.inflight += 1
-            try:
-                await call.open()
-                await call.send(message)
-                reply = await call.recv(PrefillReply, self.config.attempt_timeout_s)
-            except WorkerBusy as exc:
-                self.stats.busy += 1
-                busy.add(node.node_id)
-                last = str(exc)
-                continue
-            except WorkerRejected as exc:
-                job.waiting = False
-                if exc.error == "RequestError":
-                    raise DispatchError(400, f"rejected by {node.node_id}: {exc}") from exc
-                rejected = exc  # PoolExhausted: another worker may have a bigger pool
-                continue
-            except WorkerError as exc:
-                job.waiting = False
-                self._fault(node, exc, budget, "prefill")
-                last = str(exc)
-                continue
-            finally:
-                node.inflight -= 1
-                self.registry.capacity_changed()
-                call.close()
+            async with self._attempt(job, node, tried) as call:
+                try:
+                    await call.open()
+                    await call.send(message)
+                    reply = await call.recv(PrefillReply, self.config.attempt_timeout_s)
+                except WorkerError as exc:
+                    if isinstance(exc, WorkerBusy):
+                        busy.add(node.node_id)
+                    else:
+                        job.waiting = False
+                    if isinstance(exc, WorkerRejected):
+                        rejected = exc  # PoolExhausted: another worker may have a bigger pool
+                    last = self._answer_of("prefill", job, node, exc, budget)
+                    continue
             job.waiting = False
             node.estimate.add(job.page_keys(node, prompt))
             return reply, node
@@ -331,8 +353,7 @@ class Dispatcher:
             self.registry.suspect(node)
         if budget[0] >= self.config.max_retries or not self._decode_order(job, {node.node_id}):
             raise DispatchError(502, why, streamed=True) from exc
-        budget[0] += 1
-        self.stats.retries += 1
+        self._retry(budget, "decode", exc)  # one is left: it does not raise
         self.stats.resumed += 1
         log.warning("%s; resuming request %s from its %d tokens", why, job.rid, streamed)
 
@@ -357,43 +378,22 @@ class Dispatcher:
         while not tried or time.monotonic() < lease_end:
             order = self._decode_order(job, tried)
             if not order:
-                why = f" (last: {last})" if last else ""
-                raise DispatchError(503, f"no decode worker available for {job.model}{why}",
-                                    streamed=True)  # fmt: skip
+                raise self._none_left("decode", job, last, streamed=True)
             node = order[0]
-            tried.add(node.node_id)
-            call = WorkerCall(node, self.config.token, self.config.connect_timeout_s)
-            job.current = node
             before = len(emitted)
-            node.inflight += 1
-            try:
-                async for event in self._stream(job, node, call, message, emitted):
-                    yield event
-                return
-            except WorkerBusy as exc:
-                self.stats.busy += 1
-                last = str(exc)
-                continue
-            except HandlesGone as exc:
-                # No decode can pull these handles (a pull precedes any token),
-                # and this one is not at fault: run() prefills again.
-                self._retry(budget, "decode", exc)
-                return
-            except WorkerError as exc:
-                if isinstance(exc, WorkerRejected) and exc.error == "RequestError":
-                    raise DispatchError(400, f"rejected by {node.node_id}: {exc}",
-                                        streamed=True) from exc  # fmt: skip
-                streamed = len(emitted) - before
-                if streamed:
-                    self._resume_after(node, exc, streamed, job, budget)
-                    return  # run() prefills the prompt plus the tokens sent, then decodes on
-                if isinstance(exc, WorkerRejected):
-                    last = str(exc)
-                    continue
-                self._fault(node, exc, budget, "decode")
-                last = str(exc)
-                continue
-            finally:
-                node.inflight -= 1
-                self.registry.capacity_changed()
-                call.close()
+            async with self._attempt(job, node, tried) as call:
+                try:
+                    async for event in self._stream(job, node, call, message, emitted):
+                        yield event
+                    return
+                except HandlesGone as exc:
+                    # No decode can pull these handles (a pull precedes any token),
+                    # and this one is not at fault: run() prefills again.
+                    self._retry(budget, "decode", exc)
+                    return
+                except WorkerError as exc:
+                    streamed = len(emitted) - before
+                    if streamed and not isinstance(exc, WorkerBusy) and not _malformed(exc):
+                        self._resume_after(node, exc, streamed, job, budget)
+                        return  # run() prefills the prompt plus the tokens sent, then decodes on
+                    last = self._answer_of("decode", job, node, exc, budget, streamed=True)

@@ -154,12 +154,21 @@ def _same(value, allowed) -> bool:
     return type(value) is type(allowed) and value == allowed
 
 
-def _only(value, allowed: tuple, message: str):
+def _off_only(allowed: tuple, message: str) -> BeforeValidator:
     """An OpenAI parameter kvrelay does not implement: accepted only at the
     value that means "off", refused with the reason otherwise."""
-    if not any(_same(value, a) for a in allowed):
-        raise ValueError(f"{message} (got {value!r})")
-    return _integral(value)
+
+    def check(value):
+        if not any(_same(value, a) for a in allowed):
+            raise ValueError(f"{message} (got {value!r})")
+        return _integral(value)
+
+    return BeforeValidator(check)
+
+
+ONE_CHOICE = "only one choice per request is supported (n=1)"
+NO_PENALTY = _off_only((0, 0.0), "penalties are not supported; send 0 or leave it out")
+NO_NULL = _off_only((None,), "not supported; send null or leave it out")
 
 
 class _Sampling(_Strict):
@@ -177,25 +186,13 @@ class _Sampling(_Strict):
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None
     stream: bool = False
     user: str | None = Field(None, max_length=256)  # the client's own tag; not used
-    n: Literal[1] = 1
-    presence_penalty: Literal[0] = 0
-    frequency_penalty: Literal[0] = 0
-    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
-
-    @field_validator("n", mode="before")
-    @classmethod
-    def _one_choice(cls, value):
-        return _only(value, (1,), "only one choice per request is supported (n=1)")
-
-    @field_validator("presence_penalty", "frequency_penalty", mode="before")
-    @classmethod
-    def _penalty(cls, value):
-        return _only(value, (0, 0.0), "penalties are not supported; send 0 or leave it out")
-
-    @field_validator("logit_bias", mode="before")
-    @classmethod
-    def _logit_bias(cls, value):
-        return _only(value, (None, {}), "logit_bias is not supported")
+    n: Annotated[Literal[1], _off_only((1,), ONE_CHOICE)] = 1
+    presence_penalty: Annotated[Literal[0], NO_PENALTY] = 0
+    frequency_penalty: Annotated[Literal[0], NO_PENALTY] = 0
+    logit_bias: Annotated[
+        Annotated[dict[str, float], Field(max_length=0)] | None,
+        _off_only((None, {}), "logit_bias is not supported"),
+    ] = None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -208,25 +205,12 @@ class CompletionRequest(_Sampling):
     and suffix only at their "off" value."""
 
     prompt: Annotated[str, Field(min_length=1)] | PromptIds
-    best_of: Literal[1] | None = None
-    logprobs: None = None
-    echo: Literal[False] = False
-    suffix: None = None
-
-    @field_validator("best_of", mode="before")
-    @classmethod
-    def _best_of(cls, value):
-        return _only(value, (1, None), "only one choice per request is supported (n=1)")
-
-    @field_validator("logprobs", "suffix", mode="before")
-    @classmethod
-    def _null(cls, value):
-        return _only(value, (None,), "not supported; send null or leave it out")
-
-    @field_validator("echo", mode="before")
-    @classmethod
-    def _echo(cls, value):
-        return _only(value, (False,), "echo is not supported; send false or leave it out")
+    best_of: Annotated[Literal[1] | None, _off_only((1, None), ONE_CHOICE)] = None
+    logprobs: Annotated[None, NO_NULL] = None
+    echo: Annotated[
+        Literal[False], _off_only((False,), "echo is not supported; send false or leave it out")
+    ] = False
+    suffix: Annotated[None, NO_NULL] = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -262,18 +246,13 @@ class ChatCompletionRequest(_Sampling):
     logprobs and top_logprobs only at their "off" value."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
-    logprobs: Literal[False] | None = None
-    top_logprobs: None = None
-
-    @field_validator("logprobs", mode="before")
-    @classmethod
-    def _logprobs(cls, value):
-        return _only(value, (False, None), "logprobs are not supported; send false or null")
-
-    @field_validator("top_logprobs", mode="before")
-    @classmethod
-    def _top_logprobs(cls, value):
-        return _only(value, (None,), "top_logprobs are not supported; send null")
+    logprobs: Annotated[
+        Literal[False] | None,
+        _off_only((False, None), "logprobs are not supported; send false or null"),
+    ] = None
+    top_logprobs: Annotated[
+        None, _off_only((None,), "top_logprobs are not supported; send null")
+    ] = None
 
 
 class FlushRequest(_Strict):

@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvrelay.layout import DEFAULT_PAGE_SIZE
+
 
 class ClusterError(RuntimeError):
     pass
@@ -132,7 +134,7 @@ class ClusterConfig:
     cache_servers: int = 1
     cache_gb: float = 0.5
     page_bytes: int = 0  # of the model's unified page; needed with a cache tier
-    page_size: int = 64
+    page_size: int = DEFAULT_PAGE_SIZE
     dtype: str = "float32"
     prefill_pages: int = 1024
     decode_pages: int = 2048

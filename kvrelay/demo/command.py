@@ -23,6 +23,7 @@ from kvrelay.demo.cluster import ClusterConfig, LocalCluster, PoolConfig
 from kvrelay.demo.replay import TurnRecord, replay, replay_sample, sample_turns
 from kvrelay.demo.report import MODE_LABELS, plot, summarize, table
 from kvrelay.demo.workload import Session, WorkloadConfig, optimum_hit_tokens
+from kvrelay.layout import DEFAULT_PAGE_SIZE
 
 DEMO_MODEL = profiles.MODELS["default"]
 
@@ -38,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "layer (a demo model with --mtp 1; --model must have one)")  # fmt: skip
     parser.add_argument("--backend", default=_default_backend(), choices=["tcp", "ucx"],
                         help="transfer backend of every process (ucx when built)")  # fmt: skip
-    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="per request")
     parser.add_argument("--json", default=None, help="default: OUT/demo.json")
@@ -186,24 +187,7 @@ def compare_tokens(runs: dict[str, list[TurnRecord]], sampled=()) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> None:
-    profiles.resolve(args)
-    workload = WorkloadConfig(
-        sessions=args.sessions, turns=args.turns, system_tokens=args.system_tokens,
-        user_tokens=args.user_tokens, tool_tokens=args.tool_tokens,
-        answer_tokens=args.answer_tokens, seed=args.seed,
-    )  # fmt: skip
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = set(modes) - {"shared", "local", "none"}
-    if unknown or not modes:
-        raise SystemExit(f"kvrelay demo: unknown modes {sorted(unknown)}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if args.speculative < 0 or args.sample < 0:
-        raise SystemExit("kvrelay demo: --speculative and --sample must be >= 0")
-    if args.speculative and args.model == ".kvrelay-demo/model":
-        args.model = ".kvrelay-demo/model-mtp"  # the plain demo model has no MTP layer
-    model = ensure_model(Path(args.model), mtp=1 if args.speculative else 0,
-                         profile=args.profile)  # fmt: skip
+    workload, modes, model = _prepare(args)
     page_bytes = page_bytes_of(model, "float32", args.page_size)
     print(f"workload ({args.profile}): {workload.sessions} sessions x {workload.turns} turns, "
           f"context {workload.system_tokens + workload.user_tokens} -> "
@@ -224,6 +208,37 @@ def run(args: argparse.Namespace) -> None:
         else:
             sampled.add(mode)
         summaries.append(summarize(mode, records, optimum, split, wall))
+    if _report(args, workload, runs, summaries, stats, sampled):
+        raise SystemExit(1)
+
+
+def _prepare(args: argparse.Namespace) -> tuple[WorkloadConfig, list[str], Path]:
+    """The workload, the modes and the model directory (made if missing) of `args`."""
+    profiles.resolve(args)
+    workload = WorkloadConfig(
+        sessions=args.sessions, turns=args.turns, system_tokens=args.system_tokens,
+        user_tokens=args.user_tokens, tool_tokens=args.tool_tokens,
+        answer_tokens=args.answer_tokens, seed=args.seed,
+    )  # fmt: skip
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = set(modes) - {"shared", "local", "none"}
+    if unknown or not modes:
+        raise SystemExit(f"kvrelay demo: unknown modes {sorted(unknown)}")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    if args.speculative < 0 or args.sample < 0:
+        raise SystemExit("kvrelay demo: --speculative and --sample must be >= 0")
+    if args.speculative and args.model == ".kvrelay-demo/model":
+        args.model = ".kvrelay-demo/model-mtp"  # the plain demo model has no MTP layer
+    model = ensure_model(Path(args.model), mtp=1 if args.speculative else 0,
+                         profile=args.profile)  # fmt: skip
+    return workload, modes, model
+
+
+def _report(args, workload: WorkloadConfig, runs: dict, summaries: list, stats: dict,
+            sampled: set[str]) -> bool:  # fmt: skip
+    """Print the tables, write the JSON and the plot; True when a request
+    failed or the modes' tokens differ."""
+    out = Path(args.out)
     print()
     print(table(summaries))
     if sampled:
@@ -234,12 +249,11 @@ def run(args: argparse.Namespace) -> None:
     print(phases.table(breakdowns, MODE_LABELS))
     problems = compare_tokens(runs, sampled)
     same = "identical" if not problems else f"DIFFERENT in {len(problems)} turns"
-    print(f"\ngenerated tokens across modes ({', '.join(modes)}): {same}")
+    print(f"\ngenerated tokens across modes ({', '.join(runs)}): {same}")
     for line in problems[:10]:
         print("  ", line)
     if args.speculative:
         _print_speculation(stats)
-    errors = sum(s.errors for s in summaries)
     json_path = Path(args.json or out / "demo.json")
     json_path.write_text(json.dumps({
         "workload": asdict(workload), "args": vars(args) | {"func": None},
@@ -251,5 +265,4 @@ def run(args: argparse.Namespace) -> None:
     plot(Path(args.plot or out / "demo.png"), runs, summaries)
     print(f"load average {os.getloadavg()}")
     print(f"wrote {json_path} and {args.plot or out / 'demo.png'}; logs in {out / 'logs'}")
-    if errors or problems:
-        raise SystemExit(1)
+    return bool(sum(s.errors for s in summaries) or problems)

@@ -13,6 +13,7 @@ from kvrelay.layout.parallel import (
 from kvrelay.layout.ring import HashRing, ring_prefix
 from kvrelay.layout.spec import (
     ATTENTION_KINDS,
+    DEFAULT_PAGE_SIZE,
     DRAFT_POSITION_CONVENTIONS,
     KV_DTYPE_ITEMSIZE,
     LAYOUT_VERSION,
@@ -22,6 +23,7 @@ from kvrelay.layout.spec import (
 
 __all__ = [
     "ATTENTION_KINDS",
+    "DEFAULT_PAGE_SIZE",
     "DRAFT_POSITION_CONVENTIONS",
     "KEY_SCHEMES",
     "KV_DTYPE_ITEMSIZE",

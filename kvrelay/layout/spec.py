@@ -54,6 +54,10 @@ def _positive(name: str, value: int) -> None:
         raise LayoutError(f"{name} must be a positive int, got {value!r}")
 
 
+# Tokens per page wherever a page size is not given (configs, flags, specs).
+DEFAULT_PAGE_SIZE = 64
+
+
 @dataclass(frozen=True, slots=True)
 class ModelKVSpec:
     """Identity and geometry of one model's KV cache pages.
@@ -73,7 +77,7 @@ class ModelKVSpec:
     v_head_dim: int
     kv_dtype: str
     attention_kind: str = "mha"
-    page_size: int = 64
+    page_size: int = DEFAULT_PAGE_SIZE
     salt: str = ""
     target_namespace: bytes | None = None
     # A draft's RoPE position convention ("target": draft slot t at position

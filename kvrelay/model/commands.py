@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from kvrelay.layout import LayoutError, ParallelConfig
+from kvrelay.layout import DEFAULT_PAGE_SIZE, LayoutError, ParallelConfig
 from kvrelay.model.config import TORCH_DTYPES, ModelConfig
 from kvrelay.model.cross_config import open_runner, parse_parallel, prefix_unified_pages
 from kvrelay.model.engine import DEFAULT_MAX_PREFILL_TOKENS, Request
@@ -76,7 +76,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="tp=T,pp=P,cp=C",
         help="compute the --reuse-prefix pages under this parallel config, then import them",
     )
-    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     parser.add_argument(
         "--max-prefill-tokens",
         type=int,

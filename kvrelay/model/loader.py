@@ -6,7 +6,13 @@ from pathlib import Path
 
 import torch
 
-from kvrelay.layout import LayoutError, ModelKVSpec, ParallelConfig, rank_rectangle
+from kvrelay.layout import (
+    DEFAULT_PAGE_SIZE,
+    LayoutError,
+    ModelKVSpec,
+    ParallelConfig,
+    rank_rectangle,
+)
 from kvrelay.model.comm import Comm
 from kvrelay.model.config import TORCH_DTYPES, ModelConfig
 from kvrelay.model.decoder import DecoderShard
@@ -70,7 +76,7 @@ def load_engine(
     model_dir: str | Path,
     *,
     dtype: str = "float32",
-    page_size: int = 64,
+    page_size: int = DEFAULT_PAGE_SIZE,
     num_pages: int = 256,
     parallel: ParallelConfig | None = None,
     comm: Comm | None = None,

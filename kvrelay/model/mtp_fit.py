@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from kvrelay.layout import DEFAULT_PAGE_SIZE
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.decoder import rms_norm
 from kvrelay.model.engine import Request
@@ -38,7 +39,9 @@ def target_traces(model_dir, sequences: int, prompt: int, length: int, seed: int
     from kvrelay.model.loader import load_engine
 
     config = ModelConfig.from_dir(model_dir)
-    engine = load_engine(model_dir, dtype="float32", page_size=64, num_pages=8 * sequences)
+    engine = load_engine(
+        model_dir, dtype="float32", page_size=DEFAULT_PAGE_SIZE, num_pages=8 * sequences
+    )
     gen = torch.Generator().manual_seed(seed)
     prompts = [
         torch.randint(0, config.vocab_size, (prompt,), generator=gen).tolist()

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kvrelay.layout import ModelKVSpec, ParallelConfig
+from kvrelay.layout import DEFAULT_PAGE_SIZE, ModelKVSpec, ParallelConfig
 from kvrelay.model.device import collective_backend, parse_device, rank_device
 from kvrelay.model.engine import DEFAULT_MAX_PREFILL_TOKENS, Request, Result
 from kvrelay.model.paged_attention import DEFAULT_CHUNK_TOKENS
@@ -220,7 +220,7 @@ class ParallelEngine:
         pp: int = 1,
         cp: int = 1,
         dtype: str = "float32",
-        page_size: int = 64,
+        page_size: int = DEFAULT_PAGE_SIZE,
         num_pages: int = 256,
         timeout_s: float = 300.0,
         rank_setup=None,

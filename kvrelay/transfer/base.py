@@ -73,11 +73,13 @@ class Transport(ABC):
         local: Arena,
         triples: np.ndarray,
         read: bool,
+        deadline: float,
     ) -> None:
         """(k, 3) uint64 rows (remote offset, local offset, length), already
-        validated and coalesced.
-        Runs under the caller's deadline: on cancellation nothing may still
-        touch `local` when this returns."""
+        validated and coalesced. Raises TimeoutError once the event loop's
+        clock passes `deadline` (the agent turns it into TransferTimeout); on
+        that or on cancellation nothing may still touch `local` when this
+        returns."""
 
     async def serve(self, agent, conn: Connection, request: Message) -> Message | None:
         """Serves a backend-specific control request (tcp: `Read`, `Write`)."""

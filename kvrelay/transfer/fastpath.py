@@ -101,8 +101,12 @@ def _readv(choice: CopyChoice, pid: int, local: int, remote: int, rows, read: bo
         raise PeerError(f"cannot copy from process {pid}: {exc}") from None
 
 
-async def copy_shared(peer, info: ArenaInfo, local, triples, read, nbytes: int, plan) -> None:
-    """Copies `triples` (`nbytes` in all) between `local` and the peer's arena."""
+async def copy_shared(
+    peer, info: ArenaInfo, local, triples, read, nbytes: int, plan, deadline: float
+) -> None:
+    """Copies `triples` (`nbytes` in all) between `local` and the peer's arena;
+    TimeoutError when a copy on the executor is still running at `deadline`
+    (event loop clock; it is then waited for, so nothing writes later)."""
     job = copy_job(peer, info, local, triples, read, nbytes, plan)
     if nbytes <= _INLINE_COPY_BYTES:
         job()
@@ -112,8 +116,9 @@ async def copy_shared(peer, info: ArenaInfo, local, triples, read, nbytes: int, 
     else:
         future = _copy_pool().submit(job)
         try:
-            await asyncio.wrap_future(future)
-        except asyncio.CancelledError:
+            async with asyncio.timeout_at(deadline):
+                await asyncio.wrap_future(future)
+        except (asyncio.CancelledError, TimeoutError):
             # A running copy cannot be stopped; wait for it (it is bounded)
             # so nothing writes into `local` after we return.
             concurrent.futures.wait([future])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from kvrelay.layout import DEFAULT_PAGE_SIZE
 from kvrelay.options import option
 from kvrelay.rpc.worker_ops import Role
 from kvrelay.worker.rank import RankOptions, Staging
@@ -35,7 +36,7 @@ class WorkerConfig:
     )
     listen: str = option("127.0.0.1:0", help="msgpack listener HOST:PORT")
     num_pages: int = option(256, help="KV pool pages per rank", minimum=1)
-    page_size: int = option(64, help="tokens per page", minimum=1)
+    page_size: int = option(DEFAULT_PAGE_SIZE, help="tokens per page", minimum=1)
     dtype: str = option("float32", help="model and KV dtype")
     device: str = option(
         "cpu",

@@ -6,10 +6,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Annotated
 
 import httpx
+import msgspec
 
 log = logging.getLogger("kvrelay.worker")
+
+
+class Registered(msgspec.Struct):
+    """Control's answer to a registration (`POST /v1/nodes`)."""
+
+    node_id: str
+    heartbeat_s: Annotated[float, msgspec.Meta(gt=0)]
 
 
 class Registrar:
@@ -39,15 +48,14 @@ class Registrar:
             try:
                 reply = await self._client.post(f"{self.url}/v1/nodes", json=self.body)
                 if reply.status_code == 200:
-                    answer = reply.json()
-                    self.node_id = str(answer["node_id"])
-                    self.heartbeat_s = float(answer.get("heartbeat_s", 1.0))
+                    answer = msgspec.json.decode(reply.content, type=Registered)
+                    self.node_id, self.heartbeat_s = answer.node_id, answer.heartbeat_s
                     return self.node_id
                 why = f"HTTP {reply.status_code}: {reply.text[:200]}"
                 if 400 <= reply.status_code < 500:
                     # Refused (bad token, bad body): retrying will not help.
                     raise RuntimeError(f"control refused the registration: {why}")
-            except (httpx.HTTPError, ValueError, KeyError) as exc:
+            except (httpx.HTTPError, msgspec.DecodeError) as exc:
                 why = repr(exc)
             if loop.time() > end:
                 raise RuntimeError(f"could not register with control at {self.url}: {why}")

@@ -23,6 +23,7 @@ from kvrelay.chaos import frames, setup
 from kvrelay.layout import ParallelConfig, rank_rectangle
 from kvrelay.model.config import ModelConfig
 from kvrelay.model.loader import kv_spec
+from kvrelay.procfs import descendants
 from kvrelay.transfer import create_agent
 from tests.chaos.conftest import DTYPE, PAGE
 
@@ -182,19 +183,10 @@ async def test_the_token_is_in_no_log_stats_metrics_or_command_line(small_cluste
     for path in c.config.log_dir.glob("*.log"):
         texts[path.name] = path.read_text(errors="replace")
     for process in c.processes:
-        for pid in [process.popen.pid, *children(process.popen.pid)]:
+        for pid in [process.popen.pid, *descendants(process.popen.pid)]:
             texts[f"cmdline {pid}"] = Path(f"/proc/{pid}/cmdline").read_bytes().decode()
     assert len(texts) > 6
     assert not [name for name, text in texts.items() if token in text]
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            for child in f.read().split():
-                out += [int(child), *children(int(child))]
-    return out
 
 
 def listening_addresses(pid: int) -> list[str]:
@@ -220,7 +212,7 @@ def listening_addresses(pid: int) -> list[str]:
 def test_every_listener_binds_loopback(small_cluster):
     seen = 0
     for process in small_cluster.processes:
-        for pid in [process.popen.pid, *children(process.popen.pid)]:
+        for pid in [process.popen.pid, *descendants(process.popen.pid)]:
             for address in listening_addresses(pid):
                 host = address.split(":")[0]
                 assert host == "0100007F", (process.name, pid, address)  # 127.0.0.1

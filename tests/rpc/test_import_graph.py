@@ -8,16 +8,18 @@ import kvrelay
 
 ROOT = Path(kvrelay.__file__).parent
 # package -> the kvrelay packages it may import (DESIGN.md section 2's table;
-# `options` is the config-dataclass helper every process uses, importing
-# nothing of kvrelay; `worker` is what the prefill and decode roles share).
+# `options` is the config-dataclass helper every process uses and `procfs`
+# the one reader of /proc, both importing nothing of kvrelay; `worker` is
+# what the prefill and decode roles share).
 ALLOWED = {
     "layout": set(),
     "options": set(),
+    "procfs": set(),
     "rpc": {"layout"},
     "cuda_ext": {"layout", "_C"},
     "transfer": {"rpc", "layout", "_ucx"},
     "model": {"cuda_ext", "layout"},
-    "cache": {"transfer", "rpc", "layout", "options"},
+    "cache": {"transfer", "rpc", "layout", "options", "procfs"},
     "worker": {"model", "cache", "transfer", "rpc", "layout", "options"},
     "prefill": {"worker", "model", "cache", "transfer", "rpc", "layout", "options"},
     "decode": {"worker", "model", "cache", "transfer", "rpc", "layout", "options"},

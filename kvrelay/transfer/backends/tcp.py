@@ -68,7 +68,11 @@ for _call_name in ("readv", "writev"):
 class TcpTransport(Transport):
     name = "tcp"
 
-    async def move(self, peer, handle, local, triples, read) -> None:
+    async def move(self, peer, handle, local, triples, read, deadline) -> None:
+        async with asyncio.timeout_at(deadline):
+            await self._move(peer, handle, local, triples, read)
+
+    async def _move(self, peer, handle, local, triples, read) -> None:
         conn = peer.conn
         # The runs go packed (little-endian uint64 offset, length pairs), as
         # in a handle: a list of 512 pairs cost the owner half a millisecond
@@ -79,7 +83,7 @@ class TcpTransport(Transport):
         iov = iovecs(local, merge_adjacent(triples[:, 1:]))
         nbytes = int(triples[:, 2].sum())
         async with conn.lock:
-            # No deadline of its own: the caller's covers the whole move.
+            # No deadline of its own: move's covers the whole of it.
             try:
                 # Sent from the loop (a small frame leaves at once): the
                 # owner works on it while the worker thread wakes up.

@@ -17,8 +17,6 @@ import threading
 import weakref
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from kvrelay.transfer.base import Peer, Transport
 from kvrelay.transfer.errors import BackendUnavailable, PeerError, TransferError
 
@@ -40,6 +38,12 @@ _CLOSE_TIMEOUT = 1.0
 # hand-off to the waiter thread and the eventfd wake-up of the loop.
 _INLINE_DRIVE_S = 0.016
 _WAIT_LIMIT = 24 * 3600.0  # a batch's own bound; the caller's deadline aborts it first
+# UCX settings kvrelay applies unless a UCX_* variable sets them. cma copies
+# a GET in segments of UCX_CMA_SEG_SIZE (512 KiB by default), one
+# process_vm_readv and one progress call each: a 16 MiB GET took 32. One
+# segment up to 64 MiB keeps a segment's copy short enough for an abort to
+# be seen within a few ms (measured in issue 14: docs/architecture.md).
+UCX_DEFAULTS = {"CMA_SEG_SIZE": "64M"}
 
 
 @dataclass(slots=True)
@@ -54,7 +58,7 @@ class UcxTransport(Transport):
 
     def __init__(self) -> None:
         try:
-            self.context = _ucx.Context()
+            self.context = _ucx.Context(UCX_DEFAULTS)
             self.worker = _ucx.Worker(self.context)
         except _ucx.UcxError as exc:
             raise BackendUnavailable(f"UCX failed to start: {exc}") from exc
@@ -100,7 +104,7 @@ class UcxTransport(Transport):
             self._states.append(peer.state)
         return peer.state
 
-    async def move(self, peer, handle, local, triples, read) -> None:
+    async def move(self, peer, handle, local, triples, read, deadline) -> None:
         region = self._regions.get(local.arena_id)
         if region is None:
             raise TransferError(f"local arena {local.arena_id} is not registered with ucx")
@@ -111,17 +115,15 @@ class UcxTransport(Transport):
         if rkey is None:
             rkey = _ucx.RemoteKey(state.endpoint, handle.rkey)
             state.rkeys[handle.arena_id] = rkey
-        remote = triples[:, 0] + np.uint64(handle.base)
-        local_addr = triples[:, 1] + np.uint64(local.address)
-        lengths = np.ascontiguousarray(triples[:, 2])
         try:
-            batch = _ucx.Batch(rkey, region, read, remote, local_addr, lengths)
+            batch = _ucx.Batch(rkey, region, read, triples, handle.base)
         except _ucx.UcxError as exc:
             raise PeerError(f"posting to {peer.address} failed: {exc}") from None
         loop = asyncio.get_running_loop()
         fd = None
         try:
-            if batch.pending == 0 or batch.wait(_INLINE_DRIVE_S):
+            inline = min(_INLINE_DRIVE_S, max(0.0, deadline - loop.time()))
+            if batch.pending == 0 or batch.wait(inline):
                 # Done while posted, or driven to completion right here (cma
                 # GETs are deferred to progress and done within a few ms: a
                 # waiter thread and an eventfd wake-up cost more than that
@@ -133,9 +135,13 @@ class UcxTransport(Transport):
                 done = loop.create_future()
                 fd = batch.start(_WAIT_LIMIT)
                 loop.add_reader(fd, lambda: done.done() or done.set_result(None))
-                # The caller's deadline cancels this; a dead peer is noticed here.
-                while not (await asyncio.wait({done}, timeout=0.25))[0]:
-                    if peer.conn is not None and _peer_gone(peer):
+                # Bounded by the deadline; a dead peer is noticed here too.
+                while not done.done():
+                    left = deadline - loop.time()
+                    if left <= 0:
+                        raise TimeoutError
+                    await asyncio.wait({done}, timeout=min(0.25, left))
+                    if not done.done() and peer.conn is not None and _peer_gone(peer):
                         raise PeerError(f"agent {peer.address} died during the transfer")
             if not batch.result():
                 raise PeerError(f"transfer from {peer.address} did not complete")

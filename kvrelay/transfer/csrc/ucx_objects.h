@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
+#include <map>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -56,9 +58,19 @@ Clock::time_point deadline_after(double seconds) {
 
 class Context {
  public:
-  Context() {
+  // `defaults`: UCX settings (names without the UCX_ prefix) applied unless
+  // the environment sets them, so a user's UCX_* variable always wins.
+  explicit Context(const std::map<std::string, std::string>& defaults = {}) {
     ucp_config_t* config = nullptr;
     check(ucp_config_read(nullptr, nullptr, &config), "ucp_config_read");
+    for (const auto& [name, value] : defaults) {
+      if (std::getenv(("UCX_" + name).c_str()) != nullptr) continue;
+      const ucs_status_t set = ucp_config_modify(config, name.c_str(), value.c_str());
+      if (set != UCS_OK) {
+        ucp_config_release(config);
+        fail("UCX setting " + name + "=" + value, set);
+      }
+    }
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
     params.features = UCP_FEATURE_RMA;
