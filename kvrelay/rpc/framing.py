@@ -6,8 +6,8 @@ or a union of them) in one place: a frame that is not msgpack or exceeds
 `MAX_FRAME` is a `ProtocolError` (the stream cannot be trusted: drop it),
 a well-framed message of the wrong shape a `MalformedMessage` (answer it,
 keep the connection). The tcp transfer backend moves raw page bytes on the
-same socket right after a frame that announces them (`send_bytes`,
-`recv_into`). No pickle: msgpack only.
+same socket right after a frame that announces them (`readv` / `writev`
+on a worker thread, `transfer/backends/tcp.py`). No pickle: msgpack only.
 """
 
 from __future__ import annotations
