@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 import msgpack
 
+from kvrelay.rpc.framing import FRAME_HEADER
+
 WIRE_VERSION = 2
-_LEN = struct.Struct(">I")
 
 REFUSED = "refused"  # a map {op: "error", error: "<TypeName>", ...}
 ACCEPTED = "accepted"  # a typed answer: a map with another op
@@ -22,7 +23,7 @@ BAD_REPLY = "bad_reply"  # a frame that is not a typed answer
 
 def frame(message) -> bytes:
     body = msgpack.packb(message, use_bin_type=True)
-    return _LEN.pack(len(body)) + body
+    return FRAME_HEADER.pack(len(body)) + body
 
 
 def tokens(ids) -> bytes:
@@ -31,7 +32,7 @@ def tokens(ids) -> bytes:
 
 
 def raw_frame(body: bytes) -> bytes:
-    return _LEN.pack(len(body)) + body
+    return FRAME_HEADER.pack(len(body)) + body
 
 
 def hello(token: str) -> bytes:
@@ -48,8 +49,8 @@ class Outcome:
 async def read_frame(reader: asyncio.StreamReader) -> dict | None:
     """The next frame as a map, or None when the server closed first."""
     try:
-        header = await reader.readexactly(_LEN.size)
-        body = await reader.readexactly(_LEN.unpack(header)[0])
+        header = await reader.readexactly(FRAME_HEADER.size)
+        body = await reader.readexactly(FRAME_HEADER.unpack(header)[0])
     except (asyncio.IncompleteReadError, ConnectionError):
         return None
     reply = msgpack.unpackb(body, raw=False)

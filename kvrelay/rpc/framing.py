@@ -27,7 +27,8 @@ MAX_FRAME = 16 << 20  # a read of 2**20 runs needs about 10 MiB of msgpack
 # Before the hello nobody is authenticated: a stranger's frame is small, so
 # it cannot make the server allocate (and unpack) megabytes.
 MAX_HELLO_FRAME = 64 << 10
-_LEN = struct.Struct(">I")
+# Every frame: its body's length as a big-endian uint32, then the body.
+FRAME_HEADER = struct.Struct(">I")
 _ENCODER = msgspec.msgpack.Encoder()
 T = TypeVar("T")
 
@@ -92,17 +93,17 @@ class Connection:
         body = encode(message)
         if len(body) > MAX_FRAME:
             raise ProtocolError(f"frame of {len(body)} bytes exceeds {MAX_FRAME}")
-        await self.send_bytes(_LEN.pack(len(body)) + body)
+        await self.send_bytes(FRAME_HEADER.pack(len(body)) + body)
 
     async def recv_body(self, max_size: int = MAX_FRAME, stall_timeout: float | None = None):
         """The next frame's bytes. The wait for its first byte is the caller's;
         once it started, the rest must arrive within `stall_timeout` (a peer
         sending a byte a second must not hold the connection)."""
-        header = bytearray(_LEN.size)
+        header = bytearray(FRAME_HEADER.size)
         await self.recv_into(memoryview(header)[:1])
         async with asyncio.timeout(stall_timeout):
             await self.recv_into(memoryview(header)[1:])
-            (length,) = _LEN.unpack(header)
+            (length,) = FRAME_HEADER.unpack(header)
             if length > max_size:
                 raise ProtocolError(f"frame of {length} bytes exceeds {max_size}")
             body = bytearray(length)

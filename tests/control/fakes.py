@@ -12,15 +12,15 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
-import struct
 import sys
 
 import httpx
 import msgpack
 
+from kvrelay.rpc.framing import FRAME_HEADER
+
 TOKEN = "control-test"
 NAMESPACE = bytes(range(32))
-_LEN = struct.Struct(">I")
 
 
 def next_token(token: int, vocab: int) -> int:
@@ -38,13 +38,13 @@ def expected_answer(prompt: list[int], max_tokens: int, vocab: int, stop=()) -> 
 
 
 async def read_frame(reader: asyncio.StreamReader) -> dict:
-    (length,) = _LEN.unpack(await reader.readexactly(_LEN.size))
+    (length,) = FRAME_HEADER.unpack(await reader.readexactly(FRAME_HEADER.size))
     return msgpack.unpackb(await reader.readexactly(length), raw=False)
 
 
 def write_frame(writer: asyncio.StreamWriter, message: dict) -> None:
     body = msgpack.packb(message, use_bin_type=True)
-    writer.write(_LEN.pack(len(body)) + body)
+    writer.write(FRAME_HEADER.pack(len(body)) + body)
 
 
 def unpack(tokens: bytes) -> list[int]:

@@ -35,7 +35,7 @@ import numpy as np
 
 from kvrelay import rpc
 from kvrelay.rpc.agent_ops import Accepted, Read, Write
-from kvrelay.rpc.framing import MAX_FRAME, decode
+from kvrelay.rpc.framing import FRAME_HEADER, MAX_FRAME, decode
 from kvrelay.rpc.messages import Error
 from kvrelay.transfer.base import Transport
 from kvrelay.transfer.errors import (
@@ -52,7 +52,6 @@ from kvrelay.transfer.lease import covers
 _REMOTE_ERRORS = {
     cls.__name__: cls for cls in (LeaseExpired, RunOutOfBounds, UnknownArena, MalformedHandle)
 }
-_FRAME_LEN = struct.Struct(">I")  # rpc.framing's header: the frame's length, big-endian
 _IOV_MAX = 1024  # Linux's limit of buffers per readv/writev
 # A blocked call that moves nothing for this long fails (SO_RCVTIMEO /
 # SO_SNDTIMEO): a peer that stops mid-transfer cannot hold a thread of the
@@ -188,8 +187,8 @@ def _answer_and_move(sock, nbytes: int, iov: np.ndarray, read: bool) -> None:
 
 
 def _recv_frame(sock: socket.socket) -> bytes:
-    header = _recv_exactly(sock, _FRAME_LEN.size)
-    (length,) = _FRAME_LEN.unpack(header)
+    header = _recv_exactly(sock, FRAME_HEADER.size)
+    (length,) = FRAME_HEADER.unpack(header)
     if length > MAX_FRAME:
         raise ProtocolError(f"frame of {length} bytes exceeds {MAX_FRAME}")
     return _recv_exactly(sock, length)
