@@ -16,6 +16,13 @@ PY := $(VENV)/bin/python
 # installs the pinned requirements in parallel, in seconds where pip takes
 # minutes. The venv is made without pip (ensurepip compiles pip's own modules:
 # half a minute on 2 cores) and gets pip from uv.
+# "Python compiles what it imports, once" holds only where it may write the
+# bytecode: with PYTHONDONTWRITEBYTECODE set (as in our CI containers) every
+# process compiled torch again, 3-5 s of CPU each, in the hundreds of server,
+# rank and CLI processes the suite starts (a cluster took 72 s to start instead
+# of 37). Every command here writes it: the first import of torch (setup.py's)
+# leaves the .pyc files in the venv for all the later ones.
+unexport PYTHONDONTWRITEBYTECODE
 UV_VERSION ?= 0.13.9
 PIP_VERSION ?= 23.2.1
 PIP := $(PY) -m pip -q --disable-pip-version-check
