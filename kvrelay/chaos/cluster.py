@@ -73,9 +73,7 @@ class ChaosCluster(LocalCluster):
         if "valkey" in self.chaos.l3.split(",") and self.chaos.cache_servers:
             self.valkey = Valkey(self.chaos.log_dir / "valkey").start()
         try:
-            super().start()  # starts both pools without waiting (see start_pool)
-            for process in self.workers():
-                process.wait_ready(self.config.ready_timeout_s)
+            super().start()
         except BaseException:
             self.stop()
             raise
@@ -134,11 +132,13 @@ class ChaosCluster(LocalCluster):
             args += ["--staging-pages", str(chaos.staging_pages)]
         return [*args, *chaos.extra_worker_args]
 
-    def start_pool(self, role: str, pool: PoolConfig) -> list[Process]:
-        """Starts the pool's workers; `start` waits for both pools at once
-        (their imports overlap)."""
-        return [self.start_worker(f"{role}{i}-tp{pool.tp}pp{pool.pp}", role, pool, wait=False)
-                for i in range(pool.workers)]  # fmt: skip
+    def start_pool(self, role: str, pool: PoolConfig, wait: bool = True) -> list[Process]:
+        """The pool's workers, each through its gate (`LocalCluster.start_pool`)."""
+        started = [self.start_worker(f"{role}{i}-tp{pool.tp}pp{pool.pp}", role, pool, wait=False)
+                   for i in range(pool.workers)]  # fmt: skip
+        for process in started if wait else ():
+            process.wait_ready(self.config.ready_timeout_s)
+        return started
 
     def start_worker(self, name: str, role: str, pool: PoolConfig | None = None, *,
                      wait: bool = True) -> Process:  # fmt: skip

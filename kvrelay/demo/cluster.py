@@ -84,6 +84,11 @@ class Process:
                 raise ClusterError(f"{self.name} not ready in {timeout_s:.0f} s; see {self.log}")
         return self.ready
 
+    def terminate(self) -> None:
+        """SIGTERM, without waiting (`stop` waits)."""
+        if self.popen.poll() is None:
+            _signal_group(self.popen.pid, signal.SIGTERM)
+
     def stop(self, grace_s: float = 20.0) -> None:
         if self.popen.poll() is None:
             _signal_group(self.popen.pid, signal.SIGTERM)
@@ -96,6 +101,14 @@ class Process:
         if self._pump is not None:
             self._pump.join(timeout=5)  # the pipe ends when the process group is gone
         self.popen.stdout.close()
+
+
+def _stop_together(processes: list[Process]) -> None:
+    """SIGTERM to all, then waits for each: their shutdowns overlap."""
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.stop()
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -202,8 +215,12 @@ class LocalCluster:
                          "--request-timeout-s", str(2 * c.slow_prefill_s)]  # fmt: skip
             self._start("control", args).wait_ready(c.ready_timeout_s)
             self.control_url = f"http://127.0.0.1:{port}"
-            self.start_pool("prefill", c.prefill)
-            self.start_pool("decode", c.decode)
+            # Both pools at once: their processes import torch and load the
+            # model side by side instead of one pool after the other.
+            started = [*self.start_pool("prefill", c.prefill, wait=False),
+                       *self.start_pool("decode", c.decode, wait=False)]  # fmt: skip
+            for process in started:
+                process.wait_ready(c.ready_timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -248,18 +265,20 @@ class LocalCluster:
             args += ["--speculative", str(c.speculative)]
         return args
 
-    def start_pool(self, role: str, pool: PoolConfig) -> list[Process]:
+    def start_pool(self, role: str, pool: PoolConfig, wait: bool = True) -> list[Process]:
+        """The pool's workers, started side by side; `wait`: until each is ready."""
         started = []
         for i in range(pool.workers):
             name = f"{role}{i}-tp{pool.tp}pp{pool.pp}"
             started.append(self._start(name, self.worker_args(role, pool)))
-        for process in started:
+        for process in started if wait else ():
             process.wait_ready(self.config.ready_timeout_s)
         return started
 
     def stop_pool(self, role: str) -> None:
-        for process in [p for p in self.processes if p.name.startswith(role)]:
-            process.stop()
+        pool = [p for p in self.processes if p.name.startswith(role)]
+        _stop_together(pool)
+        for process in pool:
             self.processes.remove(process)
 
     def redeploy(self, role: str, pool: PoolConfig) -> None:
@@ -268,10 +287,12 @@ class LocalCluster:
         self.start_pool(role, pool)
 
     def stop(self) -> None:
-        # Workers first (they deregister), then the cache, then control.
-        order = sorted(self.processes, key=lambda p: p.name.startswith(("cache", "control")))
-        for process in order:
-            process.stop()
+        # Workers first (they deregister), then the cache servers, then
+        # control; the processes of each step stop side by side.
+        servers = ("cache", "control")
+        _stop_together([p for p in self.processes if not p.name.startswith(servers)])
+        for server in servers:
+            _stop_together([p for p in self.processes if p.name.startswith(server)])
         self.processes.clear()
 
     def __enter__(self) -> LocalCluster:

@@ -24,37 +24,61 @@ START_TIMEOUT_S = 120
 
 
 class Process:
-    """A kvrelay server process that prints one JSON line when ready."""
+    """A kvrelay server process that prints one JSON line when ready.
 
-    def __init__(self, args: list[str], env: dict | None = None) -> None:
+    `wait=False` returns as soon as it is started, so that a cluster's
+    processes import torch and load their models side by side; `info` (or
+    `ready()`) then waits for the line."""
+
+    def __init__(self, args: list[str], env: dict | None = None, wait: bool = True) -> None:
         self.args = args
         self.process = subprocess.Popen(
             [sys.executable, "-m", "kvrelay.cli", *args],
             stdout=subprocess.PIPE,
             env={**os.environ, **(env or {})},
         )
-        ready, _, _ = select.select([self.process.stdout], [], [], START_TIMEOUT_S)
-        line = self.process.stdout.readline() if ready else b""
-        if not line:
-            self.process.kill()
-            self.process.wait(10)
-            raise RuntimeError(f"{args[:2]} did not start within {START_TIMEOUT_S} s")
-        self.info = json.loads(line)
+        self._info: dict | None = None
+        if wait:
+            self.ready()
+
+    def ready(self) -> dict:
+        if self._info is None:
+            ready, _, _ = select.select([self.process.stdout], [], [], START_TIMEOUT_S)
+            line = self.process.stdout.readline() if ready else b""
+            if not line:
+                self.process.kill()
+                self.process.wait(10)
+                raise RuntimeError(f"{self.args[:2]} did not start within {START_TIMEOUT_S} s")
+            self._info = json.loads(line)
+        return self._info
+
+    @property
+    def info(self) -> dict:
+        return self.ready()
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
-    def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int:
+    def terminate(self, sig=signal.SIGTERM) -> None:
         if self.process.poll() is None:
             self.process.send_signal(sig)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int:
+        self.terminate(sig)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(10)
         self.process.stdout.close()
         return self.process.returncode
+
+
+def all_ready(processes) -> None:
+    """Waits for each of `processes` (started with `wait=False`) to be ready."""
+    for process in processes:
+        process.ready()
 
 
 @pytest.fixture(scope="session")
@@ -80,12 +104,16 @@ def launch(control):
     module, while control still answers (workers deregister on SIGTERM)."""
     started: list[Process] = []
 
-    def start(*args, env=None) -> Process:
-        process = Process([str(a) for a in args], env)
+    def start(*args, env=None, wait=True) -> Process:
+        process = Process([str(a) for a in args], env, wait)
         started.append(process)
         return process
 
     yield start
+    # All at once: each one's shutdown (deregister, drain, stop its ranks)
+    # then overlaps the others'.
+    for process in reversed(started):
+        process.terminate()
     for process in reversed(started):
         process.stop()
 

@@ -12,7 +12,7 @@ import pytest
 
 from kvrelay.model import Request, SamplingParams, load_engine
 from tests.serving import fake_control as fc
-from tests.serving.conftest import DTYPE, PAGE, cache_args, worker_args
+from tests.serving.conftest import DTYPE, PAGE, all_ready, cache_args, worker_args
 from tests.support.models import prompt_tokens
 
 
@@ -21,14 +21,16 @@ def cluster(launch, control, model_dir, page_bytes):
     cache = launch(*cache_args(page_bytes)).info["listen"]
 
     def worker(role, cache=(cache,), extra=()):
-        return launch(*worker_args(role, model_dir, control, cache=cache, extra=extra))
+        return launch(*worker_args(role, model_dir, control, cache=cache, extra=extra), wait=False)
 
-    return {
+    workers = {
         "prefill_cp2": worker("prefill", extra=["--cp", 2]),
         "prefill": worker("prefill"),
         "decode": worker("decode"),
         "decode_no_tier": worker("decode", cache=()),
     }
+    all_ready(workers.values())
+    return workers
 
 
 def reference(model_dir, prompt, sampling) -> list[int]:

@@ -18,7 +18,7 @@ from kvrelay.model.draft_transfer import draft_keys, export_draft_prefix
 from kvrelay.model.page_export import export_prefix
 from kvrelay.transfer import create_agent
 from tests.serving import fake_control as fc
-from tests.serving.conftest import DTYPE, PAGE, cache_args, worker_args
+from tests.serving.conftest import DTYPE, PAGE, all_ready, cache_args, worker_args
 from tests.support.models import prompt_tokens
 
 NEW = 12  # tokens per request (first token included)
@@ -40,14 +40,16 @@ def cluster(launch, control, mtp_model):
 
     def worker(role, k, cache=(cache,), tp=1, cp=1):
         extra = ["--speculative", k, *(["--cp", cp] if cp > 1 else [])]
-        return launch(*worker_args(role, mtp_model, control, tp=tp, cache=cache, extra=extra))
+        args = worker_args(role, mtp_model, control, tp=tp, cache=cache, extra=extra)
+        return launch(*args, wait=False)
 
-    return {
-        "cache": cache,
+    workers = {
         "prefill_cp2_no_tier": worker("prefill", 1, cache=(), cp=2),
         "prefill_tp2": worker("prefill", 1, tp=2),
         "decode": worker("decode", 2),
     }
+    all_ready(workers.values())
+    return {"cache": cache, **workers}
 
 
 def cold(mtp_model, prompt: list[int]) -> tuple[list[int], dict]:

@@ -21,7 +21,7 @@ def mtp_model(model_dirs):
 
 @pytest.mark.asyncio
 async def test_speculating_decode_worker_equals_plain_greedy(launch, control, mtp_model):
-    prefill = launch(*worker_args("prefill", mtp_model, control))
+    prefill = launch(*worker_args("prefill", mtp_model, control), wait=False)
     decode = launch(*worker_args("decode", mtp_model, control, extra=["--speculative", 2]))
     prompts = [prompt_tokens(2 * PAGE + 7, seed=41), prompt_tokens(PAGE + 3, seed=42)]
     sampling = fc.params(16)

@@ -24,9 +24,12 @@ def pair(launch, control, model_dir):
     # Staging for two 4-page prompts at a time, at most 3 requests queued.
     extra = ["--no-local-cache", "--staging-pages", STAGING, "--max-queue", 3]
     prefill = launch(
-        *worker_args("prefill", model_dir, control, backend="ucx", extra=extra), env=UCX_ENV
+        *worker_args("prefill", model_dir, control, backend="ucx", extra=extra),
+        env=UCX_ENV,
+        wait=False,
     )
     decode = launch(*worker_args("decode", model_dir, control, backend="ucx"), env=UCX_ENV)
+    prefill.ready()
     return prefill, decode
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from kvrelay.transfer import BlockHandle
 from tests.serving import fake_control as fc
-from tests.serving.conftest import PAGE, cache_args, worker_args
+from tests.serving.conftest import PAGE, all_ready, cache_args, worker_args
 from tests.serving.fake_control import addr, stats
 from tests.support.models import prompt_tokens
 
@@ -23,13 +23,14 @@ def cluster(launch, control, model_dir, page_bytes):
     """Two cache servers; prefill TP=1, TP=2 and PP=2 and decode TP=1 (with
     write-back) on the tier; decode TP=2 without it (all pages from prefill);
     a decode with 4 staging rows (it pulls the tier prefix through a window)."""
-    caches = [launch(*cache_args(page_bytes)).info["listen"] for _ in range(2)]
+    caches = [launch(*cache_args(page_bytes), wait=False) for _ in range(2)]
+    caches = [cache.info["listen"] for cache in caches]
 
     def worker(role, **kw):
-        return launch(*worker_args(role, model_dir, control, cache=kw.pop("cache", caches), **kw))
+        args = worker_args(role, model_dir, control, cache=kw.pop("cache", caches), **kw)
+        return launch(*args, wait=False)
 
-    return {
-        "caches": caches,
+    workers = {
         "prefill": worker("prefill"),
         "prefill_tp2": worker("prefill", tp=2),
         "prefill_pp2": worker("prefill", pp=2),
@@ -37,6 +38,8 @@ def cluster(launch, control, model_dir, page_bytes):
         "decode_tp2": worker("decode", tp=2, cache=()),
         "decode_rows4": worker("decode", extra=["--staging-pages", 4]),
     }
+    all_ready(workers.values())
+    return {"caches": caches, **workers}
 
 
 def test_workers_register_with_control(cluster, control):

@@ -17,7 +17,8 @@ async def test_write_back_without_free_staging_rows_is_counted(
     """Staging of 3 rows, a 4-page conversation: the first 3 pages are written
     back and the 4th is counted in the decode's stats, not skipped silently."""
     cache = launch(*cache_args(page_bytes)).info["listen"]
-    prefill = launch(*worker_args("prefill", model_dir, control))  # writes nothing through
+    # writes nothing through; starts while the decode starts
+    prefill = launch(*worker_args("prefill", model_dir, control), wait=False)
     decode = launch(*worker_args("decode", model_dir, control, cache=[cache],
                                  extra=["--write-back", "--staging-pages", 3]))  # fmt: skip
     prompt = prompt_tokens(2 * PAGE + 3, seed=123)  # 3 pages: the load takes all 3 rows
