@@ -81,9 +81,13 @@ lint: $(VENV)/.deps-stamp
 # The suite on PYTEST_JOBS pytest-xdist workers (0: one process), a whole file
 # to a worker (--dist loadfile), so that a file's module-scoped cluster or
 # model is built once. Most tests wait on processes they started, so two
-# workers keep both cores busy where one process left one idle.
+# workers keep both cores busy where one process left one idle. Files go out
+# in collection order (--no-loadscope-reorder; xdist's default sends the
+# files with the most tests first), which tests/conftest.py starts with the
+# longest files: one of those taken last kept a worker busy for minutes
+# while the other idled.
 PYTEST_JOBS ?= 2
-PYTEST_XDIST := $(if $(filter 0,$(PYTEST_JOBS)),,-n $(PYTEST_JOBS) --dist loadfile)
+PYTEST_XDIST := $(if $(filter 0,$(PYTEST_JOBS)),,-n $(PYTEST_JOBS) --dist loadfile --no-loadscope-reorder)
 
 # What CI runs (.ci/run): everything but the tests marked slow (heavier
 # variants of features that a fast test in this run also covers).

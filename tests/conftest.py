@@ -23,6 +23,20 @@ CLUSTER_FOLDERS = {"bench", "cache", "chaos", "control", "demo", "integration", 
 CLUSTER_FILES = {"test_cli.py", "test_context_parallel.py", "test_cross_config.py",
                  "test_parallel.py", "test_examples.py"}  # fmt: skip
 TESTS = Path(__file__).parent
+# The longest files (minutes of processes each, CI's --durations), run first:
+# with `--dist loadfile --no-loadscope-reorder` (the Makefile) a worker that
+# finishes a file takes the next in collection order, so a long file taken
+# last kept one worker busy for minutes while the other idled. The many
+# short files come after and fill the gaps.
+LONGEST_FIRST = (
+    "model/test_parallel.py", "serving/test_workers.py", "integration/test_cluster.py",
+    "integration/test_demo.py", "model/test_speculative.py", "model/test_cli.py",
+    "serving/test_context_parallel.py", "chaos/test_faults.py", "test_examples.py",
+    "serving/test_draft_pages.py", "bench/test_transfer_bench.py",
+    "serving/test_speculative_decode.py", "serving/test_write_back.py", "model/test_spec_cli.py",
+    "cache/test_server.py", "serving/test_ucx_and_lifecycle.py", "model/test_context_parallel.py",
+    "model/test_cross_config.py",
+)  # fmt: skip
 
 
 def _mark_cluster_tests(items) -> None:
@@ -33,8 +47,22 @@ def _mark_cluster_tests(items) -> None:
             item.add_marker(cluster)
 
 
+def _longest_first(items) -> None:
+    """Reorders `items` (a file's tests stay together and in order)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+
+    def key(item) -> int:
+        path = Path(item.path)
+        if TESTS not in path.parents:
+            return len(rank)
+        return rank.get(path.relative_to(TESTS).as_posix(), len(rank))
+
+    items.sort(key=key)
+
+
 def pytest_collection_modifyitems(config, items):
     _mark_cluster_tests(items)
+    _longest_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
