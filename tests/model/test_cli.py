@@ -86,17 +86,23 @@ def test_generate_under_tp_and_pp_in_a_fresh_process(cli_model):
         "16",
     ]
     command = [sys.executable, "-m", "kvrelay.cli", "generate", *args, "--json"]
-    single = subprocess.run(command, capture_output=True, text=True, timeout=300, check=True)
-    parallel = subprocess.run(
-        [*command, "--tp", "2", "--pp", "2", "--reuse-prefix", "17"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    assert parallel.stdout.count("\n") == 1
-    assert json.loads(parallel.stdout) == json.loads(single.stdout)
-    assert len(json.loads(single.stdout)["tokens"]) == 8
+    # Both at once: each is a fresh process importing torch (the parallel one
+    # spawns 4 ranks); one after the other only added the waits.
+    runs = [
+        subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for c in (command, [*command, "--tp", "2", "--pp", "2", "--reuse-prefix", "17"])
+    ]
+    try:
+        single, parallel = [run.communicate(timeout=300) for run in runs]
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                run.kill()
+                run.wait(10)
+    assert [run.returncode for run in runs] == [0, 0], single[1][-2000:] + parallel[1][-2000:]
+    assert parallel[0].count("\n") == 1
+    assert json.loads(parallel[0]) == json.loads(single[0])
+    assert len(json.loads(single[0])["tokens"]) == 8
 
 
 def test_generate_reads_long_prompts_from_a_file(cli_model, tmp_path, capsys):
