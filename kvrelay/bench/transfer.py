@@ -3,7 +3,8 @@
 A publishing agent in a spawned process owns an arena (default 1 GiB) and
 publishes single runs (1, 16, 256 MiB) and a batch of 512 random 64 KiB
 runs. This process pulls each of them `--runs` times per mode: ucx over
-shm/cma, ucx over tcp (UCX_TLS), the tcp backend and the same-host fast path.
+shm/cma, ucx over tcp (UCX_TLS), the tcp backend and the same-host fast path,
+then NIXL reads them; all of that `--rounds` times in turn, the runs pooled.
 Baselines measured in the same run: memcpy (`Tensor.copy_`) of the same byte
 count, `ucx_perftest` from the UCX wheel (`ucp_get`, `-O 512` for the batch),
 and for the tcp backend a plain loopback TCP stream of the same bytes.
@@ -157,7 +158,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes-mib", default="1,16,256", help="single-run pull sizes")
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--run-kib", type=int, default=64)
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=3, help="timed pulls per case, mode and round")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of every mode and NIXL in turn; the runs of all rounds "
+                             "are pooled")  # fmt: skip
     parser.add_argument(
         "--modes", default=None, help=f"comma-separated (default {','.join(MODES)})"
     )
@@ -182,14 +186,9 @@ def run(args: argparse.Namespace) -> dict:
     plan = calibrate(fresh=True)
     host = transfer_host.host_lines(plan)
     print("\n".join(host), flush=True)
-    with restored_ucx_tls():
-        pulls = {
-            mode: asyncio.run(_pull(mode, cases, arena, args.runs, args.timeout)) for mode in modes
-        }
-    wants_nixl = args.nixl is not False
-    nixl = nixl_peer.measure(cases, arena, args.runs, args.timeout) if wants_nixl else None
+    pulls, nixl = _rounds(args, modes, cases, arena)
     results, rows, nixl_lines = _compare(args, modes, cases, arena, pulls, nixl, plan)
-    _print_table(args.runs, rows, nixl_lines)
+    _print_table(args.runs * args.rounds, rows, nixl_lines)
     summary = transfer_host.goals(results)
     end_load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(
@@ -210,6 +209,33 @@ def run(args: argparse.Namespace) -> dict:
     if args.json:
         write_json(args.json, payload)
     return payload
+
+
+def _rounds(args, modes, cases, arena: int) -> tuple[dict, dict | None]:
+    """Every mode's pulls and NIXL's reads, in `args.rounds` rounds of each in
+    turn, pooled: a slow phase of the machine (another process, a frequency
+    change) then falls on every mode and on NIXL alike instead of on
+    whichever ran in it. The first pull kept is the first round's."""
+    if args.runs < 1 or args.rounds < 1:
+        raise SystemExit("kvrelay bench transfer: --runs and --rounds must be >= 1")
+    pulls: dict = {mode: {} for mode in modes}
+    nixl: dict | None = {} if args.nixl is not False else None
+    for _ in range(args.rounds):
+        with restored_ucx_tls():
+            for mode in modes:
+                got = asyncio.run(_pull(mode, cases, arena, args.runs, args.timeout))
+                for name, (times, baselines, first) in got.items():
+                    kept = pulls[mode].setdefault(name, ([], [], first))
+                    kept[0].extend(times)
+                    kept[1].extend(baselines)
+        if nixl is not None:
+            reads = nixl_peer.measure(cases, arena, args.runs, args.timeout)
+            if reads is None:  # absent or failed (the reason is printed): no NIXL rows
+                nixl = None
+                continue
+            for name, times in reads.items():
+                nixl.setdefault(name, []).extend(times)
+    return pulls, nixl
 
 
 def _modes(text: str | None) -> list[str]:
@@ -235,8 +261,9 @@ def _compare(args, modes, cases, arena: int, pulls: dict, nixl, plan) -> tuple[l
         nbytes = sum(n for _, n in run_list)
         memcpy = Summary.of([t for mode in modes for t in pulls[mode][name][1]])
         offsets = local_offsets(run_list)
-        same = transfer_host.same_runs_baselines(source, run_list, offsets, args.runs, plan, sweep)
-        stream = tcp_stream(nbytes, args.runs) if "tcp" in modes else None
+        samples = args.runs * args.rounds
+        same = transfer_host.same_runs_baselines(source, run_list, offsets, samples, plan, sweep)
+        stream = tcp_stream(nbytes, samples) if "tcp" in modes else None
         perftest, perftest_runs = ({}, {}) if args.no_perftest else _perftests(run_list)
         case_pulls = {mode: pulls[mode][name] for mode in modes}
         modes_json, mode_rows = _mode_rows(name, nbytes, case_pulls, perftest, stream)

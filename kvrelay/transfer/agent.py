@@ -36,7 +36,8 @@ from kvrelay.transfer.errors import (
     UnknownArena,
 )
 from kvrelay.transfer.fastpath import copy_shared, host_id
-from kvrelay.transfer.handle import BlockHandle, check_runs, plan_checked
+from kvrelay.transfer.handle import BlockHandle, check_runs, plan_rows, rows_array
+from kvrelay.transfer.inline import InlineBudget
 from kvrelay.transfer.lease import LeaseTable
 
 
@@ -57,6 +58,7 @@ class Agent:
         self._server: rpc.Server | None = None
         self.address = ""
         self.copy_plan: CopyPlan | None = None  # the fast path's, set by start()
+        self._inline = InlineBudget()  # the fast path's inline copies
 
     # -- lifecycle ------------------------------------------------------------
     async def start(self) -> Agent:
@@ -196,12 +198,16 @@ class Agent:
                     info = await self._arena_info(peer, handle.arena_id)
             handle.check_key(info)
             # Both sides' bounds, checked before any byte moves.
-            triples, nbytes = plan_checked(handle.run_array, local_offsets, info.size, local.size)
+            # (numpy-free: from a cold cache every numpy call costs tens of us)
+            rows, nbytes = plan_rows(handle.runs_buffer, local_offsets, info.size, local.size)
             if peer.same_host and info.shm and not local.is_cuda:
                 plan = self.copy_plan or fast_copy_plan(self.config.fast_copy)
-                await copy_shared(peer, info, local, triples, read, nbytes, plan, deadline)
+                triples = rows_array(rows)
+                await copy_shared(
+                    peer, info, local, triples, read, nbytes, plan, deadline, self._inline
+                )
             else:
-                await self.transport.move(peer, handle, local, triples, read, deadline)
+                await self.transport.move(peer, handle, local, rows, read, deadline)
         except TimeoutError:
             if peer is not None:
                 self._drop_peer(peer)

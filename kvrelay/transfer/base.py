@@ -71,12 +71,14 @@ class Transport(ABC):
         peer: Peer,
         handle: BlockHandle,
         local: Arena,
-        triples: np.ndarray,
+        rows: bytes | bytearray | np.ndarray,
         read: bool,
         deadline: float,
     ) -> None:
-        """(k, 3) uint64 rows (remote offset, local offset, length), already
-        validated and coalesced. Raises TimeoutError once the event loop's
+        """Moves `rows`, a buffer of native uint64 (remote offset, local
+        offset, length) triples, already validated and coalesced
+        (`handle.plan_rows`; `handle.rows_array` views them as a (k, 3)
+        array). Raises TimeoutError once the event loop's
         clock passes `deadline` (the agent turns it into TransferTimeout); on
         that or on cancellation nothing may still touch `local` when this
         returns."""

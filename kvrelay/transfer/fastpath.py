@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import functools
 import os
+import time
 
 import numpy as np
 
@@ -102,17 +103,17 @@ def _readv(choice: CopyChoice, pid: int, local: int, remote: int, rows, read: bo
 
 
 async def copy_shared(
-    peer, info: ArenaInfo, local, triples, read, nbytes: int, plan, deadline: float
+    peer, info: ArenaInfo, local, triples, read, nbytes: int, plan, deadline: float, budget
 ) -> None:
     """Copies `triples` (`nbytes` in all) between `local` and the peer's arena;
     TimeoutError when a copy on the executor is still running at `deadline`
-    (event loop clock; it is then waited for, so nothing writes later)."""
+    (event loop clock; it is then waited for, so nothing writes later).
+    `budget` (an `InlineBudget`) says when inline copies yield to the loop."""
     job = copy_job(peer, info, local, triples, read, nbytes, plan)
     if nbytes <= _INLINE_COPY_BYTES:
+        started = time.perf_counter()
         job()
-        # Let the loop run its other tasks and timers: back-to-back inline
-        # pulls would otherwise never give it a turn.
-        await asyncio.sleep(0)
+        await budget.spent(time.perf_counter() - started)
     else:
         future = _copy_pool().submit(job)
         try:

@@ -72,24 +72,39 @@ _DECODE_VERSION = msgspec.msgpack.Decoder(_Version)
 
 
 class Runs(Sequence):
-    """A decoded handle's runs: (offset, length) tuples made on first use from
-    the uint64 array. A reader that only pulls never needs them, and building
-    512 tuples was a third of the cost of decoding a batch handle."""
+    """A decoded handle's runs, kept as the wire's bytes (little-endian uint64
+    offset, length pairs): the uint64 array and the (offset, length) tuples
+    are made on first use. A reader that only pulls hands the bytes to the
+    compiled planner and needs neither: from a cold cache (every pull after
+    a large one) numpy's frombuffer and reshape cost about 70 us, and
+    building 512 tuples was a third of the cost of decoding a batch handle."""
 
-    __slots__ = ("_array", "_tuples")
+    __slots__ = ("_array", "_raw", "_tuples")
 
-    def __init__(self, array: np.ndarray) -> None:
-        self._array = array
+    def __init__(self, raw: bytes) -> None:
+        self._raw = raw
+        self._array: np.ndarray | None = None
         self._tuples: tuple[tuple[int, int], ...] | None = None
+
+    @property
+    def raw(self) -> bytes:
+        """The runs as the wire carries them (what `plan_rows` takes)."""
+        return self._raw
+
+    def array(self) -> np.ndarray:
+        """The runs as an (n, 2) uint64 array (a read-only view of the bytes)."""
+        if self._array is None:
+            self._array = np.frombuffer(self._raw, dtype=_LE_U64).reshape(-1, 2)
+        return self._array
 
     def tuples(self) -> tuple[tuple[int, int], ...]:
         if self._tuples is None:
-            a = self._array
+            a = self.array()
             self._tuples = tuple(zip(a[:, 0].tolist(), a[:, 1].tolist(), strict=True))
         return self._tuples
 
     def __len__(self) -> int:
-        return len(self._array)
+        return len(self._raw) // 16
 
     def __getitem__(self, index):
         return self.tuples()[index]
@@ -131,6 +146,14 @@ class BlockHandle:
         if self._array is None:
             object.__setattr__(self, "_array", run_array(self.runs))
         return self._array
+
+    @property
+    def runs_buffer(self):
+        """The runs as a buffer of uint64 (offset, length) pairs, for
+        `plan_rows`: a decoded handle's wire bytes as they are."""
+        if isinstance(self.runs, Runs) and sys.byteorder == "little":
+            return self.runs.raw
+        return np.ascontiguousarray(self.run_array, dtype=np.uint64)  # native order
 
     @property
     def nbytes(self) -> int:
@@ -196,13 +219,9 @@ class BlockHandle:
         if len(wire.runs) % 16:
             raise MalformedHandle("handle field 'runs' is not 16-byte (offset, length) records")
         # Every 64-bit pattern is a valid uint64: bounds are checked against
-        # the arena. A read-only view of the decoded bytes (no copy on
-        # little-endian hosts: after a large pull every numpy call runs from
-        # a cold cache).
-        runs = np.frombuffer(wire.runs, dtype=_LE_U64).reshape(-1, 2)
+        # the arena when a pull is planned.
         handle = cls(wire.backend, wire.agent, wire.agent_id, wire.arena, wire.rkey, wire.base,
-                     Runs(runs), wire.lease, wire.expiry, wire.ns)  # fmt: skip
-        object.__setattr__(handle, "_array", runs)
+                     Runs(wire.runs), wire.lease, wire.expiry, wire.ns)  # fmt: skip
         return handle
 
     def check(self, namespace: bytes, now: float | None = None) -> None:
@@ -225,7 +244,7 @@ class BlockHandle:
 def run_array(runs) -> np.ndarray:
     """[offset, length] pairs as an (n, 2) uint64 array; non-integers or negatives refused."""
     if isinstance(runs, Runs):
-        return runs._array
+        return runs.array()
     if isinstance(runs, np.ndarray) and runs.dtype == np.uint64:
         return runs.reshape(-1, 2)
     try:
@@ -311,6 +330,21 @@ def _compiled_plan_runs():
 
 
 _plan_runs = _compiled_plan_runs()
+
+
+def plan_rows(remote_runs, local_offsets, remote_size: int, local_size: int):
+    """`plan_checked` without numpy: the rows as a bytearray of uint64
+    (remote offset, local offset, length) triples, and their byte count.
+    `remote_runs` is a buffer of uint64 (offset, length) pairs (a decoded
+    handle's `runs_buffer`). What a pull hands its transport."""
+    return _plan_runs(remote_runs, local_offsets, remote_size, local_size)
+
+
+def rows_array(rows) -> np.ndarray:
+    """`plan_rows`' rows as a (k, 3) uint64 array (a view, no copy)."""
+    if isinstance(rows, np.ndarray):
+        return rows.reshape(-1, 3)
+    return np.frombuffer(rows, dtype=np.uint64).reshape(-1, 3)
 
 
 def plan_checked(remote_runs, local_offsets, remote_size: int, local_size: int):

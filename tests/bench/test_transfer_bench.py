@@ -7,10 +7,12 @@ def test_bench_transfer_writes_a_table_and_json(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # its calibration, not the user's
     out = tmp_path / "transfer.json"
     args = ["bench", "transfer", "--arena-mib", "4", "--sizes-mib", "1", "--batch", "16"]
-    args += ["--runs", "2", "--modes", "tcp,fast path", "--no-perftest", "--no-nixl"]
+    args += ["--runs", "1", "--rounds", "2", "--modes", "tcp,fast path", "--no-perftest"]
+    args += ["--no-nixl"]
     args += ["--json", str(out)]
     main(args)
     printed = capsys.readouterr().out
+    assert "median of 2 runs" in printed
     assert "x memcpy" in printed and "process_vm_readv of the runs, 1 call" in printed
     # Host facts, the load and the fast path's calibration are printed and kept.
     assert "load average:" in printed and "shmem huge pages" in printed
@@ -20,6 +22,7 @@ def test_bench_transfer_writes_a_table_and_json(tmp_path, capsys, monkeypatch):
     assert [r["case"] for r in data["results"]] == cases
     for result in data["results"]:
         assert set(result["modes"]) == {"tcp", "fast path"}
+        # One timed pull per round, the rounds pooled.
         assert all(len(s["runs"]) == 2 for s in result["modes"].values())
         # The tcp backend's baseline: a plain loopback stream of the same bytes.
         assert result["tcp_stream"]["median"] > 0

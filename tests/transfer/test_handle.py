@@ -9,7 +9,13 @@ from kvrelay.layout import ModelKVSpec, ParallelConfig, rank_rectangle
 from kvrelay.transfer import BlockHandle, MalformedHandle, coalesce
 from kvrelay.transfer.arena import copy_runs_reference, owner_pid, readv_runs_reference
 from kvrelay.transfer.errors import RunOutOfBounds
-from kvrelay.transfer.handle import plan, plan_checked, plan_runs_reference
+from kvrelay.transfer.handle import (
+    plan,
+    plan_checked,
+    plan_rows,
+    plan_runs_reference,
+    rows_array,
+)
 from kvrelay.transfer.lease import LeaseTable
 
 SPEC = ModelKVSpec(
@@ -264,3 +270,21 @@ def test_narrow_refuses_runs_outside_the_handle(runs):
     handle = make_handle(runs=((0, 10), (64, 5), (200, 100)))
     with pytest.raises(RunOutOfBounds):
         handle.narrow(runs)
+
+
+def test_a_decoded_handle_plans_from_its_wire_bytes_as_from_tuples():
+    runs = ((0, 10), (10, 6), (64, 5), (4096, 7))
+    handle = make_handle(runs=runs)
+    decoded = BlockHandle.from_bytes(handle.to_bytes())
+    # The pull path hands the wire's bytes to the planner: no array is made.
+    assert isinstance(decoded.runs_buffer, bytes) and len(decoded.runs) == 4
+    assert decoded.runs.array() is not None  # (made on request only)
+    offsets = [100, 110, 0, 2000]
+    rows, nbytes = plan_rows(decoded.runs_buffer, offsets, 8192, 4096)
+    want, want_bytes = plan_checked(runs, offsets, 8192, 4096)
+    assert np.array_equal(rows_array(rows), want) and nbytes == want_bytes == 28
+    # (0, 10) and (10, 6) continue each other on both sides: one row.
+    assert rows_array(rows).tolist() == [[0, 100, 16], [64, 0, 5], [4096, 2000, 7]]
+    assert np.array_equal(rows_array(plan_rows(handle.runs_buffer, offsets, 8192, 4096)[0]), want)
+    with pytest.raises(RunOutOfBounds):
+        plan_rows(decoded.runs_buffer, offsets, 4100, 4096)

@@ -17,6 +17,7 @@ import numpy as np
 from kvrelay.transfer.arena import copy_runs
 from kvrelay.transfer.base import Transport
 from kvrelay.transfer.errors import PeerError
+from kvrelay.transfer.handle import rows_array
 
 # Drawn once per process (a fork gets the parent's: re-drawn after one).
 _PROCESS_KEY = os.urandom(16)
@@ -36,7 +37,8 @@ class LoopbackTransport(Transport):
     def register(self, arena) -> bytes:
         return _PROCESS_KEY
 
-    async def move(self, peer, handle, local, triples, read, deadline) -> None:
+    async def move(self, peer, handle, local, rows, read, deadline) -> None:
+        triples = rows_array(rows)
         # One copy in this process, nothing to wait for: the deadline bounds nothing.
         if handle.rkey != _PROCESS_KEY:
             raise PeerError(

@@ -46,7 +46,7 @@ from kvrelay.transfer.errors import (
     RunOutOfBounds,
     UnknownArena,
 )
-from kvrelay.transfer.handle import MAX_RUNS, check_runs
+from kvrelay.transfer.handle import MAX_RUNS, check_runs, rows_array
 from kvrelay.transfer.lease import covers
 
 _REMOTE_ERRORS = {
@@ -70,9 +70,9 @@ for _call_name in ("readv", "writev"):
 class TcpTransport(Transport):
     name = "tcp"
 
-    async def move(self, peer, handle, local, triples, read, deadline) -> None:
+    async def move(self, peer, handle, local, rows, read, deadline) -> None:
         async with asyncio.timeout_at(deadline):
-            await self._move(peer, handle, local, triples, read)
+            await self._move(peer, handle, local, rows_array(rows), read)
 
     async def _move(self, peer, handle, local, triples, read) -> None:
         conn = peer.conn

@@ -14,11 +14,13 @@ import asyncio
 import atexit
 import contextlib
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 
 from kvrelay.transfer.base import Peer, Transport
 from kvrelay.transfer.errors import BackendUnavailable, PeerError, TransferError
+from kvrelay.transfer.inline import InlineBudget
 
 try:
     import torch  # noqa: F401  (loads libc10/libtorch, which _ucx links against)
@@ -64,6 +66,7 @@ class UcxTransport(Transport):
             raise BackendUnavailable(f"UCX failed to start: {exc}") from exc
         self._regions: dict[int, object] = {}
         self._states: list[_PeerState] = []
+        self._inline = InlineBudget()
         self._stop = threading.Event()
         self._progress = threading.Thread(target=self._progress_loop, daemon=True)
         self._progress.start()
@@ -104,7 +107,7 @@ class UcxTransport(Transport):
             self._states.append(peer.state)
         return peer.state
 
-    async def move(self, peer, handle, local, triples, read, deadline) -> None:
+    async def move(self, peer, handle, local, rows, read, deadline) -> None:
         region = self._regions.get(local.arena_id)
         if region is None:
             raise TransferError(f"local arena {local.arena_id} is not registered with ucx")
@@ -115,8 +118,9 @@ class UcxTransport(Transport):
         if rkey is None:
             rkey = _ucx.RemoteKey(state.endpoint, handle.rkey)
             state.rkeys[handle.arena_id] = rkey
+        started = time.perf_counter()
         try:
-            batch = _ucx.Batch(rkey, region, read, triples, handle.base)
+            batch = _ucx.Batch(rkey, region, read, rows, handle.base)
         except _ucx.UcxError as exc:
             raise PeerError(f"posting to {peer.address} failed: {exc}") from None
         loop = asyncio.get_running_loop()
@@ -127,8 +131,8 @@ class UcxTransport(Transport):
                 # Done while posted, or driven to completion right here (cma
                 # GETs are deferred to progress and done within a few ms: a
                 # waiter thread and an eventfd wake-up cost more than that
-                # saves); give the loop its turn.
-                await asyncio.sleep(0)
+                # saves); the loop gets its turn once such pulls add up.
+                await self._inline.spent(time.perf_counter() - started)
             else:
                 # The batch waits on a thread of its own and signals an
                 # eventfd: no executor hop and no GIL handoff per batch.

@@ -10,7 +10,6 @@
 // happens so that two processes on two cores do not starve each other, and
 // always ends at a deadline. Failures become kvrelay._ucx.UcxError carrying
 // the UCX status name.
-#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <sys/eventfd.h>
@@ -26,24 +25,38 @@
 namespace kvrelay::ucx {
 namespace {
 
-using U64Array = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
-
 // A batch of GETs or PUTs posted in one call, then waited for. The posted
 // requests write into (GET) or read from (PUT) the caller's local buffers
 // until wait() returns true or the endpoint is force-closed.
 class Batch {
  public:
-  // `rows` is the agent's plan: (k, 3) uint64 (remote offset, local offset,
-  // length), offsets from `remote_base` in the peer and from the local
-  // region's start. Adding the bases here spares the caller three numpy
-  // temporaries per pull (a tenth of a small pull's cost from a cold cache).
+  // `rows` is the agent's plan: a buffer of native uint64 (remote offset,
+  // local offset, length) triples (the planner's bytearray, or a (k, 3)
+  // uint64 array), offsets from `remote_base` in the peer and from the local
+  // region's start. Taken as a plain buffer and the bases added here: a
+  // numpy view of the rows, three numpy temporaries for the addresses and
+  // pybind11's array conversion each cost tens of microseconds per pull
+  // from a cold cache.
   Batch(std::shared_ptr<RemoteKey> rkey, std::shared_ptr<MemRegion> local, bool get,
-        const U64Array& rows, uint64_t remote_base)
+        const py::buffer& rows_buffer, uint64_t remote_base)
       : rkey_(std::move(rkey)), local_(std::move(local)) {
-    if (rows.ndim() != 2 || rows.shape(1) != 3)
-      throw py::value_error("rows must be a (k, 3) array of (remote, local, length)");
-    const auto n = static_cast<size_t>(rows.shape(0));
-    const uint64_t* row = rows.data();
+    const py::buffer_info info = rows_buffer.request();
+    const auto bytes = static_cast<size_t>(info.size * info.itemsize);
+    const bool contiguous =
+        info.ndim == 1 ? info.strides[0] == info.itemsize
+                       : (info.ndim == 2 && info.strides[1] == info.itemsize &&
+                          info.strides[0] == info.itemsize * info.shape[1]);
+    const char kind = info.format.empty() ? '?' : info.format.back();
+    const bool u64_or_bytes = (info.itemsize == 8 && (kind == 'Q' || kind == 'L')) ||
+                              (info.itemsize == 1 && (kind == 'B' || kind == 'b' || kind == 'c'));
+    if (!contiguous || !u64_or_bytes || bytes % 24 != 0 ||
+        (info.ndim == 2 && info.shape[1] * info.itemsize != 24))
+      throw py::value_error(
+          "rows must be a contiguous buffer of uint64 (remote, local, length) triples");
+    if (reinterpret_cast<uintptr_t>(info.ptr) % alignof(uint64_t) != 0)
+      throw py::value_error("rows must be 8-byte aligned");
+    const auto n = bytes / 24;
+    const uint64_t* row = static_cast<const uint64_t*>(info.ptr);
     const uint64_t local_base = local_->address();
     // The local side is checked here; the remote runs were checked against
     // the peer's arena table before this call (the rkey alone bounds nothing
@@ -240,7 +253,7 @@ PYBIND11_MODULE(_ucx, m) {
            py::arg("packed"))
       .def("destroy", &RemoteKey::destroy);
   py::class_<Batch, std::shared_ptr<Batch>>(m, "Batch")
-      .def(py::init<std::shared_ptr<RemoteKey>, std::shared_ptr<MemRegion>, bool, const U64Array&,
+      .def(py::init<std::shared_ptr<RemoteKey>, std::shared_ptr<MemRegion>, bool, const py::buffer&,
                     uint64_t>(),
            py::arg("rkey"), py::arg("local"), py::arg("get"), py::arg("rows"),
            py::arg("remote_base"),

@@ -1,0 +1,92 @@
+"""`_ucx.Batch` takes the planner's rows as a plain buffer (bytes, bytearray
+or a uint64 array): what lands is what the rows say, byte for byte, and a
+buffer that is not contiguous native uint64 triples is refused before any
+operation is posted. In one process, over UCX's self transport."""
+
+import numpy as np
+import pytest
+
+pytest.importorskip("kvrelay._ucx")
+
+from kvrelay import _ucx
+from kvrelay.transfer.handle import plan_rows, rows_array
+
+SIZE = 1 << 16
+
+
+@pytest.fixture(scope="module")
+def pair():
+    context = _ucx.Context({})
+    worker = _ucx.Worker(context)
+    endpoint = _ucx.Endpoint(worker, worker.address(), False)
+    remote = np.arange(SIZE, dtype=np.uint8) * np.uint8(7)
+    local = np.zeros(SIZE, dtype=np.uint8)
+    remote_region = _ucx.MemRegion(context, remote.ctypes.data, SIZE)
+    local_region = _ucx.MemRegion(context, local.ctypes.data, SIZE)
+    rkey = _ucx.RemoteKey(endpoint, remote_region.pack_rkey())
+    yield rkey, local_region, remote, local
+    rkey.destroy()
+    for region in (local_region, remote_region):
+        region.unmap()
+    endpoint.close(False, 1.0)
+    worker.close()
+    context.close()
+
+
+def _pull(pair, rows) -> np.ndarray:
+    rkey, local_region, remote, local = pair
+    local[:] = 0
+    batch = _ucx.Batch(rkey, local_region, True, rows, remote.ctypes.data)
+    assert batch.wait(10.0)
+    batch.release()
+    return local.copy()
+
+
+RUNS = [(4096, 100), (0, 64), (30000, 999)]
+OFFSETS = [0, 200, 8192]
+
+
+def _expected(remote) -> np.ndarray:
+    want = np.zeros(SIZE, dtype=np.uint8)
+    for (offset, length), at in zip(RUNS, OFFSETS, strict=True):
+        want[at : at + length] = remote[offset : offset + length]
+    return want
+
+
+@pytest.mark.parametrize("form", ["bytearray", "bytes", "array (k, 3)", "array (3k,)"])
+def test_rows_in_any_buffer_form_land_byte_for_byte(pair, form):
+    packed = np.array(RUNS, dtype=np.uint64).tobytes()
+    rows, nbytes = plan_rows(packed, OFFSETS, SIZE, SIZE)
+    assert nbytes == sum(n for _, n in RUNS)
+    given = {
+        "bytearray": rows,
+        "bytes": bytes(rows),
+        "array (k, 3)": rows_array(rows).copy(),
+        "array (3k,)": rows_array(rows).reshape(-1).copy(),
+    }[form]
+    assert np.array_equal(_pull(pair, given), _expected(pair[2]))
+
+
+_GOOD = np.array([[0, 0, 8]], dtype=np.uint64)
+_NOT_TRIPLES = {
+    "float64": _GOOD.astype(np.float64),
+    "int32": _GOOD.astype(np.int32),
+    "not a multiple of 24 bytes": bytes(16),
+    "(k, 2) rows": np.zeros((3, 2), dtype=np.uint64),
+    "strided": np.zeros((2, 6), dtype=np.uint64)[:, ::2],
+    "misaligned": memoryview(bytearray(25))[1:],
+}
+
+
+@pytest.mark.parametrize("name", list(_NOT_TRIPLES))
+def test_rows_that_are_not_uint64_triples_are_refused(pair, name):
+    rkey, local_region, remote, _ = pair
+    with pytest.raises(ValueError, match="rows must"):
+        _ucx.Batch(rkey, local_region, True, _NOT_TRIPLES[name], remote.ctypes.data)
+
+
+def test_a_local_run_outside_the_region_is_refused(pair):
+    rkey, local_region, remote, _ = pair
+    rows = np.array([[0, SIZE - 8, 16]], dtype=np.uint64)
+    with pytest.raises(IndexError, match="local run 0"):
+        _ucx.Batch(rkey, local_region, True, rows, remote.ctypes.data)
