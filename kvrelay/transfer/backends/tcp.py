@@ -8,9 +8,12 @@ after the owner accepted it.
 
 Bytes move on a worker thread per side with the socket in blocking mode:
 the reader sends its request from the event loop and its thread reads the
-owner's answer and receives the runs; the owner answers from the loop and
-its thread sends the runs with `writev`. Through the event loop every
-socket-buffer-sized chunk cost a wake-up and a callback, and the hops
+owner's answer and receives the runs; the owner's loop sends the answer and
+the first MiB of the runs in one non-blocking `writev`, and its thread sends
+the rest. Past its answer the owner cannot refuse in a frame (it would land
+among the bytes): on any failure it shuts the connection down. Through the
+event loop every socket-buffer-sized chunk cost a wake-up and a callback,
+and the hops
 between loop and thread around the answer cost a pull of 32 MiB a fifth of
 its time (see docs/architecture.md, "Where a pull's time goes"). The runs
 travel as a C `iovec` array built by numpy, handed to `readv` / `writev`
