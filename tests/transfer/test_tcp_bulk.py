@@ -233,7 +233,10 @@ def test_the_owner_loop_sends_the_answer_and_the_first_bytes(full_buffer):
                 filler += b"f" * owner.send(b"f" * 4096)
     rest = tcp.send_some(owner, head, tcp.iovecs(src, runs), 10_000)
     sent = head.nbytes + len(expected) - int(rest[:, 1].sum())
-    assert sent == (0 if full_buffer else head.nbytes + 10_000)
+    if full_buffer:  # nothing, unless an ACK freed some room meanwhile
+        assert sent <= head.nbytes + 10_000
+    else:
+        assert sent == head.nbytes + 10_000
     sender = threading.Thread(target=tcp._blocking, args=(owner, tcp.move_iovecs, rest, False))
     sender.start()
     stream = _drain(reader, len(filler) + head.nbytes + len(expected))
