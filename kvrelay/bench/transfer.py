@@ -263,7 +263,7 @@ def _compare(args, modes, cases, arena: int, pulls: dict, nixl, plan) -> tuple[l
         offsets = local_offsets(run_list)
         samples = args.runs * args.rounds
         same = transfer_host.same_runs_baselines(source, run_list, offsets, samples, plan, sweep)
-        stream = tcp_stream(nbytes, samples) if "tcp" in modes else None
+        stream = tcp_stream(nbytes, samples, sweep) if "tcp" in modes else None
         perftest, perftest_runs = ({}, {}) if args.no_perftest else _perftests(run_list)
         case_pulls = {mode: pulls[mode][name] for mode in modes}
         modes_json, mode_rows = _mode_rows(name, nbytes, case_pulls, perftest, stream)

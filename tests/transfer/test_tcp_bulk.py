@@ -199,3 +199,73 @@ async def test_a_peer_process_serves_more_runs_than_one_call_takes(start_peer):
 
 def peer_pattern(size: int) -> bytes:
     return pattern(size, 0).numpy().tobytes()
+
+
+def _drain(sock, n):
+    sock.setblocking(True)
+    data = bytearray()
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return bytes(data)
+
+
+@pytest.mark.parametrize("full_buffer", [False, True])
+def test_the_owner_loop_sends_the_answer_and_the_first_bytes(full_buffer):
+    # `send_some` on a non-blocking socket sends the head and at most `limit`
+    # bytes of the runs (all of it, or nothing when the socket takes no byte);
+    # the rows it returns carry the rest of the same stream, bit for bit.
+    size, run = 1 << 20, 4096
+    src = Arena.allocate_private(1, size)
+    src.tensor.copy_(torch_random(size))
+    runs = _scattered(size, 100, run, 5)
+    expected = b"".join(bytes(src.buffer(s, n)) for s, n in runs.tolist())
+    head = np.frombuffer(b"HEAD" * 5, dtype=np.uint8)
+    owner, reader = tcp_pair()
+    owner.setblocking(False)
+    filler = b""
+    if full_buffer:
+        owner.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        with pytest.raises(BlockingIOError):
+            while True:
+                filler += b"f" * owner.send(b"f" * 4096)
+    rest = tcp.send_some(owner, head, tcp.iovecs(src, runs), 10_000)
+    sent = head.nbytes + len(expected) - int(rest[:, 1].sum())
+    if full_buffer:  # nothing, unless an ACK freed some room meanwhile
+        assert sent <= head.nbytes + 10_000
+    else:
+        assert sent == head.nbytes + 10_000
+    sender = threading.Thread(target=tcp._blocking, args=(owner, tcp.move_iovecs, rest, False))
+    sender.start()
+    stream = _drain(reader, len(filler) + head.nbytes + len(expected))
+    sender.join(10)
+    assert stream == filler + head.tobytes() + expected
+    owner.close(), reader.close()
+
+
+@pytest.mark.asyncio
+async def test_an_owner_failing_mid_pull_fails_the_reader_at_once(monkeypatch):
+    # Past its answer the owner cannot send a typed refusal (it would land
+    # among the bytes and the reader would wait for its deadline): it shuts
+    # the connection down, and the reader fails with PeerError, not a timeout.
+    size = 4 << 20  # more than the owner's loop sends itself
+    real_move = tcp.move_iovecs
+
+    def failing_sender(sock, iov, receive):
+        if not receive:
+            raise RuntimeError("the arena went away")
+        real_move(sock, iov, receive)
+
+    monkeypatch.setattr(tcp, "move_iovecs", failing_sender)
+    async with (
+        await create_agent("tcp", token=TOKEN, fast_path=False) as owner,
+        await create_agent("tcp", token=TOKEN, fast_path=False) as reader,
+    ):
+        handle = owner.publish(owner.allocate_arena(size), [(0, size)], NAMESPACE)
+        local = reader.allocate_arena(size)
+        with pytest.raises(PeerError, match=r"closed|lost"):
+            await reader.read(handle, local, [0], namespace=NAMESPACE, timeout=60)
+        monkeypatch.setattr(tcp, "move_iovecs", real_move)
+        await reader.read(handle, local, [0], namespace=NAMESPACE, timeout=60)  # reconnects

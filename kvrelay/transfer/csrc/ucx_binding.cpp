@@ -81,7 +81,7 @@ class Batch {
       param.memory_type = local_->memory_type();
     }
     py::gil_scoped_release nogil;
-    WaiterScope scope(worker_obj_->waiters_);
+    WaiterScope scope(*worker_obj_);
     pending_.reserve(n + 1);
     for (size_t i = 0; i < n && status_ == UCS_OK; ++i) {
       void* buf = reinterpret_cast<void*>(local_base + row[3 * i + 1]);
@@ -156,7 +156,7 @@ class Batch {
 
  private:
   void drive(double timeout) {
-    WaiterScope scope(worker_obj_->waiters_);
+    WaiterScope scope(*worker_obj_);
     const auto deadline = deadline_after(timeout);
     Backoff backoff;
     while (!pending_.empty() && !aborted_.load()) {

@@ -10,9 +10,11 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -141,8 +143,13 @@ class Worker {
       if (waiters_.load() > 0) {
         // A batch waiter progresses the worker itself; a second thread in
         // ucp_worker_progress would only contend for the worker's lock (it
-        // halves cma throughput on two cores).
-        std::this_thread::sleep_for(std::chrono::microseconds(200));
+        // halves cma throughput on two cores). Sleep until the last waiter
+        // leaves (or 5 ms, which also bounds a wake-up lost to the race
+        // between the check and the wait) rather than waking every 200 us
+        // on a core the batch's copy may need.
+        const auto until = std::min(deadline, Clock::now() + std::chrono::milliseconds(5));
+        std::unique_lock<std::mutex> lock(waiters_mutex_);
+        waiters_left_.wait_until(lock, until, [this] { return waiters_.load() == 0; });
         continue;
       }
       const unsigned n = ucp_worker_progress(w);
@@ -158,6 +165,8 @@ class Worker {
 
   // Threads inside Batch::wait; the progress thread stands aside meanwhile.
   std::atomic<int> waiters_{0};
+  std::mutex waiters_mutex_;
+  std::condition_variable waiters_left_;
 
  private:
   std::shared_ptr<Context> ctx_;
@@ -165,9 +174,11 @@ class Worker {
 };
 
 struct WaiterScope {
-  explicit WaiterScope(std::atomic<int>& count) : count_(count) { ++count_; }
-  ~WaiterScope() { --count_; }
-  std::atomic<int>& count_;
+  explicit WaiterScope(Worker& worker) : worker_(worker) { ++worker_.waiters_; }
+  ~WaiterScope() {
+    if (--worker_.waiters_ == 0) worker_.waiters_left_.notify_all();
+  }
+  Worker& worker_;
 };
 
 // Waits for one request (a flush or a close) until the deadline.
