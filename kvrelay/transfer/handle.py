@@ -354,8 +354,8 @@ def plan_checked(remote_runs, local_offsets, remote_size: int, local_size: int):
     runs = run_array(remote_runs)
     if not runs.flags.c_contiguous:
         runs = np.ascontiguousarray(runs)
-    rows, nbytes = _plan_runs(runs, local_offsets, remote_size, local_size)
-    return np.frombuffer(rows, dtype=np.uint64).reshape(-1, 3), nbytes
+    rows, nbytes = plan_rows(runs, local_offsets, remote_size, local_size)
+    return rows_array(rows), nbytes
 
 
 def coalesce(pairs: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
