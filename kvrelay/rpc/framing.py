@@ -52,6 +52,14 @@ def encode(message) -> bytes:
     return _ENCODER.encode(message)
 
 
+def framed(message) -> bytes:
+    """`message` as one frame: its length header and its msgpack body."""
+    body = encode(message)
+    if len(body) > MAX_FRAME:
+        raise ProtocolError(f"frame of {len(body)} bytes exceeds {MAX_FRAME}")
+    return FRAME_HEADER.pack(len(body)) + body
+
+
 def split_address(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
@@ -90,10 +98,7 @@ class Connection:
         return cls(sock)
 
     async def send(self, message) -> None:
-        body = encode(message)
-        if len(body) > MAX_FRAME:
-            raise ProtocolError(f"frame of {len(body)} bytes exceeds {MAX_FRAME}")
-        await self.send_bytes(FRAME_HEADER.pack(len(body)) + body)
+        await self.send_bytes(framed(message))
 
     async def recv_body(self, max_size: int = MAX_FRAME, stall_timeout: float | None = None):
         """The next frame's bytes. The wait for its first byte is the caller's;

@@ -38,7 +38,7 @@ import numpy as np
 
 from kvrelay import rpc
 from kvrelay.rpc.agent_ops import Accepted, Read, Write
-from kvrelay.rpc.framing import FRAME_HEADER, MAX_FRAME, decode, encode
+from kvrelay.rpc.framing import FRAME_HEADER, MAX_FRAME, decode, framed
 from kvrelay.rpc.messages import Error
 from kvrelay.transfer.base import Transport
 from kvrelay.transfer.errors import (
@@ -116,7 +116,7 @@ class TcpTransport(Transport):
                     return rpc.Ok()
                 # The answer and the first bytes leave in one call from the
                 # loop, so the bytes flow while this side's thread wakes up.
-                head = np.frombuffer(_frame(answer), dtype=np.uint8)
+                head = np.frombuffer(framed(answer), dtype=np.uint8)
                 rest = send_some(conn.sock, head, iov, _INLINE_BYTES)
                 if len(rest):
                     await in_thread(conn.sock, move_iovecs, rest, False)
@@ -225,11 +225,6 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
             raise PeerError("the peer closed the connection")
         got += k
     return bytes(data)
-
-
-def _frame(message) -> bytes:
-    body = encode(message)
-    return FRAME_HEADER.pack(len(body)) + body
 
 
 def send_some(sock: socket.socket, head: np.ndarray, iov: np.ndarray, limit: int) -> np.ndarray:
