@@ -3,6 +3,8 @@ or a uint64 array): what lands is what the rows say, byte for byte, and a
 buffer that is not contiguous native uint64 triples is refused before any
 operation is posted. In one process, over UCX's self transport."""
 
+import socket
+
 import numpy as np
 import pytest
 
@@ -90,3 +92,44 @@ def test_a_local_run_outside_the_region_is_refused(pair):
     rows = np.array([[0, SIZE - 8, 16]], dtype=np.uint64)
     with pytest.raises(IndexError, match="local run 0"):
         _ucx.Batch(rkey, local_region, True, rows, remote.ctypes.data)
+
+
+def test_a_batch_driven_while_posted_is_done_without_a_wait(pair):
+    rkey, local_region, remote, local = pair
+    rows, _ = plan_rows(np.array(RUNS, dtype=np.uint64).tobytes(), OFFSETS, SIZE, SIZE)
+    local[:] = 0
+    batch = _ucx.Batch(rkey, local_region, True, rows, remote.ctypes.data, drive_for=10.0)
+    assert batch.pending == 0
+    assert batch.result()
+    batch.release()
+    assert np.array_equal(local, _expected(remote))
+
+
+def test_a_watched_connection_that_is_open_lets_the_batch_run(pair):
+    rkey, local_region, remote, local = pair
+    rows, _ = plan_rows(np.array(RUNS, dtype=np.uint64).tobytes(), OFFSETS, SIZE, SIZE)
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.sendall(b"unread bytes are not a close")
+        local[:] = 0
+        batch = _ucx.Batch(rkey, local_region, True, rows, remote.ctypes.data, 10.0, ours.fileno())
+        assert batch.result()
+        batch.release()
+    assert np.array_equal(local, _expected(remote))
+
+
+@pytest.mark.parametrize("how", ["closed", "shut down for writing"])
+def test_a_watched_connection_the_peer_closed_posts_nothing(pair, how):
+    rkey, local_region, remote, local = pair
+    rows, _ = plan_rows(np.array(RUNS, dtype=np.uint64).tobytes(), OFFSETS, SIZE, SIZE)
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        if how == "closed":
+            theirs.close()
+        else:
+            theirs.shutdown(socket.SHUT_WR)
+        local[:] = 0
+        with pytest.raises(_ucx.PeerClosed, match="closed its control connection"):
+            _ucx.Batch(rkey, local_region, True, rows, remote.ctypes.data, 10.0, ours.fileno())
+    assert not local.any()
+    assert issubclass(_ucx.PeerClosed, _ucx.UcxError)

@@ -111,43 +111,34 @@ class UcxTransport(Transport):
         region = self._regions.get(local.arena_id)
         if region is None:
             raise TransferError(f"local arena {local.arena_id} is not registered with ucx")
-        if peer.conn is not None and _peer_gone(peer):
+        # The binding checks the peer's control connection for a hang-up
+        # before posting (on one host a dead peer is seen only there).
+        watch = -1 if peer.conn is None else peer.conn.sock.fileno()
+        if watch < 0 and peer.conn is not None:
             raise PeerError(f"agent {peer.address} closed its control connection")
         state = self._state(peer)
         rkey = state.rkeys.get(handle.arena_id)
         if rkey is None:
             rkey = _ucx.RemoteKey(state.endpoint, handle.rkey)
             state.rkeys[handle.arena_id] = rkey
+        loop = asyncio.get_running_loop()
         started = time.perf_counter()
+        inline = min(_INLINE_DRIVE_S, max(0.0, deadline - loop.time()))
         try:
-            batch = _ucx.Batch(rkey, region, read, rows, handle.base)
+            # Posted and progressed for up to `inline` in one call: cma GETs
+            # are deferred to progress and done within a few ms, and a waiter
+            # thread and an eventfd wake-up cost more than that saves.
+            batch = _ucx.Batch(rkey, region, read, rows, handle.base, inline, watch)
+        except _ucx.PeerClosed:
+            raise PeerError(f"agent {peer.address} closed its control connection") from None
         except _ucx.UcxError as exc:
             raise PeerError(f"posting to {peer.address} failed: {exc}") from None
-        loop = asyncio.get_running_loop()
-        fd = None
         try:
-            inline = min(_INLINE_DRIVE_S, max(0.0, deadline - loop.time()))
-            if batch.pending == 0 or batch.wait(inline):
-                # Done while posted, or driven to completion right here (cma
-                # GETs are deferred to progress and done within a few ms: a
-                # waiter thread and an eventfd wake-up cost more than that
-                # saves); the loop gets its turn once such pulls add up.
-                await self._inline.spent(time.perf_counter() - started)
-            else:
-                # The batch waits on a thread of its own and signals an
-                # eventfd: no executor hop and no GIL handoff per batch.
-                done = loop.create_future()
-                fd = batch.start(_WAIT_LIMIT)
-                loop.add_reader(fd, lambda: done.done() or done.set_result(None))
-                # Bounded by the deadline; a dead peer is noticed here too.
-                while not done.done():
-                    left = deadline - loop.time()
-                    if left <= 0:
-                        raise TimeoutError
-                    await asyncio.wait({done}, timeout=min(0.25, left))
-                    if not done.done() and peer.conn is not None and _peer_gone(peer):
-                        raise PeerError(f"agent {peer.address} died during the transfer")
-            if not batch.result():
+            if batch.result():
+                # Done inline: the loop gets its turn once such pulls add up.
+                if self._inline.used_up(time.perf_counter() - started):
+                    await asyncio.sleep(0)
+            elif not await _wait_on_thread(batch, peer, loop, deadline):
                 raise PeerError(f"transfer from {peer.address} did not complete")
         except _ucx.UcxError as exc:
             self.drop_peer(peer)
@@ -159,8 +150,6 @@ class UcxTransport(Transport):
             self.drop_peer(peer)
             raise
         finally:
-            if fd is not None:
-                loop.remove_reader(fd)
             batch.release()
 
     def drop_peer(self, peer) -> None:
@@ -207,3 +196,24 @@ def _stop_progress_threads() -> None:
 
 def _peer_gone(peer) -> bool:
     return peer.conn.closed_by_peer()
+
+
+async def _wait_on_thread(batch, peer, loop, deadline) -> bool:
+    """Waits for a batch that was not done inline: it is driven on a thread
+    of its own, which signals an eventfd (no executor hop and no GIL handoff
+    per batch). Bounded by the deadline; a dead peer is noticed here too.
+    The batch's result() once it is done."""
+    done = loop.create_future()
+    fd = batch.start(_WAIT_LIMIT)
+    loop.add_reader(fd, lambda: done.done() or done.set_result(None))
+    try:
+        while not done.done():
+            left = deadline - loop.time()
+            if left <= 0:
+                raise TimeoutError
+            await asyncio.wait({done}, timeout=min(0.25, left))
+            if not done.done() and peer.conn is not None and _peer_gone(peer):
+                raise PeerError(f"agent {peer.address} died during the transfer")
+    finally:
+        loop.remove_reader(fd)
+    return batch.result()
