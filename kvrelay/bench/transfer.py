@@ -233,8 +233,10 @@ def _rounds(args, modes, cases, arena: int) -> tuple[dict, dict | None]:
             if reads is None:  # absent or failed (the reason is printed): no NIXL rows
                 nixl = None
                 continue
-            for name, times in reads.items():
-                nixl.setdefault(name, []).extend(times)
+            for name, (prepared, per_read) in reads.items():
+                kept = nixl.setdefault(name, ([], []))
+                kept[0].extend(prepared)
+                kept[1].extend(per_read)
     return pulls, nixl
 
 
@@ -282,10 +284,17 @@ def _compare(args, modes, cases, arena: int, pulls: dict, nixl, plan) -> tuple[l
         if stream is not None:
             entry["tcp_stream"] = stream.to_json()
         if nixl:
-            rows.append([*nixl_peer.table_row(name, nbytes, nixl[name], memcpy.median), "-"])
+            prepared, per_read = nixl[name]
+            per_label = nixl_peer.PER_READ_LABEL
+            rows.append([*nixl_peer.table_row(name, nbytes, prepared, memcpy.median), "-"])
+            rows.append(
+                [*nixl_peer.table_row(name, nbytes, per_read, memcpy.median, per_label), "-"]
+            )
             our = {mode: pulls[mode][name][0] for mode in modes}
-            entry["nixl_ucx_read"] = nixl_peer.case_json(nixl[name], our)
-            nixl_lines.append(nixl_peer.ratio_line(name, nixl[name], our))
+            entry["nixl_ucx_read"] = nixl_peer.case_json(prepared, our)
+            entry["nixl_ucx_read_descriptors_per_read"] = nixl_peer.case_json(per_read, our)
+            nixl_lines.append(nixl_peer.ratio_line(name, prepared, our))
+            nixl_lines.append(nixl_peer.ratio_line(name, per_read, our, per_label))
         results.append(entry)
     source.close()
     return results, rows, nixl_lines

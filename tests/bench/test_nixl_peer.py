@@ -56,6 +56,11 @@ def test_ratio_is_nixl_time_over_pull_time():
 def test_table_row_gives_rate_spread_and_memcpy_ratio():
     row = nixl_peer.table_row("single 1 MiB", 2_000_000_000, [1.0, 2.0, 0.5], memcpy_median=0.5)
     assert row == ["single 1 MiB", "NIXL UCX READ", "2.00", "1.00-4.00", "0.50", "-"]
+    label = nixl_peer.PER_READ_LABEL
+    row = nixl_peer.table_row("single 1 MiB", 2_000_000_000, [1.0], 0.5, label)
+    assert row[1] == "NIXL UCX READ, descriptors per read"
+    line = nixl_peer.ratio_line("batch", [2.0], {"tcp": [1.0]}, label)
+    assert line.startswith("x NIXL UCX READ, descriptors per read (batch;")
 
 
 def test_measure_refuses_runs_past_the_arena_before_starting_anything():
@@ -87,21 +92,29 @@ def test_nixl_reads_the_same_runs_between_two_processes():
     times = nixl_peer.measure(cases, 4 << 20, runs=3, timeout=30.0)
     assert times is not None
     assert set(times) == {"single", "batch"}
-    assert all(len(t) == 3 and min(t) > 0 for t in times.values())
+    for prepared, per_read in times.values():
+        assert len(prepared) == len(per_read) == 3
+        assert min(prepared) > 0 and min(per_read) > 0
 
 
 @needs_nixl
 def test_bench_transfer_has_nixl_rows_and_ratios(tmp_path, capsys):
     out = tmp_path / "transfer.json"
     args = ["bench", "transfer", "--arena-mib", "4", "--sizes-mib", "1", "--batch", "16"]
-    args += ["--runs", "2", "--modes", "fast path", "--no-perftest", "--json", str(out)]
+    args += ["--runs", "2", "--rounds", "1", "--modes", "fast path", "--no-perftest"]
+    args += ["--json", str(out)]
     main(args)
     printed = capsys.readouterr().out
     assert printed.count("NIXL UCX READ  ") == 3  # one table row per case
+    assert printed.count("NIXL UCX READ, descriptors per read  ") == 3
     assert "x NIXL UCX READ (batch 16 x 64 KiB;" in printed
+    assert "x NIXL UCX READ, descriptors per read (batch 16 x 64 KiB;" in printed
     for result in json.loads(out.read_text())["results"]:
         assert len(result["nixl_ucx_read"]["runs"]) == 2
         assert result["nixl_ucx_read"]["x_nixl_by_mode"]["fast path"] > 0
+        per_read = result["nixl_ucx_read_descriptors_per_read"]
+        assert len(per_read["runs"]) == len(result["nixl_ucx_read"]["runs"])
+        assert per_read["x_nixl_by_mode"]["fast path"] > 0
 
 
 def test_bench_transfer_without_nixl_has_no_nixl_rows(tmp_path, capsys):
