@@ -31,3 +31,12 @@ def test_bench_transfer_writes_a_table_and_json(tmp_path, capsys, monkeypatch):
     assert data["host"]["kernel"] and data["copy_plan"]["source"] == "measured"
     batch = data["goals"]["cases"]["batch 16 x 64 KiB"]
     assert batch["tcp_gb_per_s"] > 0  # checked against the goal without NIXL too
+
+
+def test_tcp_stream_baseline_moves_the_senders_written_bytes():
+    # An untouched sender buffer would be the kernel's zero page (always in
+    # the cache): the baseline writes it and checks what lands, else raises.
+    from kvrelay.bench.tcp_stream import tcp_stream
+
+    summary = tcp_stream(1 << 20, runs=2)
+    assert len(summary.runs) == 2 and summary.median > 0
