@@ -156,3 +156,29 @@ async def test_fast_path_reads_a_restarted_peer_arena(mode, start_peer):
 
 def _sha(tensor) -> bytes:
     return hashlib.sha256(tensor.contiguous().numpy().tobytes()).digest()
+
+
+@pytest.mark.asyncio
+async def test_a_pull_from_a_killed_owner_fails_at_once_and_writes_nothing(start_peer):
+    """Over cma a dead owner is seen only on its control connection (its pid
+    could be another process's by now): the binding checks it for a hang-up
+    before posting, so the pull fails at once and moves no byte."""
+    batch = small_runs(64)
+    peer = start_peer("ucx-shm", SIZE, [batch])
+    backend, kwargs = mode_agent_kwargs("ucx-shm")
+    agent = await create_agent(backend, token=TOKEN, **kwargs)
+    try:
+        local = agent.allocate_arena(SIZE)
+        offsets = [i * RUN for i in range(len(batch))]
+        await agent.read(peer.handles[0], local, offsets, namespace=NAMESPACE, timeout=10)
+        peer.process.kill()
+        peer.process.join(10)
+        local.tensor.fill_(0)
+        started = time.monotonic()
+        with pytest.raises(PeerError, match="closed its control connection"):
+            await agent.read(peer.handles[0], local, offsets, namespace=NAMESPACE, timeout=10)
+        assert time.monotonic() - started < 2.0
+        assert not local.tensor.any()
+        assert agent.stats()["peers"] == 0
+    finally:
+        await agent.close()
