@@ -94,9 +94,13 @@ def test_a_local_run_outside_the_region_is_refused(pair):
         _ucx.Batch(rkey, local_region, True, rows, remote.ctypes.data)
 
 
+def _planned() -> bytearray:
+    return plan_rows(np.array(RUNS, dtype=np.uint64).tobytes(), OFFSETS, SIZE, SIZE)[0]
+
+
 def test_a_batch_driven_while_posted_is_done_without_a_wait(pair):
     rkey, local_region, remote, local = pair
-    rows, _ = plan_rows(np.array(RUNS, dtype=np.uint64).tobytes(), OFFSETS, SIZE, SIZE)
+    rows = _planned()
     local[:] = 0
     batch = _ucx.Batch(rkey, local_region, True, rows, remote.ctypes.data, drive_for=10.0)
     assert batch.pending == 0
@@ -107,7 +111,7 @@ def test_a_batch_driven_while_posted_is_done_without_a_wait(pair):
 
 def test_a_watched_connection_that_is_open_lets_the_batch_run(pair):
     rkey, local_region, remote, local = pair
-    rows, _ = plan_rows(np.array(RUNS, dtype=np.uint64).tobytes(), OFFSETS, SIZE, SIZE)
+    rows = _planned()
     ours, theirs = socket.socketpair()
     with ours, theirs:
         theirs.sendall(b"unread bytes are not a close")
@@ -121,7 +125,7 @@ def test_a_watched_connection_that_is_open_lets_the_batch_run(pair):
 @pytest.mark.parametrize("how", ["closed", "shut down for writing"])
 def test_a_watched_connection_the_peer_closed_posts_nothing(pair, how):
     rkey, local_region, remote, local = pair
-    rows, _ = plan_rows(np.array(RUNS, dtype=np.uint64).tobytes(), OFFSETS, SIZE, SIZE)
+    rows = _planned()
     ours, theirs = socket.socketpair()
     with ours, theirs:
         if how == "closed":

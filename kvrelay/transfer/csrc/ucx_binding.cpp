@@ -10,8 +10,8 @@
 // happens so that two processes on two cores do not starve each other, and
 // always ends at a deadline. Failures become kvrelay._ucx.UcxError carrying
 // the UCX status name.
-#include <pybind11/pybind11.h>
 #include <poll.h>
+#include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <sys/eventfd.h>
 #include <ucp/api/ucp.h>
