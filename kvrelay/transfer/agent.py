@@ -26,7 +26,7 @@ from kvrelay.rpc.agent_ops import (
 )
 from kvrelay.transfer.arena import Arena
 from kvrelay.transfer.base import AgentConfig, Peer, Transport
-from kvrelay.transfer.calibrate import FAST_COPIES, CopyPlan, fast_copy_plan
+from kvrelay.transfer.calibrate import FAST_COPIES, CopyPlan, copy_plan, fast_copy_plan
 from kvrelay.transfer.errors import (
     AuthError,
     PeerError,
@@ -47,6 +47,9 @@ class Agent:
             raise ValueError("an agent needs a non-empty cluster token")
         if config.fast_copy not in FAST_COPIES:
             raise ValueError(f"fast_copy must be one of {FAST_COPIES}, not {config.fast_copy!r}")
+        if config.ucx_stripes not in (0, 1, 2):
+            stripes = config.ucx_stripes
+            raise ValueError(f"ucx_stripes must be 0 (calibrated), 1 or 2, not {stripes!r}")
         self.config = config
         self.transport = transport
         self.agent_id = uuid.uuid4().bytes
@@ -62,9 +65,16 @@ class Agent:
 
     # -- lifecycle ------------------------------------------------------------
     async def start(self) -> Agent:
-        if self.config.fast_path:
+        calibrated = None
+        if (
+            self.config.fast_path and self.config.fast_copy == "calibrated"
+        ) or self.transport.wants_copy_plan(self.config):
             # Measured once per boot and cached (about half a second the first time).
-            self.copy_plan = await asyncio.to_thread(fast_copy_plan, self.config.fast_copy)
+            calibrated = await asyncio.to_thread(copy_plan)
+        if self.config.fast_path:
+            forced = self.config.fast_copy != "calibrated"
+            self.copy_plan = fast_copy_plan(self.config.fast_copy) if forced else calibrated
+        self.transport.tune(self.config, calibrated)
         self._server = rpc.Server(
             token=self.config.token,
             requests=AgentRequest,

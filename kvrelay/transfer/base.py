@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -12,6 +13,9 @@ from kvrelay.rpc.agent_ops import AgentWelcome, ArenaInfo
 from kvrelay.rpc.cache_ops import DEFAULT_LEASE_S
 from kvrelay.transfer.arena import Arena, RemoteMapping
 from kvrelay.transfer.handle import BlockHandle
+
+if TYPE_CHECKING:
+    from kvrelay.transfer.calibrate import CopyPlan
 
 
 @dataclass(slots=True)
@@ -27,6 +31,10 @@ class AgentConfig:
     # see calibrate.py), or forced: "map" (plain stores out of the mapped
     # memfd, one thread) or "readv" (process_vm_readv, one thread).
     fast_copy: str = "calibrated"
+    # Workers a large same-host ucx (cma) pull is split over: 0 as this
+    # host's calibration found (two where two kernel copies beat one by
+    # TWO_THREAD_MARGIN), or 1 or 2.
+    ucx_stripes: int = 0
     timeout: float = 10.0  # default deadline of a read or write, seconds
     lease_seconds: float = DEFAULT_LEASE_S
 
@@ -64,6 +72,14 @@ class Transport(ABC):
 
     def deregister(self, arena: Arena) -> None:  # noqa: B027 (optional hook)
         pass
+
+    def tune(self, config: AgentConfig, plan: CopyPlan | None) -> None:  # noqa: B027
+        """Takes the agent's settings and this host's measured copy plan
+        (None when the agent measured none), before the agent serves."""
+
+    def wants_copy_plan(self, config: AgentConfig) -> bool:
+        """Whether `tune` needs the host's calibration even without the fast path."""
+        return False
 
     @abstractmethod
     async def move(

@@ -77,6 +77,16 @@ class CopyPlan:
         big = rows == 0 or nbytes // rows >= CONTIGUOUS_RUN_BYTES
         return self.contiguous if big else self.scattered
 
+    def kernel_copy_threads(self) -> int:
+        """2 when two threads of `process_vm_readv` (the kernel's copy, what
+        UCX's cma does) beat one by TWO_THREAD_MARGIN on both shapes; else 1
+        (also when nothing was measured)."""
+        for rates in self.measured.values():
+            one, two = rates.get("readv, 1 thread"), rates.get("readv, 2 threads")
+            if not one or not two or two <= TWO_THREAD_MARGIN * one:
+                return 1
+        return 2 if self.measured else 1
+
     def to_json(self) -> dict:
         return {
             "scattered": asdict(self.scattered) | {"label": self.scattered.label},

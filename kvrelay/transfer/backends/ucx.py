@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import os
 import threading
 import time
 import weakref
@@ -46,12 +47,22 @@ _WAIT_LIMIT = 24 * 3600.0  # a batch's own bound; the caller's deadline aborts i
 # segment up to 64 MiB keeps a segment's copy short enough for an abort to
 # be seen within a few ms (measured in issue 14: docs/architecture.md).
 UCX_DEFAULTS = {"CMA_SEG_SIZE": "64M"}
+# A same-host pull of at least this much is split over two workers where the
+# host's calibration found two kernel copies faster than one: the reader's
+# CPU does a cma copy, so a second thread is a second copy engine. At 4 MiB
+# (about 0.5 ms) the split's own cost (a second post, a wake-up, the wait)
+# ate the gain; at 16 MiB two halves took 1 ms against 1.8 for the whole.
+_STRIPE_MIN_BYTES = 8 << 20
+_FAR_BLOCK_S = 0.004  # how long the loop's thread waits for the far half before yielding
 
 
 @dataclass(slots=True)
 class _PeerState:
     endpoint: object
     rkeys: dict[int, object] = field(default_factory=dict)
+    # The stripe worker's endpoint and rkeys (UCX rkeys are per endpoint).
+    stripe_endpoint: object | None = None
+    stripe_rkeys: dict[int, object] = field(default_factory=dict)
 
 
 class UcxTransport(Transport):
@@ -66,6 +77,10 @@ class UcxTransport(Transport):
             raise BackendUnavailable(f"UCX failed to start: {exc}") from exc
         self._regions: dict[int, object] = {}
         self._states: list[_PeerState] = []
+        self.stripes = 1  # set by tune()
+        # A second worker and the thread kept to drive it, made on the first striped pull.
+        self._stripe_worker = None
+        self._driver = None
         self._inline = InlineBudget()
         self._stop = threading.Event()
         self._progress = threading.Thread(target=self._progress_loop, daemon=True)
@@ -79,6 +94,17 @@ class UcxTransport(Transport):
     def _progress_loop(self) -> None:
         while not self._stop.is_set():
             self.worker.progress_for(0.25)
+
+    def wants_copy_plan(self, config) -> bool:
+        return config.ucx_stripes == 0
+
+    def tune(self, config, plan) -> None:
+        if len(os.sched_getaffinity(0)) < 2:
+            self.stripes = 1  # two copies would share one CPU
+        elif config.ucx_stripes:
+            self.stripes = config.ucx_stripes
+        else:
+            self.stripes = plan.kernel_copy_threads() if plan is not None else 1
 
     def hello_fields(self) -> dict:
         return {"ucx_address": self.worker.address()}
@@ -117,51 +143,97 @@ class UcxTransport(Transport):
         if watch < 0 and peer.conn is not None:
             raise PeerError(f"agent {peer.address} closed its control connection")
         state = self._state(peer)
-        rkey = state.rkeys.get(handle.arena_id)
-        if rkey is None:
-            rkey = _ucx.RemoteKey(state.endpoint, handle.rkey)
-            state.rkeys[handle.arena_id] = rkey
+        rkey = self._rkey(state.rkeys, state.endpoint, handle)
+        halves = None
+        if self.stripes > 1 and peer.on_host:
+            halves = _ucx.split_rows(rows, _STRIPE_MIN_BYTES)
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         inline = min(_INLINE_DRIVE_S, max(0.0, deadline - loop.time()))
+        batches, far_fd = [], -1
         try:
-            # Posted and progressed for up to `inline` in one call: cma GETs
-            # are deferred to progress and done within a few ms, and a waiter
-            # thread and an eventfd wake-up cost more than that saves.
-            batch = _ucx.Batch(rkey, region, read, rows, handle.base, inline, watch)
-        except _ucx.PeerClosed:
-            raise PeerError(f"agent {peer.address} closed its control connection") from None
-        except _ucx.UcxError as exc:
-            raise PeerError(f"posting to {peer.address} failed: {exc}") from None
-        try:
-            if batch.result():
-                # Done inline: the loop gets its turn once such pulls add up.
-                if self._inline.used_up(time.perf_counter() - started):
-                    await asyncio.sleep(0)
-            elif not await _wait_on_thread(batch, peer, loop, deadline):
+            try:
+                if halves is not None:
+                    # The second half first, driven by the stripe worker's
+                    # kept thread while this thread posts and drives the first.
+                    far_rkey = self._stripe_rkey(peer, state, handle)
+                    far = _ucx.Batch(far_rkey, region, read, halves[1], handle.base, 0.0, watch)
+                    batches.append(far)
+                    far_fd = far.start_on(self._driver, _WAIT_LIMIT)
+                    rows = halves[0]
+                # Posted and progressed for up to `inline` in one call: cma
+                # GETs are deferred to progress and done within a few ms, and
+                # a waiter thread and an eventfd wake-up cost more than that saves.
+                batches.append(_ucx.Batch(rkey, region, read, rows, handle.base, inline, watch))
+            except _ucx.PeerClosed:
+                raise PeerError(f"agent {peer.address} closed its control connection") from None
+            except _ucx.UcxError as exc:
+                raise PeerError(f"posting to {peer.address} failed: {exc}") from None
+            near = batches[-1]
+            done_inline = near.result()
+            if not done_inline and not await _wait_on_thread(near, peer, loop, deadline):
                 raise PeerError(f"transfer from {peer.address} did not complete")
+            if far_fd >= 0 and not await self._wait_far(batches[0], far_fd, peer, loop, deadline):
+                raise PeerError(f"transfer from {peer.address} did not complete")
+            # Done inline: the loop gets its turn once such pulls add up.
+            if done_inline and self._inline.used_up(time.perf_counter() - started):
+                await asyncio.sleep(0)
         except _ucx.UcxError as exc:
             self.drop_peer(peer)
             raise PeerError(f"transfer from {peer.address} failed: {exc}") from None
         except BaseException:
-            # Timeout, cancellation or a dead peer: stop the batch and close
-            # the endpoint, so nothing writes into `local` after this returns.
-            batch.abort()
-            self.drop_peer(peer)
+            if batches:
+                # Timeout, cancellation or a dead peer: stop the batches and
+                # close the endpoints, so nothing writes into `local` after
+                # this returns.
+                for batch in batches:
+                    batch.abort()
+                self.drop_peer(peer)
             raise
         finally:
-            batch.release()
+            for batch in batches:
+                batch.release()
+
+    async def _wait_far(self, far, fd, peer, loop, deadline) -> bool:
+        """The stripe worker's half, which started with the near one and is
+        about as long: blocking briefly beats a loop round trip (a few
+        hundred us from a cold cache, a tenth of a 16 MiB pull)."""
+        if far.done_within(min(_FAR_BLOCK_S, max(0.0, deadline - loop.time()))):
+            return far.result()
+        return await _wait_on_thread(far, peer, loop, deadline, fd)
+
+    def _rkey(self, rkeys: dict, endpoint, handle):
+        rkey = rkeys.get(handle.arena_id)
+        if rkey is None:
+            rkey = rkeys[handle.arena_id] = _ucx.RemoteKey(endpoint, handle.rkey)
+        return rkey
+
+    def _stripe_rkey(self, peer, state: _PeerState, handle):
+        try:
+            if self._stripe_worker is None:
+                self._stripe_worker = _ucx.Worker(self.context)
+                self._driver = _ucx.Driver()
+            if state.stripe_endpoint is None:
+                state.stripe_endpoint = _ucx.Endpoint(
+                    self._stripe_worker, peer.hello.ucx_address, not peer.on_host
+                )
+        except _ucx.UcxError as exc:
+            raise PeerError(f"cannot reach agent {peer.address} over UCX: {exc}") from None
+        return self._rkey(state.stripe_rkeys, state.stripe_endpoint, handle)
 
     def drop_peer(self, peer) -> None:
         state: _PeerState | None = peer.state
         if state is None:
             return
         peer.state = None
-        for rkey in state.rkeys.values():
+        for rkey in (*state.rkeys.values(), *state.stripe_rkeys.values()):
             rkey.destroy()
         state.rkeys.clear()
-        with contextlib.suppress(_ucx.UcxError):  # else the worker frees it at teardown
-            state.endpoint.close(True, _CLOSE_TIMEOUT)
+        state.stripe_rkeys.clear()
+        for endpoint in (state.endpoint, state.stripe_endpoint):
+            if endpoint is not None:
+                with contextlib.suppress(_ucx.UcxError):  # else the worker frees it at teardown
+                    endpoint.close(True, _CLOSE_TIMEOUT)
         if state in self._states:
             self._states.remove(state)
 
@@ -170,6 +242,7 @@ class UcxTransport(Transport):
             "ucx_endpoints": len(self._states),
             "ucx_rkeys": sum(len(s.rkeys) for s in self._states),
             "ucx_regions": len(self._regions),
+            "ucx_stripes": self.stripes,
         }
 
     def close(self) -> None:
@@ -178,6 +251,9 @@ class UcxTransport(Transport):
         for region in self._regions.values():
             region.unmap()
         self._regions.clear()
+        if self._stripe_worker is not None:
+            self._driver.stop()
+            self._stripe_worker.close()
         self.worker.close()
         self.context.close()
 
@@ -198,13 +274,15 @@ def _peer_gone(peer) -> bool:
     return peer.conn.closed_by_peer()
 
 
-async def _wait_on_thread(batch, peer, loop, deadline) -> bool:
+async def _wait_on_thread(batch, peer, loop, deadline, fd: int = -1) -> bool:
     """Waits for a batch that was not done inline: it is driven on a thread
     of its own, which signals an eventfd (no executor hop and no GIL handoff
-    per batch). Bounded by the deadline; a dead peer is noticed here too.
-    The batch's result() once it is done."""
+    per batch), `fd` if the caller started it already. Bounded by the
+    deadline; a dead peer is noticed here too. The batch's result() once it
+    is done."""
+    if fd < 0:
+        fd = batch.start(_WAIT_LIMIT)
     done = loop.create_future()
-    fd = batch.start(_WAIT_LIMIT)
     loop.add_reader(fd, lambda: done.done() or done.set_result(None))
     try:
         while not done.done():

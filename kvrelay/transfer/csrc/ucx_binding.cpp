@@ -21,7 +21,9 @@
 #include <cstring>
 #include <vector>
 
+#include "ucx_driver.h"
 #include "ucx_objects.h"
+#include "ucx_rows.h"
 
 namespace kvrelay::ucx {
 namespace {
@@ -41,7 +43,7 @@ bool hung_up(int fd) {
 // A batch of GETs or PUTs posted in one call, then waited for. The posted
 // requests write into (GET) or read from (PUT) the caller's local buffers
 // until wait() returns true or the endpoint is force-closed.
-class Batch {
+class Batch : public std::enable_shared_from_this<Batch> {
  public:
   // `rows` is the agent's plan: a buffer of native uint64 (remote offset,
   // local offset, length) triples (the planner's bytearray, or a (k, 3)
@@ -62,23 +64,9 @@ class Batch {
         const py::buffer& rows_buffer, uint64_t remote_base, double drive_for = 0.0,
         int watch_fd = -1)
       : rkey_(std::move(rkey)), local_(std::move(local)) {
-    const py::buffer_info info = rows_buffer.request();
-    const auto bytes = static_cast<size_t>(info.size * info.itemsize);
-    const bool contiguous =
-        info.ndim == 1 ? info.strides[0] == info.itemsize
-                       : (info.ndim == 2 && info.strides[1] == info.itemsize &&
-                          info.strides[0] == info.itemsize * info.shape[1]);
-    const char kind = info.format.empty() ? '?' : info.format.back();
-    const bool u64_or_bytes = (info.itemsize == 8 && (kind == 'Q' || kind == 'L')) ||
-                              (info.itemsize == 1 && (kind == 'B' || kind == 'b' || kind == 'c'));
-    if (!contiguous || !u64_or_bytes || bytes % 24 != 0 ||
-        (info.ndim == 2 && info.shape[1] * info.itemsize != 24))
-      throw py::value_error(
-          "rows must be a contiguous buffer of uint64 (remote, local, length) triples");
-    if (reinterpret_cast<uintptr_t>(info.ptr) % alignof(uint64_t) != 0)
-      throw py::value_error("rows must be 8-byte aligned");
-    const auto n = bytes / 24;
-    const uint64_t* row = static_cast<const uint64_t*>(info.ptr);
+    const Rows rows = parse_rows(rows_buffer);
+    const size_t n = rows.count;
+    const uint64_t* row = rows.row;
     const uint64_t local_base = local_->address();
     // The local side is checked here; the remote runs were checked against
     // the peer's arena table before this call (the rkey alone bounds nothing
@@ -154,6 +142,35 @@ class Batch {
     return event_fd_;
   }
 
+  // start() on a kept thread: the driver's (see Driver).
+  int start_on(const std::shared_ptr<Driver>& driver, double timeout) {
+    if (waiter_.joinable() || event_fd_ >= 0) throw UcxError("the batch was already started");
+    event_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (event_fd_ < 0) throw UcxError(std::string("eventfd: ") + std::strerror(errno));
+    driver->submit([self = shared_from_this(), timeout] {
+      self->drive(timeout);
+      {
+        std::lock_guard<std::mutex> lock(self->done_mutex_);
+        self->driven_done_ = true;
+      }
+      self->done_.notify_all();
+      const uint64_t one = 1;
+      [[maybe_unused]] ssize_t n = write(self->event_fd_, &one, sizeof(one));
+    });
+    driven_ = true;  // only once submitted: join() would wait for a job never run
+    return event_fd_;
+  }
+
+  // After start(): True once its thread is done (the eventfd fired), waiting
+  // up to `seconds` with the GIL released. Lets a caller that expects the
+  // batch to end within a few ms skip an event loop round trip.
+  bool done_within(double seconds) {
+    if (event_fd_ < 0) throw UcxError("the batch was not started");
+    pollfd p{event_fd_, POLLIN, 0};
+    py::gil_scoped_release nogil;
+    return poll(&p, 1, static_cast<int>(seconds * 1000.0)) > 0;
+  }
+
   // After start()'s fd fired: True when every operation completed.
   bool result() {
     join();
@@ -191,11 +208,20 @@ class Batch {
       events > 0 ? backoff.reset() : backoff.pause();
     }
   }
+  // Called with the GIL held, except from ~Batch on the driver's thread,
+  // which runs only after the driver is done with the batch.
   void join() {
     if (waiter_.joinable()) {
       py::gil_scoped_release nogil;
       waiter_.join();
     }
+    if (!driven_) return;
+    std::unique_lock<std::mutex> lock(done_mutex_);
+    if (driven_done_) return;
+    lock.unlock();
+    py::gil_scoped_release nogil;
+    lock.lock();
+    done_.wait(lock, [this] { return driven_done_; });
   }
   void track(ucs_status_ptr_t req) {
     if (req == nullptr) return;  // completed in place
@@ -232,6 +258,10 @@ class Batch {
   ucs_status_t status_ = UCS_OK;
   std::atomic<bool> aborted_{false};
   std::thread waiter_;
+  bool driven_ = false;  // started on a Driver
+  bool driven_done_ = false;
+  std::mutex done_mutex_;
+  std::condition_variable done_;
   int event_fd_ = -1;
 };
 
@@ -251,6 +281,9 @@ PYBIND11_MODULE(_ucx, m) {
   // Registered after UcxError, so its translator is tried first.
   py::register_exception<PeerClosed>(m, "PeerClosed", ucx_error.ptr());
   m.def("version", &version, "version of the libucp loaded at run time");
+  m.def("split_rows", &split_rows, py::arg("rows"), py::arg("min_bytes"),
+        "two halves of a plan's rows for two workers, or None (under min_bytes, or a local "
+        "byte written twice)");
 
   py::class_<Context, std::shared_ptr<Context>>(m, "Context")
       .def(py::init<const std::map<std::string, std::string>&>(), py::arg("defaults"),
@@ -279,6 +312,9 @@ PYBIND11_MODULE(_ucx, m) {
       .def(py::init<std::shared_ptr<Endpoint>, std::string>(), py::arg("endpoint"),
            py::arg("packed"))
       .def("destroy", &RemoteKey::destroy);
+  py::class_<Driver, std::shared_ptr<Driver>>(m, "Driver")
+      .def(py::init<>())
+      .def("stop", &Driver::stop, py::call_guard<py::gil_scoped_release>());
   py::class_<Batch, std::shared_ptr<Batch>>(m, "Batch")
       .def(py::init<std::shared_ptr<RemoteKey>, std::shared_ptr<MemRegion>, bool, const py::buffer&,
                     uint64_t, double, int>(),
@@ -289,6 +325,10 @@ PYBIND11_MODULE(_ucx, m) {
       .def("wait", &Batch::wait, py::arg("timeout"))
       .def("start", &Batch::start, py::arg("timeout"),
            "wait on a thread of the batch's own; returns an eventfd that fires when done")
+      .def("start_on", &Batch::start_on, py::arg("driver"), py::arg("timeout"),
+           "start() on the driver's kept thread; returns the eventfd")
+      .def("done_within", &Batch::done_within, py::arg("seconds"),
+           "after start(): whether its thread ends within `seconds` (GIL released)")
       .def("result", &Batch::result)
       .def("abort", &Batch::abort)
       .def("release", &Batch::release)

@@ -1,0 +1,108 @@
+// kvrelay._ucx: a pull's plan as the binding reads it, and its split into
+// two halves for two workers (striped same-host pulls).
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace kvrelay::ucx {
+namespace {
+
+// split_rows gives its first half a multiple of this many bytes.
+constexpr uint64_t kStripeAlign = 4096;
+
+// A plan's rows: `count` native uint64 (remote offset, local offset, length)
+// triples at `row`, borrowed from the caller's buffer.
+struct Rows {
+  py::buffer_info info;
+  const uint64_t* row;
+  size_t count;
+};
+
+// The planner's bytearray, bytes, or a (k, 3) uint64 array, checked.
+Rows parse_rows(const py::buffer& rows_buffer) {
+  py::buffer_info info = rows_buffer.request();
+  const auto bytes = static_cast<size_t>(info.size * info.itemsize);
+  const bool contiguous =
+      info.ndim == 1 ? info.strides[0] == info.itemsize
+                     : (info.ndim == 2 && info.strides[1] == info.itemsize &&
+                        info.strides[0] == info.itemsize * info.shape[1]);
+  const char kind = info.format.empty() ? '?' : info.format.back();
+  const bool u64_or_bytes = (info.itemsize == 8 && (kind == 'Q' || kind == 'L')) ||
+                            (info.itemsize == 1 && (kind == 'B' || kind == 'b' || kind == 'c'));
+  if (!contiguous || !u64_or_bytes || bytes % 24 != 0 ||
+      (info.ndim == 2 && info.shape[1] * info.itemsize != 24))
+    throw py::value_error(
+        "rows must be a contiguous buffer of uint64 (remote, local, length) triples");
+  if (reinterpret_cast<uintptr_t>(info.ptr) % alignof(uint64_t) != 0)
+    throw py::value_error("rows must be 8-byte aligned");
+  const auto* row = static_cast<const uint64_t*>(info.ptr);
+  return Rows{std::move(info), row, bytes / 24};
+}
+
+// True when no two rows write the same local byte. Plans usually list their
+// local runs in order (one pass); others are sorted first.
+bool locals_disjoint(const Rows& rows) {
+  std::vector<std::pair<uint64_t, uint64_t>> spans;  // (start, end), only if out of order
+  uint64_t end = 0;
+  for (size_t i = 0; i < rows.count; ++i) {
+    const uint64_t at = rows.row[3 * i + 1], len = rows.row[3 * i + 2];
+    if (len == 0) continue;
+    if (at < end) {
+      spans.reserve(rows.count);
+      for (size_t j = 0; j < rows.count; ++j)
+        if (rows.row[3 * j + 2] > 0)
+          spans.emplace_back(rows.row[3 * j + 1], rows.row[3 * j + 1] + rows.row[3 * j + 2]);
+      std::sort(spans.begin(), spans.end());
+      for (size_t j = 1; j < spans.size(); ++j)
+        if (spans[j].first < spans[j - 1].second) return false;
+      return true;
+    }
+    end = at + len;
+  }
+  return true;
+}
+
+// Two plans that together move exactly `rows`, each about half the bytes
+// (the row across the middle cut so that the first holds a whole number of
+// 4 KiB, never an empty piece), for two workers to
+// copy at once; None when the plan moves under `min_bytes` or writes some
+// local byte twice (two copies racing to the same lines only slow each
+// other: ucx_perftest's pattern of one run read again and again).
+py::object split_rows(const py::buffer& rows_buffer, uint64_t min_bytes) {
+  const Rows rows = parse_rows(rows_buffer);
+  uint64_t total = 0;
+  for (size_t i = 0; i < rows.count; ++i) total += rows.row[3 * i + 2];
+  if (total < min_bytes || total < 2 * kStripeAlign || !locals_disjoint(rows)) return py::none();
+  const uint64_t half = total / 2 / kStripeAlign * kStripeAlign;
+  std::vector<uint64_t> first, second;
+  first.reserve(3 * rows.count + 3);
+  second.reserve(3 * rows.count + 3);
+  uint64_t moved = 0;
+  for (size_t i = 0; i < rows.count; ++i) {
+    const uint64_t* r = rows.row + 3 * i;
+    if (moved >= half) {
+      second.insert(second.end(), r, r + 3);
+    } else if (moved + r[2] <= half) {
+      first.insert(first.end(), r, r + 3);
+    } else {
+      const uint64_t cut = half - moved;  // 0 < cut < r[2]
+      first.insert(first.end(), {r[0], r[1], cut});
+      second.insert(second.end(), {r[0] + cut, r[1] + cut, r[2] - cut});
+    }
+    moved += r[2];
+  }
+  auto as_bytes = [](const std::vector<uint64_t>& v) {
+    return py::bytearray(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(uint64_t));
+  };
+  return py::make_tuple(as_bytes(first), as_bytes(second));
+}
+
+}  // namespace
+}  // namespace kvrelay::ucx
