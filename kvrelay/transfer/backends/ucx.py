@@ -240,7 +240,7 @@ class UcxTransport(Transport):
     def stats(self) -> dict:
         return {
             "ucx_endpoints": len(self._states),
-            "ucx_rkeys": sum(len(s.rkeys) for s in self._states),
+            "ucx_rkeys": sum(len(s.rkeys) + len(s.stripe_rkeys) for s in self._states),
             "ucx_regions": len(self._regions),
             "ucx_stripes": self.stripes,
         }

@@ -1,0 +1,196 @@
+"""Striped same-host ucx pulls: a pull of 8 MiB or more is split over two UCX
+workers (`_ucx.split_rows`), the far half driven by a kept thread. What
+lands is what the plan says, byte for byte, over real cma between two
+processes; a plan that writes a local byte twice is never split; a dead
+owner fails a striped pull within its deadline and leaves nothing held."""
+
+import asyncio
+import hashlib
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("kvrelay._ucx")
+
+from kvrelay import _ucx
+from kvrelay.rpc import RpcError
+from kvrelay.transfer import BlockHandle, PeerError, create_agent
+from kvrelay.transfer.calibrate import CopyChoice, CopyPlan
+from tests.transfer.peer import NAMESPACE, TOKEN, pattern
+
+RUN = 64 << 10
+
+
+def _rows(triples) -> bytearray:
+    return bytearray(np.asarray(triples, dtype=np.uint64).tobytes())
+
+
+def _apply(rows, remote: np.ndarray, size: int) -> np.ndarray:
+    """What a pull of `rows` (remote, local, length) leaves in a zeroed buffer."""
+    out = np.zeros(size, dtype=np.uint8)
+    for src, dst, n in np.frombuffer(bytes(rows), dtype=np.uint64).reshape(-1, 3).tolist():
+        out[dst : dst + n] = remote[src : src + n]
+    return out
+
+
+def _disjoint_rows(count: int, seed: int, lengths=(4096, 65536, 12345, 100)) -> list:
+    """Scattered remote runs into disjoint local runs listed in shuffled order."""
+    rng = random.Random(seed)
+    runs, at = [], 0
+    for i in range(count):
+        n = rng.choice(lengths)
+        runs.append([rng.randrange(0, (1 << 20) - n), at, n])
+        at += n + (i % 3) * 8  # some gaps between local runs
+    rng.shuffle(runs)
+    return runs
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_split_halves_move_exactly_what_the_plan_moves(seed):
+    triples = _disjoint_rows(200, seed)
+    rows = _rows(triples)
+    remote = np.random.default_rng(seed).integers(0, 256, 1 << 20, dtype=np.uint8)
+    size = max(at + n for _, at, n in triples)
+    first, second = _ucx.split_rows(rows, 0)
+    total = sum(n for _, _, n in triples)
+    moved = [
+        int(np.frombuffer(bytes(h), dtype=np.uint64).reshape(-1, 3)[:, 2].sum())
+        for h in (first, second)
+    ]
+    assert moved[0] == total // 2 // 4096 * 4096 and moved[0] + moved[1] == total
+    both = bytes(first) + bytes(second)
+    assert np.array_equal(_apply(both, remote, size), _apply(rows, remote, size))
+
+
+def test_a_single_run_is_cut_in_two():
+    first, second = _ucx.split_rows(_rows([[4096, 0, 10 << 20]]), 8 << 20)
+    assert np.frombuffer(bytes(first), dtype=np.uint64).tolist() == [4096, 0, 5 << 20]
+    assert np.frombuffer(bytes(second), dtype=np.uint64).tolist() == [
+        4096 + (5 << 20),
+        5 << 20,
+        5 << 20,
+    ]
+
+
+def test_small_or_self_overlapping_plans_are_not_split():
+    assert _ucx.split_rows(_rows([[0, 0, 4 << 20]]), 8 << 20) is None
+    # ucx_perftest's pattern: one run read again and again into one place.
+    assert _ucx.split_rows(_rows([[0, 0, RUN]] * 512), 0) is None
+    # Out of order and overlapping by one byte.
+    assert _ucx.split_rows(_rows([[0, 100, 4096], [0, 0, 101]]), 0) is None
+    # Out of order and disjoint.
+    assert _ucx.split_rows(_rows([[0, 4096, 8192], [0, 0, 4096]]), 0) is not None
+
+
+def test_split_refuses_what_is_not_rows():
+    with pytest.raises(ValueError, match="triples"):
+        _ucx.split_rows(bytes(16), 0)
+    with pytest.raises(ValueError, match="triples"):
+        _ucx.split_rows(np.zeros((2, 3), dtype=np.float64), 0)
+
+
+def _plan(one: float, two: float) -> CopyPlan:
+    rates = {"readv, 1 thread": one, "readv, 2 threads": two}
+    choice = CopyChoice("map")
+    return CopyPlan(choice, choice, {"scattered": rates, "contiguous": dict(rates)}, {})
+
+
+def test_stripes_follow_what_the_host_measured():
+    assert _plan(5.0, 8.0).kernel_copy_threads() == 2
+    assert _plan(5.0, 5.5).kernel_copy_threads() == 1  # under the 1.15 margin
+    assert CopyPlan(CopyChoice("map"), CopyChoice("map"), {}, {}).kernel_copy_threads() == 1
+
+
+@pytest.mark.asyncio
+async def test_ucx_stripes_is_validated():
+    with pytest.raises(ValueError, match="ucx_stripes"):
+        await create_agent("ucx", token=TOKEN, fast_path=False, ucx_stripes=3)
+
+
+def _sha(tensor) -> bytes:
+    return hashlib.sha256(tensor.contiguous().numpy().tobytes()).digest()
+
+
+SIZE = 48 << 20
+
+
+def _batch(count: int, seed: int) -> list:
+    slots = random.Random(seed).sample(range(SIZE // RUN), count)
+    return [(s * RUN, RUN) for s in slots]
+
+
+@pytest.mark.asyncio
+async def test_striped_pulls_and_pushes_land_byte_for_byte(start_peer):
+    single = [(4096, 24 << 20)]
+    batch = _batch(192, seed=1)  # 12 MiB of 64 KiB runs
+    peer = start_peer("ucx-shm", SIZE, [single, batch])
+    expected = pattern(SIZE, 0).clone()
+    async with await create_agent("ucx", token=TOKEN, fast_path=False, ucx_stripes=2) as agent:
+        assert agent.stats()["ucx_stripes"] == (2 if len(os.sched_getaffinity(0)) > 1 else 1)
+        local = agent.allocate_arena(32 << 20, shared=False)
+        await agent.read(peer.handles[0], local, [8192], namespace=NAMESPACE, timeout=30)
+        assert _sha(local.tensor[8192 : 8192 + (24 << 20)]) == _sha(
+            expected[4096 : 4096 + (24 << 20)]
+        )
+        # Local runs in another order than the remote ones.
+        local.tensor.zero_()
+        offsets = [i * RUN for i in random.Random(2).sample(range(len(batch)), len(batch))]
+        handle = BlockHandle.from_bytes(peer.handles[1])
+        await agent.read(handle, local, offsets, namespace=NAMESPACE, timeout=30)
+        for at, (remote, n) in zip(offsets, batch, strict=True):
+            assert _sha(local.tensor[at : at + n]) == _sha(expected[remote : remote + n])
+        # A push of the batch: the stripe worker writes half of it.
+        source = pattern(32 << 20, 9)
+        local.tensor.copy_(source)
+        await agent.write(handle, local, offsets, namespace=NAMESPACE, timeout=30)
+        for at, (remote, n) in zip(offsets, batch, strict=True):
+            expected[remote : remote + n] = source[at : at + n]
+        stats = agent.stats()  # one peer, its arena's rkey on each worker's endpoint
+        assert stats["ucx_endpoints"] == 1 and stats["ucx_rkeys"] == 2
+    assert peer.digest() == hashlib.sha256(expected.numpy().tobytes()).digest()
+
+
+@pytest.mark.asyncio
+async def test_a_striped_reader_reads_a_restarted_peer(start_peer):
+    """The reader's stripe endpoint and rkeys were the first peer's; the new
+    one (new pid, new arena, other bytes) is read right, twice."""
+    single = [(0, 16 << 20)]
+    async with await create_agent("ucx", token=TOKEN, fast_path=False, ucx_stripes=2) as agent:
+        local = agent.allocate_arena(16 << 20, shared=False)
+        for seed in (4, 5):
+            peer = start_peer("ucx-shm", SIZE, [single], seed=seed)
+            for _ in range(2):
+                local.tensor.zero_()
+                await agent.read(peer.handles[0], local, [0], namespace=NAMESPACE, timeout=30)
+                assert _sha(local.tensor) == _sha(pattern(SIZE, seed)[: 16 << 20])
+            peer.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_striped_pull_from_a_killed_owner_fails_in_time_and_holds_nothing(start_peer):
+    batch = [(i * RUN, RUN) for i in range(512)]  # 32 MiB
+    peer = start_peer("ucx-shm", SIZE, [batch])
+    timeout = 5.0
+    agent = await create_agent("ucx", token=TOKEN, fast_path=False, ucx_stripes=2)
+    try:
+        local = agent.allocate_arena(32 << 20, shared=False)
+        offsets = [i * RUN for i in range(512)]
+        await agent.read(peer.handles[0], local, offsets, namespace=NAMESPACE, timeout=timeout)
+        asyncio.get_running_loop().call_later(0.2, os.kill, peer.pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(RpcError) as failure:
+            while time.monotonic() - started < 30:
+                began = time.monotonic()
+                await agent.read(
+                    peer.handles[0], local, offsets, namespace=NAMESPACE, timeout=timeout
+                )
+        assert time.monotonic() - began < timeout + 2.0
+        assert isinstance(failure.value, PeerError | TimeoutError)
+        stats = agent.stats()
+        assert stats["peers"] == 0 and stats["ucx_endpoints"] == 0 and stats["ucx_rkeys"] == 0
+    finally:
+        await agent.close()
