@@ -47,9 +47,8 @@ class Agent:
             raise ValueError("an agent needs a non-empty cluster token")
         if config.fast_copy not in FAST_COPIES:
             raise ValueError(f"fast_copy must be one of {FAST_COPIES}, not {config.fast_copy!r}")
-        if config.ucx_stripes not in (0, 1, 2):
-            stripes = config.ucx_stripes
-            raise ValueError(f"ucx_stripes must be 0 (calibrated), 1 or 2, not {stripes!r}")
+        if config.stripes not in (0, 1, 2):
+            raise ValueError(f"stripes must be 0 (as measured), 1 or 2, not {config.stripes!r}")
         self.config = config
         self.transport = transport
         self.agent_id = uuid.uuid4().bytes

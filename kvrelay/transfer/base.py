@@ -31,10 +31,12 @@ class AgentConfig:
     # see calibrate.py), or forced: "map" (plain stores out of the mapped
     # memfd, one thread) or "readv" (process_vm_readv, one thread).
     fast_copy: str = "calibrated"
-    # Workers a large same-host ucx (cma) pull is split over: 0 as this
-    # host's calibration found (two where two kernel copies beat one by
-    # TWO_THREAD_MARGIN), or 1 or 2.
-    ucx_stripes: int = 0
+    # What a pull of STRIPE_MIN_BYTES or more is split over (stripes.py):
+    # two UCX workers (same-host peers) or two TCP connections. 0 as this
+    # host measured (ucx: two where two kernel copies beat one by
+    # TWO_THREAD_MARGIN in the calibration; tcp: two where the process may
+    # run on two CPUs), or 1 (never) or 2.
+    stripes: int = 0
     timeout: float = 10.0  # default deadline of a read or write, seconds
     lease_seconds: float = DEFAULT_LEASE_S
 

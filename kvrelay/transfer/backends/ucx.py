@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from kvrelay.transfer.base import Peer, Transport
 from kvrelay.transfer.errors import BackendUnavailable, PeerError, TransferError
 from kvrelay.transfer.inline import InlineBudget
+from kvrelay.transfer.stripes import STRIPE_MIN_BYTES
 
 try:
     import torch  # noqa: F401  (loads libc10/libtorch, which _ucx links against)
@@ -47,12 +48,6 @@ _WAIT_LIMIT = 24 * 3600.0  # a batch's own bound; the caller's deadline aborts i
 # segment up to 64 MiB keeps a segment's copy short enough for an abort to
 # be seen within a few ms (measured in issue 14: docs/architecture.md).
 UCX_DEFAULTS = {"CMA_SEG_SIZE": "64M"}
-# A same-host pull of at least this much is split over two workers where the
-# host's calibration found two kernel copies faster than one: the reader's
-# CPU does a cma copy, so a second thread is a second copy engine. At 4 MiB
-# (about 0.5 ms) the split's own cost (a second post, a wake-up, the wait)
-# ate the gain; at 16 MiB two halves took 1 ms against 1.8 for the whole.
-_STRIPE_MIN_BYTES = 8 << 20
 _FAR_BLOCK_S = 0.004  # how long the loop's thread waits for the far half before yielding
 
 
@@ -96,13 +91,13 @@ class UcxTransport(Transport):
             self.worker.progress_for(0.25)
 
     def wants_copy_plan(self, config) -> bool:
-        return config.ucx_stripes == 0
+        return config.stripes == 0
 
     def tune(self, config, plan) -> None:
         if len(os.sched_getaffinity(0)) < 2:
             self.stripes = 1  # two copies would share one CPU
-        elif config.ucx_stripes:
-            self.stripes = config.ucx_stripes
+        elif config.stripes:
+            self.stripes = config.stripes
         else:
             self.stripes = plan.kernel_copy_threads() if plan is not None else 1
 
@@ -146,7 +141,7 @@ class UcxTransport(Transport):
         rkey = self._rkey(state.rkeys, state.endpoint, handle)
         halves = None
         if self.stripes > 1 and peer.on_host:
-            halves = _ucx.split_rows(rows, _STRIPE_MIN_BYTES)
+            halves = _ucx.split_rows(rows, STRIPE_MIN_BYTES)
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         inline = min(_INLINE_DRIVE_S, max(0.0, deadline - loop.time()))

@@ -1,8 +1,10 @@
-"""Striped same-host ucx pulls: a pull of 8 MiB or more is split over two UCX
-workers (`_ucx.split_rows`), the far half driven by a kept thread. What
-lands is what the plan says, byte for byte, over real cma between two
-processes; a plan that writes a local byte twice is never split; a dead
-owner fails a striped pull within its deadline and leaves nothing held."""
+"""Striped pulls: a pull of 8 MiB or more is split in two, over two UCX
+workers for a same-host peer (`_ucx.split_rows`, the far half driven by a
+kept thread) or over two TCP connections (`stripes.split_rows`, the
+reference of the binding's). What lands is what the plan says, byte for
+byte, between two real processes; a plan that writes a local byte twice is
+never split; a dead owner fails a striped pull within its deadline and
+leaves nothing held."""
 
 import asyncio
 import hashlib
@@ -20,6 +22,7 @@ from kvrelay import _ucx
 from kvrelay.rpc import RpcError
 from kvrelay.transfer import BlockHandle, PeerError, create_agent
 from kvrelay.transfer.calibrate import CopyChoice, CopyPlan
+from kvrelay.transfer.stripes import split_rows
 from tests.transfer.peer import NAMESPACE, TOKEN, pattern
 
 RUN = 64 << 10
@@ -66,6 +69,24 @@ def test_split_halves_move_exactly_what_the_plan_moves(seed):
     assert np.array_equal(_apply(both, remote, size), _apply(rows, remote, size))
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_the_binding_splits_as_the_reference_does(seed):
+    rng = random.Random(seed)
+    rows, at = [], 0
+    for _ in range(rng.randint(1, 60)):
+        n = rng.choice([0, 1, 4096, 65536, 12345, 1 << 20, 8192])
+        rows.append([rng.randrange(1 << 30), at, n])
+        at += n + rng.choice([0, 0, 16])
+    rng.shuffle(rows)
+    if seed % 5 == 0:
+        rows.append(list(rows[0]))  # a local range written twice
+    triples = np.array(rows, dtype=np.uint64)
+    compiled, reference = _ucx.split_rows(_rows(rows), 0), split_rows(triples, 0)
+    assert (compiled is None) == (reference is None)
+    for got, want in zip(compiled or (), reference or (), strict=True):
+        assert np.frombuffer(bytes(got), dtype=np.uint64).reshape(-1, 3).tolist() == want.tolist()
+
+
 def test_a_single_run_is_cut_in_two():
     first, second = _ucx.split_rows(_rows([[4096, 0, 10 << 20]]), 8 << 20)
     assert np.frombuffer(bytes(first), dtype=np.uint64).tolist() == [4096, 0, 5 << 20]
@@ -106,9 +127,9 @@ def test_stripes_follow_what_the_host_measured():
 
 
 @pytest.mark.asyncio
-async def test_ucx_stripes_is_validated():
-    with pytest.raises(ValueError, match="ucx_stripes"):
-        await create_agent("ucx", token=TOKEN, fast_path=False, ucx_stripes=3)
+async def test_stripes_is_validated():
+    with pytest.raises(ValueError, match="stripes"):
+        await create_agent("ucx", token=TOKEN, fast_path=False, stripes=3)
 
 
 def _sha(tensor) -> bytes:
@@ -123,14 +144,27 @@ def _batch(count: int, seed: int) -> list:
     return [(s * RUN, RUN) for s in slots]
 
 
+TWO_CPUS = len(os.sched_getaffinity(0)) > 1
+MODES = ["ucx-shm", "tcp"]
+
+
+def _striped(stats: dict, mode: str) -> bool:
+    """Whether the agent holds what only a striped pull makes."""
+    if mode == "tcp":
+        return stats["tcp_second_connections"] == 1
+    return stats["ucx_endpoints"] == 1 and stats["ucx_rkeys"] == 2  # an rkey per worker
+
+
 @pytest.mark.asyncio
-async def test_striped_pulls_and_pushes_land_byte_for_byte(start_peer):
+@pytest.mark.parametrize("mode", MODES)
+async def test_striped_pulls_and_pushes_land_byte_for_byte(mode, start_peer):
     single = [(4096, 24 << 20)]
     batch = _batch(192, seed=1)  # 12 MiB of 64 KiB runs
-    peer = start_peer("ucx-shm", SIZE, [single, batch])
+    peer = start_peer(mode, SIZE, [single, batch])
     expected = pattern(SIZE, 0).clone()
-    async with await create_agent("ucx", token=TOKEN, fast_path=False, ucx_stripes=2) as agent:
-        assert agent.stats()["ucx_stripes"] == (2 if len(os.sched_getaffinity(0)) > 1 else 1)
+    backend = mode.split("-")[0]
+    async with await create_agent(backend, token=TOKEN, fast_path=False, stripes=2) as agent:
+        assert agent.stats()[f"{backend}_stripes"] == (2 if TWO_CPUS else 1)
         local = agent.allocate_arena(32 << 20, shared=False)
         await agent.read(peer.handles[0], local, [8192], namespace=NAMESPACE, timeout=30)
         assert _sha(local.tensor[8192 : 8192 + (24 << 20)]) == _sha(
@@ -149,20 +183,22 @@ async def test_striped_pulls_and_pushes_land_byte_for_byte(start_peer):
         await agent.write(handle, local, offsets, namespace=NAMESPACE, timeout=30)
         for at, (remote, n) in zip(offsets, batch, strict=True):
             expected[remote : remote + n] = source[at : at + n]
-        stats = agent.stats()  # one peer, its arena's rkey on each worker's endpoint
-        assert stats["ucx_endpoints"] == 1 and stats["ucx_rkeys"] == 2
+        assert _striped(agent.stats(), mode) == TWO_CPUS
     assert peer.digest() == hashlib.sha256(expected.numpy().tobytes()).digest()
 
 
 @pytest.mark.asyncio
-async def test_a_striped_reader_reads_a_restarted_peer(start_peer):
-    """The reader's stripe endpoint and rkeys were the first peer's; the new
-    one (new pid, new arena, other bytes) is read right, twice."""
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_striped_reader_reads_a_restarted_peer(mode, start_peer):
+    """The reader's stripe endpoint and rkeys (or second connection) were the
+    first peer's; the new one (new pid, new arena, other bytes) is read
+    right, twice."""
     single = [(0, 16 << 20)]
-    async with await create_agent("ucx", token=TOKEN, fast_path=False, ucx_stripes=2) as agent:
+    backend = mode.split("-")[0]
+    async with await create_agent(backend, token=TOKEN, fast_path=False, stripes=2) as agent:
         local = agent.allocate_arena(16 << 20, shared=False)
         for seed in (4, 5):
-            peer = start_peer("ucx-shm", SIZE, [single], seed=seed)
+            peer = start_peer(mode, SIZE, [single], seed=seed)
             for _ in range(2):
                 local.tensor.zero_()
                 await agent.read(peer.handles[0], local, [0], namespace=NAMESPACE, timeout=30)
@@ -171,11 +207,12 @@ async def test_a_striped_reader_reads_a_restarted_peer(start_peer):
 
 
 @pytest.mark.asyncio
-async def test_a_striped_pull_from_a_killed_owner_fails_in_time_and_holds_nothing(start_peer):
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_striped_pull_from_a_killed_owner_fails_in_time_and_holds_nothing(mode, start_peer):
     batch = [(i * RUN, RUN) for i in range(512)]  # 32 MiB
-    peer = start_peer("ucx-shm", SIZE, [batch])
+    peer = start_peer(mode, SIZE, [batch])
     timeout = 5.0
-    agent = await create_agent("ucx", token=TOKEN, fast_path=False, ucx_stripes=2)
+    agent = await create_agent(mode.split("-")[0], token=TOKEN, fast_path=False, stripes=2)
     try:
         local = agent.allocate_arena(32 << 20, shared=False)
         offsets = [i * RUN for i in range(512)]
@@ -191,6 +228,8 @@ async def test_a_striped_pull_from_a_killed_owner_fails_in_time_and_holds_nothin
         assert time.monotonic() - began < timeout + 2.0
         assert isinstance(failure.value, PeerError | TimeoutError)
         stats = agent.stats()
-        assert stats["peers"] == 0 and stats["ucx_endpoints"] == 0 and stats["ucx_rkeys"] == 0
+        assert stats["peers"] == 0
+        held = ("tcp_second_connections",) if mode == "tcp" else ("ucx_endpoints", "ucx_rkeys")
+        assert all(stats[key] == 0 for key in held)
     finally:
         await agent.close()
