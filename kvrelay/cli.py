@@ -12,13 +12,17 @@ def _info(_: argparse.Namespace) -> None:
     from kvrelay.bench.stats import machine_info
     from kvrelay.cuda_ext import compiled_module
     from kvrelay.transfer.calibrate import copy_plan
+    from kvrelay.transfer.stripes import stripe_choice
 
     module = compiled_module()
+    plan = copy_plan()
     info = machine_info() | {
         "compiled_module": getattr(module, "__file__", None),
         "compiled_with_cuda": bool(getattr(module, "with_cuda", False)),
         # The same-host fast path's copy as this host measured it (cached per boot).
-        "fast_path_copy": copy_plan().to_json(),
+        "fast_path_copy": plan.to_json(),
+        # What a large pull is split over by default, from the same calibration.
+        "pull_stripes": stripe_choice(plan),
     }
     print(json.dumps(info, indent=2))
 

@@ -27,6 +27,7 @@ UCX_SHM = "ucx (shm/cma)"
 def host_lines(plan) -> list[str]:
     """What to print before the table: load, host facts, warnings, the calibration."""
     from kvrelay.transfer.calibrate import host_warnings
+    from kvrelay.transfer.stripes import stripe_line
 
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     facts = plan.host
@@ -44,6 +45,7 @@ def host_lines(plan) -> list[str]:
     for shape, rates in plan.measured.items():
         cells = ", ".join(f"{label} {rate:.2f}" for label, rate in rates.items())
         lines.append(f"  calibration GB/s, {shape}: {cells}")
+    lines.append(stripe_line(plan))
     return lines
 
 

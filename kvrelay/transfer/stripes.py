@@ -11,6 +11,8 @@ one). `split_rows` is the reference of the binding's `_ucx.split_rows`
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from kvrelay.transfer.handle import rows_array
@@ -59,3 +61,30 @@ def split_rows(rows, min_bytes: int):
     second[0] += np.array([cut, cut, 0], dtype=np.uint64)
     second[0, 2] -= cut
     return first, second
+
+
+def stripe_choice(plan) -> dict:
+    """What a large pull is split over on this host by default (`stripes`
+    0), from the calibration `plan`: for `kvrelay info` and the bench."""
+    two_cpus = len(os.sched_getaffinity(0)) > 1
+    ratios = {
+        shape: round(rates["readv, 2 threads"] / rates["readv, 1 thread"], 2)
+        for shape, rates in plan.measured.items()
+        if rates.get("readv, 1 thread") and rates.get("readv, 2 threads")
+    }
+    return {
+        "min_bytes": STRIPE_MIN_BYTES,
+        "ucx_same_host_workers": plan.kernel_copy_threads() if two_cpus else 1,
+        "kernel_copy_two_threads_x_one": ratios,
+        "tcp_connections": 2 if two_cpus else 1,
+    }
+
+
+def stripe_line(plan) -> str:
+    choice = stripe_choice(plan)
+    ratios = ", ".join(f"{k} {v:.2f}x" for k, v in choice["kernel_copy_two_threads_x_one"].items())
+    return (
+        f"pulls of {choice['min_bytes'] >> 20} MiB or more: ucx same-host over "
+        f"{choice['ucx_same_host_workers']} worker(s) (two kernel copies against one: "
+        f"{ratios or 'not measured'}), tcp over {choice['tcp_connections']} connection(s)"
+    )

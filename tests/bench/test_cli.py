@@ -67,3 +67,12 @@ def test_info_reports_the_backend():
     # The fast path's copy calibration (measured or cached) and the host facts.
     plan = info["fast_path_copy"]
     assert plan["scattered"]["method"] in ("map", "readv") and plan["host"]["kernel"]
+    # What large pulls are split over, from the same calibration.
+    stripes = info["pull_stripes"]
+    assert stripes["min_bytes"] == 8 << 20
+    assert stripes["ucx_same_host_workers"] in (1, 2) and stripes["tcp_connections"] in (1, 2)
+    ratios = stripes["kernel_copy_two_threads_x_one"]
+    measured = plan["measured_gb_per_s"]
+    for shape, ratio in ratios.items():
+        rates = measured[shape]
+        assert ratio == round(rates["readv, 2 threads"] / rates["readv, 1 thread"], 2)
