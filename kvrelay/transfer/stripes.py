@@ -37,16 +37,28 @@ def locals_disjoint(triples: np.ndarray) -> bool:
 
 def split_rows(rows, min_bytes: int):
     """Two (k, 3) uint64 row arrays that together move exactly `rows` (a
-    buffer of native uint64 triples), the first a multiple of
-    STRIPE_ALIGN bytes and about half, the row across the middle cut in
-    two; None when the rows move under `min_bytes` (or under two aligned
-    pieces) or write some local byte twice: two copies racing to the same
-    lines only slow each other (ucx_perftest's pattern of one run read
-    again and again)."""
+    buffer of native uint64 (remote, local, length) triples), for two
+    workers to copy at once, such that no local byte is written by both
+    (two copies racing to the same lines only slow each other); None when
+    the rows move under `min_bytes` (or under two STRIPE_ALIGN pieces) or no
+    such split was found. Rows that write disjoint bytes are cut in the
+    middle of their bytes (the first half a multiple of STRIPE_ALIGN, the
+    row across the middle cut in two); rows that write some byte twice
+    (ucx_perftest's pattern: one run read again and again into one place)
+    have every row cut in its middle instead (`_by_columns`)."""
     triples = rows_array(rows)
     total = int(triples[:, 2].sum())
-    if total < min_bytes or total < 2 * STRIPE_ALIGN or not locals_disjoint(triples):
+    if total < min_bytes or total < 2 * STRIPE_ALIGN:
         return None
+    if locals_disjoint(triples):
+        return _by_bytes(triples, total)
+    first, second = _by_columns(triples)
+    if not len(second) or _meet(_merged(first), _merged(second)):
+        return None
+    return first, second
+
+
+def _by_bytes(triples: np.ndarray, total: int) -> tuple[np.ndarray, np.ndarray]:
     half = total // 2 // STRIPE_ALIGN * STRIPE_ALIGN
     ends = np.cumsum(triples[:, 2], dtype=np.uint64)
     starts = ends - triples[:, 2]
@@ -61,6 +73,47 @@ def split_rows(rows, min_bytes: int):
     second[0] += np.array([cut, cut, 0], dtype=np.uint64)
     second[0, 2] -= cut
     return first, second
+
+
+def _by_columns(triples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every row cut at its middle (a multiple of STRIPE_ALIGN first; rows
+    too short to cut go first whole), in the rows' order."""
+    cuts = triples[:, 2] // np.uint64(2 * STRIPE_ALIGN) * np.uint64(STRIPE_ALIGN)
+    first = triples.copy()
+    first[:, 2] = np.where(cuts > 0, cuts, triples[:, 2])
+    cut_rows = triples[cuts > 0]
+    second = cut_rows.copy()
+    moved = cuts[cuts > 0]
+    second[:, 0] += moved
+    second[:, 1] += moved
+    second[:, 2] -= moved
+    return first, second
+
+
+def _merged(triples: np.ndarray) -> np.ndarray:
+    """The rows' non-empty local runs as sorted, merged (start, end) rows."""
+    live = triples[triples[:, 2] > 0]
+    order = np.argsort(live[:, 1], kind="stable")
+    starts, ends = live[order, 1], live[order, 1] + live[order, 2]
+    reach = np.maximum.accumulate(ends) if len(ends) else ends
+    new = np.ones(len(starts), dtype=bool)
+    new[1:] = starts[1:] >= reach[:-1]
+    groups = np.flatnonzero(new)
+    return (
+        np.stack([starts[groups], np.maximum.reduceat(ends, groups)], axis=1)
+        if len(groups)
+        else np.empty((0, 2), dtype=np.uint64)
+    )
+
+
+def _meet(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two sorted, merged span arrays share a byte."""
+    if not len(a) or not len(b):
+        return False
+    # For each span of b, the last span of a that starts before it ends.
+    last = np.searchsorted(a[:, 0], b[:, 1], "left") - 1
+    hit = last >= 0
+    return bool((a[last[hit], 1] > b[hit, 0]).any())
 
 
 def stripe_choice(plan) -> dict:

@@ -2,9 +2,10 @@
 workers for a same-host peer (`_ucx.split_rows`, the far half driven by a
 kept thread) or over two TCP connections (`stripes.split_rows`, the
 reference of the binding's). What lands is what the plan says, byte for
-byte, between two real processes; a plan that writes a local byte twice is
-never split; a dead owner fails a striped pull within its deadline and
-leaves nothing held."""
+byte, between two real processes; the two halves never write the same
+byte (a plan that writes a byte twice is split by columns, or not at all);
+a dead owner fails a striped pull within its deadline and leaves nothing
+held."""
 
 import asyncio
 import hashlib
@@ -97,14 +98,39 @@ def test_a_single_run_is_cut_in_two():
     ]
 
 
-def test_small_or_self_overlapping_plans_are_not_split():
+def test_small_plans_are_not_split():
     assert _ucx.split_rows(_rows([[0, 0, 4 << 20]]), 8 << 20) is None
-    # ucx_perftest's pattern: one run read again and again into one place.
-    assert _ucx.split_rows(_rows([[0, 0, RUN]] * 512), 0) is None
-    # Out of order and overlapping by one byte.
-    assert _ucx.split_rows(_rows([[0, 100, 4096], [0, 0, 101]]), 0) is None
-    # Out of order and disjoint.
-    assert _ucx.split_rows(_rows([[0, 4096, 8192], [0, 0, 4096]]), 0) is not None
+    assert _ucx.split_rows(_rows([[0, 0, 4096]]), 0) is None  # under two 4 KiB pieces
+
+
+def test_a_plan_writing_a_byte_twice_is_split_by_columns():
+    """ucx_perftest's pattern, one run read again and again into one place:
+    a split by bytes would have both workers write the same lines, so every
+    row is cut in its middle, first halves to one worker, second to the other."""
+    first, second = (
+        np.frombuffer(bytes(h), dtype=np.uint64).reshape(-1, 3).tolist()
+        for h in _ucx.split_rows(_rows([[4096, 0, RUN]] * 512), 8 << 20)
+    )
+    assert first == [[4096, 0, RUN // 2]] * 512
+    assert second == [[4096 + RUN // 2, RUN // 2, RUN // 2]] * 512
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_a_column_split_lands_what_the_plan_lands(seed):
+    """Each local byte is written by one worker only, in the plan's order,
+    so the last row to write it wins as in the whole plan."""
+    rng = random.Random(seed)
+    triples = [[rng.randrange(0, 1 << 19), rng.choice([0, 65536]), 65536] for _ in range(64)]
+    remote = np.random.default_rng(seed).integers(0, 256, 1 << 20, dtype=np.uint8)
+    first, second = _ucx.split_rows(_rows(triples), 0)
+    together = _apply(bytes(first) + bytes(second), remote, 1 << 17)
+    assert np.array_equal(together, _apply(_rows(triples), remote, 1 << 17))
+
+
+def test_no_split_when_even_columns_would_share_bytes():
+    # [0, 16K) and [8K, 24K): the first's second half and the second's first
+    # half are the same bytes.
+    assert _ucx.split_rows(_rows([[0, 0, 16384], [0, 8192, 16384]]), 0) is None
 
 
 def test_split_refuses_what_is_not_rows():
@@ -160,7 +186,8 @@ def _striped(stats: dict, mode: str) -> bool:
 async def test_striped_pulls_and_pushes_land_byte_for_byte(mode, start_peer):
     single = [(4096, 24 << 20)]
     batch = _batch(192, seed=1)  # 12 MiB of 64 KiB runs
-    peer = start_peer(mode, SIZE, [single, batch])
+    again = [(5 * RUN, RUN)] * 160  # one run read 160 times (10 MiB): split by columns
+    peer = start_peer(mode, SIZE, [single, batch, again])
     expected = pattern(SIZE, 0).clone()
     backend = mode.split("-")[0]
     async with await create_agent(backend, token=TOKEN, fast_path=False, stripes=2) as agent:
@@ -177,6 +204,10 @@ async def test_striped_pulls_and_pushes_land_byte_for_byte(mode, start_peer):
         await agent.read(handle, local, offsets, namespace=NAMESPACE, timeout=30)
         for at, (remote, n) in zip(offsets, batch, strict=True):
             assert _sha(local.tensor[at : at + n]) == _sha(expected[remote : remote + n])
+        local.tensor.zero_()
+        await agent.read(peer.handles[2], local, [RUN] * 160, namespace=NAMESPACE, timeout=30)
+        assert _sha(local.tensor[RUN : 2 * RUN]) == _sha(expected[5 * RUN : 6 * RUN])
+        assert not local.tensor[:RUN].any() and not local.tensor[2 * RUN :].any()
         # A push of the batch: the stripe worker writes half of it.
         source = pattern(32 << 20, 9)
         local.tensor.copy_(source)

@@ -1,6 +1,9 @@
 """UCX backend: one-sided GET/PUT through kvrelay's own libucp binding.
 
-One context and one worker per agent. A peer's endpoint is created from the
+One context and one worker per agent, and a second worker (with a thread
+kept to drive it) for striped pulls: a same-host pull of STRIPE_MIN_BYTES or
+more, where the host's calibration found two kernel copies faster than one,
+goes half through each at once. A peer's endpoint is created from the
 worker address in its hello, with error handling off (with it on, UCX drops
 the shared-memory and cma lanes); its packed rkeys are unpacked once per
 arena and checked byte for byte against the peer's arena table first, so a

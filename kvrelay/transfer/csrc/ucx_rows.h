@@ -69,21 +69,40 @@ bool locals_disjoint(const Rows& rows) {
   return true;
 }
 
-// Two plans that together move exactly `rows`, each about half the bytes
-// (the row across the middle cut so that the first holds a whole number of
-// 4 KiB, never an empty piece), for two workers to
-// copy at once; None when the plan moves under `min_bytes` or writes some
-// local byte twice (two copies racing to the same lines only slow each
-// other: ucx_perftest's pattern of one run read again and again).
-py::object split_rows(const py::buffer& rows_buffer, uint64_t min_bytes) {
-  const Rows rows = parse_rows(rows_buffer);
-  uint64_t total = 0;
-  for (size_t i = 0; i < rows.count; ++i) total += rows.row[3 * i + 2];
-  if (total < min_bytes || total < 2 * kStripeAlign || !locals_disjoint(rows)) return py::none();
+using Span = std::pair<uint64_t, uint64_t>;  // [start, end) of local bytes
+
+// The local runs of `v`'s (remote, local, length) triples, sorted and merged.
+std::vector<Span> merged_locals(const std::vector<uint64_t>& v) {
+  std::vector<Span> spans;
+  spans.reserve(v.size() / 3);
+  for (size_t i = 0; i < v.size(); i += 3)
+    if (v[i + 2] > 0) spans.emplace_back(v[i + 1], v[i + 1] + v[i + 2]);
+  std::sort(spans.begin(), spans.end());
+  std::vector<Span> merged;
+  for (const Span& s : spans) {
+    if (!merged.empty() && s.first < merged.back().second)
+      merged.back().second = std::max(merged.back().second, s.second);
+    else
+      merged.push_back(s);
+  }
+  return merged;
+}
+
+// Whether two sorted, merged span lists share a byte.
+bool spans_meet(const std::vector<Span>& a, const std::vector<Span>& b) {
+  size_t i = 0, j = 0;
+  while (i < a.size() && j < b.size()) {
+    if (a[i].first < b[j].second && b[j].first < a[i].second) return true;
+    a[i].second <= b[j].second ? ++i : ++j;
+  }
+  return false;
+}
+
+// Splits `rows` in two halves of about equal bytes, the row across the
+// middle cut so that the first holds a whole number of kStripeAlign.
+void split_by_bytes(const Rows& rows, uint64_t total, std::vector<uint64_t>& first,
+                    std::vector<uint64_t>& second) {
   const uint64_t half = total / 2 / kStripeAlign * kStripeAlign;
-  std::vector<uint64_t> first, second;
-  first.reserve(3 * rows.count + 3);
-  second.reserve(3 * rows.count + 3);
   uint64_t moved = 0;
   for (size_t i = 0; i < rows.count; ++i) {
     const uint64_t* r = rows.row + 3 * i;
@@ -97,6 +116,48 @@ py::object split_rows(const py::buffer& rows_buffer, uint64_t min_bytes) {
       second.insert(second.end(), {r[0] + cut, r[1] + cut, r[2] - cut});
     }
     moved += r[2];
+  }
+}
+
+// Splits every row at its middle (a whole number of kStripeAlign first;
+// rows too short to cut go first whole).
+void split_by_columns(const Rows& rows, std::vector<uint64_t>& first,
+                      std::vector<uint64_t>& second) {
+  for (size_t i = 0; i < rows.count; ++i) {
+    const uint64_t* r = rows.row + 3 * i;
+    const uint64_t cut = r[2] / 2 / kStripeAlign * kStripeAlign;
+    if (cut == 0) {
+      first.insert(first.end(), r, r + 3);
+      continue;
+    }
+    first.insert(first.end(), {r[0], r[1], cut});
+    second.insert(second.end(), {r[0] + cut, r[1] + cut, r[2] - cut});
+  }
+}
+
+// Two plans that together move exactly `rows`, for two workers to copy at
+// once, such that no local byte is written by both (two copies racing to
+// the same lines only slow each other); None when the plan moves under
+// `min_bytes` or no such split was found. A plan whose rows write disjoint
+// bytes is cut in the middle of its bytes (the first half a whole number
+// of 4 KiB); one that writes some byte twice (ucx_perftest's pattern: one
+// run read again and again into one place) has every row cut in the
+// middle instead, the first halves to one worker and the second halves to
+// the other, if that leaves the two workers' bytes apart.
+py::object split_rows(const py::buffer& rows_buffer, uint64_t min_bytes) {
+  const Rows rows = parse_rows(rows_buffer);
+  uint64_t total = 0;
+  for (size_t i = 0; i < rows.count; ++i) total += rows.row[3 * i + 2];
+  if (total < min_bytes || total < 2 * kStripeAlign) return py::none();
+  std::vector<uint64_t> first, second;
+  first.reserve(3 * rows.count + 3);
+  second.reserve(3 * rows.count + 3);
+  if (locals_disjoint(rows)) {
+    split_by_bytes(rows, total, first, second);
+  } else {
+    split_by_columns(rows, first, second);
+    if (second.empty() || spans_meet(merged_locals(first), merged_locals(second)))
+      return py::none();
   }
   auto as_bytes = [](const std::vector<uint64_t>& v) {
     return py::bytearray(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(uint64_t));
