@@ -1,10 +1,16 @@
+import asyncio
 import contextlib
 import multiprocessing
+import os
+import signal
+import time
 
 import msgpack
 import pytest
 
-from tests.transfer.peer import serve
+from kvrelay.rpc import RpcError
+from kvrelay.transfer import PeerError
+from tests.transfer.peer import NAMESPACE, serve
 
 # (backend, UCX_TLS or None, the fast path's copy or None): every way two
 # processes on one host move pages. The fast path's two copies are forced
@@ -77,3 +83,21 @@ def mode_agent_kwargs(mode):
     if fast is None:
         return backend, {"fast_path": False}
     return backend, {"fast_path": True, "fast_copy": fast}
+
+
+async def pull_until_owner_killed(agent, peer, local, offsets, timeout: float) -> dict:
+    """Pulls the peer's first handle again and again, killing the owner 0.2 s
+    in: the pull it dies under fails (a TransferError or the control
+    connection's own error, both RpcError; or TimeoutError) within its
+    timeout. The agent's stats afterwards."""
+    handle = peer.handles[0]
+    await agent.read(handle, local, offsets, namespace=NAMESPACE, timeout=timeout)
+    asyncio.get_running_loop().call_later(0.2, os.kill, peer.pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(RpcError) as failure:
+        while time.monotonic() - started < 30:
+            began = time.monotonic()
+            await agent.read(handle, local, offsets, namespace=NAMESPACE, timeout=timeout)
+    assert time.monotonic() - began < timeout + 2.0
+    assert isinstance(failure.value, PeerError | TimeoutError)
+    return agent.stats()

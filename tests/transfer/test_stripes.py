@@ -7,12 +7,9 @@ byte (a plan that writes a byte twice is split by columns, or not at all);
 a dead owner fails a striped pull within its deadline and leaves nothing
 held."""
 
-import asyncio
 import hashlib
 import os
 import random
-import signal
-import time
 
 import numpy as np
 import pytest
@@ -20,10 +17,10 @@ import pytest
 pytest.importorskip("kvrelay._ucx")
 
 from kvrelay import _ucx
-from kvrelay.rpc import RpcError
-from kvrelay.transfer import BlockHandle, PeerError, create_agent
+from kvrelay.transfer import BlockHandle, create_agent
 from kvrelay.transfer.calibrate import CopyChoice, CopyPlan
 from kvrelay.transfer.stripes import split_rows
+from tests.transfer.conftest import pull_until_owner_killed
 from tests.transfer.peer import NAMESPACE, TOKEN, pattern
 
 RUN = 64 << 10
@@ -247,18 +244,7 @@ async def test_a_striped_pull_from_a_killed_owner_fails_in_time_and_holds_nothin
     try:
         local = agent.allocate_arena(32 << 20, shared=False)
         offsets = [i * RUN for i in range(512)]
-        await agent.read(peer.handles[0], local, offsets, namespace=NAMESPACE, timeout=timeout)
-        asyncio.get_running_loop().call_later(0.2, os.kill, peer.pid, signal.SIGKILL)
-        started = time.monotonic()
-        with pytest.raises(RpcError) as failure:
-            while time.monotonic() - started < 30:
-                began = time.monotonic()
-                await agent.read(
-                    peer.handles[0], local, offsets, namespace=NAMESPACE, timeout=timeout
-                )
-        assert time.monotonic() - began < timeout + 2.0
-        assert isinstance(failure.value, PeerError | TimeoutError)
-        stats = agent.stats()
+        stats = await pull_until_owner_killed(agent, peer, local, offsets, timeout)
         assert stats["peers"] == 0
         held = ("tcp_second_connections",) if mode == "tcp" else ("ucx_endpoints", "ucx_rkeys")
         assert all(stats[key] == 0 for key in held)

@@ -137,3 +137,47 @@ def test_a_watched_connection_the_peer_closed_posts_nothing(pair, how):
             _ucx.Batch(rkey, local_region, True, rows, remote.ctypes.data, 10.0, ours.fileno())
     assert not local.any()
     assert issubclass(_ucx.PeerClosed, _ucx.UcxError)
+
+
+def test_a_batch_posted_on_start_moves_only_once_its_driver_runs_it(pair):
+    """post_on_start: the rows are checked at once and posted by the thread
+    start_on() hands the batch to (a striped pull's far half)."""
+    rkey, local_region, remote, local = pair
+    local[:] = 0
+    batch = _ucx.Batch(rkey, local_region, True, _planned(), remote.ctypes.data, 0.0, -1, True)
+    assert batch.pending == 0 and not local.any()  # nothing posted yet
+    driver = _ucx.Driver()
+    try:
+        batch.start_on(driver, 10.0)
+        assert batch.done_within(10.0)
+        assert batch.result()
+        batch.release()
+    finally:
+        driver.stop()
+    assert np.array_equal(local, _expected(remote))
+
+
+def test_a_batch_posted_on_start_and_aborted_first_moves_nothing_and_is_not_done(pair):
+    rkey, local_region, remote, local = pair
+    local[:] = 0
+    batch = _ucx.Batch(rkey, local_region, True, _planned(), remote.ctypes.data, 0.0, -1, True)
+    batch.abort()
+    driver = _ucx.Driver()
+    try:
+        batch.start_on(driver, 10.0)
+        assert batch.done_within(10.0)
+        assert not batch.result()
+        batch.release()
+    finally:
+        driver.stop()
+    assert not local.any()
+
+
+def test_a_stopped_driver_refuses_work_and_the_batch_can_still_be_released(pair):
+    rkey, local_region, remote, _ = pair
+    driver = _ucx.Driver()
+    driver.stop()
+    batch = _ucx.Batch(rkey, local_region, True, _planned(), remote.ctypes.data, 0.0, -1, True)
+    with pytest.raises(_ucx.UcxError, match="stopped"):
+        batch.start_on(driver, 10.0)
+    batch.release()  # returns at once: nothing was handed to the driver

@@ -152,10 +152,12 @@ class UcxTransport(Transport):
         try:
             try:
                 if halves is not None:
-                    # The second half first, driven by the stripe worker's
-                    # kept thread while this thread posts and drives the first.
+                    # The second half first, posted and driven by the stripe
+                    # worker's kept thread while this thread does the first.
                     far_rkey = self._stripe_rkey(peer, state, handle)
-                    far = _ucx.Batch(far_rkey, region, read, halves[1], handle.base, 0.0, watch)
+                    far = _ucx.Batch(
+                        far_rkey, region, read, halves[1], handle.base, 0.0, watch, True
+                    )
                     batches.append(far)
                     far_fd = far.start_on(self._driver, _WAIT_LIMIT)
                     rows = halves[0]

@@ -34,10 +34,12 @@ class Driver {
   // favours the waker's cache), so a 16 MiB pull's two halves ran one after
   // the other there while the other core idled.
   void submit(std::function<void()> job) {
-    keep_off(sched_getcpu());
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      // Before the affinity call: a stopped driver's thread is joined, and
+      // its handle names no thread any more.
       if (stopping_) throw UcxError("the driver is stopped");
+      keep_off(sched_getcpu());
       jobs_.push_back(std::move(job));
     }
     ready_.notify_one();
