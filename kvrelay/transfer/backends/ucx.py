@@ -86,8 +86,12 @@ class UcxTransport(Transport):
         _LIVE.add(self)
 
     def stop_progress(self) -> None:
+        """Ends the progress thread and the stripe driver's (at close, or at
+        exit for an agent never closed)."""
         self._stop.set()
         self._progress.join(timeout=5)
+        if self._driver is not None:
+            self._driver.stop()
 
     def _progress_loop(self) -> None:
         while not self._stop.is_set():
@@ -140,35 +144,12 @@ class UcxTransport(Transport):
         watch = -1 if peer.conn is None else peer.conn.sock.fileno()
         if watch < 0 and peer.conn is not None:
             raise PeerError(f"agent {peer.address} closed its control connection")
-        state = self._state(peer)
-        rkey = self._rkey(state.rkeys, state.endpoint, handle)
-        halves = None
-        if self.stripes > 1 and peer.on_host:
-            halves = _ucx.split_rows(rows, STRIPE_MIN_BYTES)
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         inline = min(_INLINE_DRIVE_S, max(0.0, deadline - loop.time()))
-        batches, far_fd = [], -1
+        batches: list = []  # what was posted, for the failure paths below
         try:
-            try:
-                if halves is not None:
-                    # The second half first, posted and driven by the stripe
-                    # worker's kept thread while this thread does the first.
-                    far_rkey = self._stripe_rkey(peer, state, handle)
-                    far = _ucx.Batch(
-                        far_rkey, region, read, halves[1], handle.base, 0.0, watch, True
-                    )
-                    batches.append(far)
-                    far_fd = far.start_on(self._driver, _WAIT_LIMIT)
-                    rows = halves[0]
-                # Posted and progressed for up to `inline` in one call: cma
-                # GETs are deferred to progress and done within a few ms, and
-                # a waiter thread and an eventfd wake-up cost more than that saves.
-                batches.append(_ucx.Batch(rkey, region, read, rows, handle.base, inline, watch))
-            except _ucx.PeerClosed:
-                raise PeerError(f"agent {peer.address} closed its control connection") from None
-            except _ucx.UcxError as exc:
-                raise PeerError(f"posting to {peer.address} failed: {exc}") from None
+            far_fd = self._post(peer, handle, region, rows, read, watch, inline, batches)
             near = batches[-1]
             done_inline = near.result()
             if not done_inline and not await _wait_on_thread(near, peer, loop, deadline):
@@ -193,6 +174,36 @@ class UcxTransport(Transport):
         finally:
             for batch in batches:
                 batch.release()
+
+    def _post(self, peer, handle, region, rows, read, watch, inline, batches) -> int:
+        """Posts the pull, appending each batch to `batches` as it goes: the
+        near one (on the agent's worker, progressed for up to `inline` in
+        the same call), and first, for a split pull, the far one on the
+        stripe worker. The far batch's eventfd, or -1 when not split."""
+        state = self._state(peer)
+        rkey = self._rkey(state.rkeys, state.endpoint, handle)
+        halves = None
+        if self.stripes > 1 and peer.on_host:
+            halves = _ucx.split_rows(rows, STRIPE_MIN_BYTES)
+        far_fd = -1
+        try:
+            if halves is not None:
+                # The second half first, posted and driven by the stripe
+                # worker's kept thread while this thread does the first.
+                far_rkey = self._stripe_rkey(peer, state, handle)
+                far = _ucx.Batch(far_rkey, region, read, halves[1], handle.base, 0.0, watch, True)
+                batches.append(far)
+                far_fd = far.start_on(self._driver, _WAIT_LIMIT)
+                rows = halves[0]
+            # Posted and progressed for up to `inline` in one call: cma GETs
+            # are deferred to progress and done within a few ms, and a waiter
+            # thread and an eventfd wake-up cost more than that saves.
+            batches.append(_ucx.Batch(rkey, region, read, rows, handle.base, inline, watch))
+        except _ucx.PeerClosed:
+            raise PeerError(f"agent {peer.address} closed its control connection") from None
+        except _ucx.UcxError as exc:
+            raise PeerError(f"posting to {peer.address} failed: {exc}") from None
+        return far_fd
 
     async def _wait_far(self, far, fd, peer, loop, deadline) -> bool:
         """The stripe worker's half, which started with the near one and is
@@ -252,7 +263,6 @@ class UcxTransport(Transport):
             region.unmap()
         self._regions.clear()
         if self._stripe_worker is not None:
-            self._driver.stop()
             self._stripe_worker.close()
         self.worker.close()
         self.context.close()
