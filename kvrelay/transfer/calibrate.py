@@ -77,19 +77,25 @@ class CopyPlan:
         big = rows == 0 or nbytes // rows >= CONTIGUOUS_RUN_BYTES
         return self.contiguous if big else self.scattered
 
-    def kernel_copy_threads(self) -> int:
-        """2 when two threads of `process_vm_readv` (the kernel's copy, what
-        UCX's cma does) beat one by TWO_THREAD_MARGIN on average over the
-        shapes measured; else 1 (also when nothing was measured). On
-        average, not on each: one short calibration after other work once
-        measured 1.29x scattered and 1.15x contiguous on a host where
-        two threads otherwise measured 1.45-1.69x on both."""
-        ratios = []
-        for rates in self.measured.values():
+    def kernel_copy_ratios(self) -> dict[str, float]:
+        """Per shape measured: two threads of `process_vm_readv` (the
+        kernel's copy, what UCX's cma does) over one; {} when a shape lacks
+        either."""
+        ratios = {}
+        for shape, rates in self.measured.items():
             one, two = rates.get("readv, 1 thread"), rates.get("readv, 2 threads")
             if not one or not two:
-                return 1
-            ratios.append(two / one)
+                return {}
+            ratios[shape] = two / one
+        return ratios
+
+    def kernel_copy_threads(self) -> int:
+        """2 when two kernel copies beat one by TWO_THREAD_MARGIN on average
+        over the shapes measured; else 1 (also when nothing was measured).
+        On average, not on each: one short calibration after other work
+        once measured 1.29x scattered and 1.15x contiguous on a host where
+        two threads otherwise measured 1.45-1.69x on both."""
+        ratios = list(self.kernel_copy_ratios().values())
         return 2 if ratios and sum(ratios) / len(ratios) > TWO_THREAD_MARGIN else 1
 
     def to_json(self) -> dict:

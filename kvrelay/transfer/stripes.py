@@ -116,20 +116,21 @@ def _meet(a: np.ndarray, b: np.ndarray) -> bool:
     return bool((a[last[hit], 1] > b[hit, 0]).any())
 
 
+def two_cpus() -> bool:
+    """Whether this process may run on two CPUs (else two halves would share one)."""
+    return len(os.sched_getaffinity(0)) > 1
+
+
 def stripe_choice(plan) -> dict:
     """What a large pull is split over on this host by default (`stripes`
     0), from the calibration `plan`: for `kvrelay info` and the bench."""
-    two_cpus = len(os.sched_getaffinity(0)) > 1
-    ratios = {
-        shape: round(rates["readv, 2 threads"] / rates["readv, 1 thread"], 2)
-        for shape, rates in plan.measured.items()
-        if rates.get("readv, 1 thread") and rates.get("readv, 2 threads")
-    }
+    two = two_cpus()
+    ratios = {shape: round(r, 2) for shape, r in plan.kernel_copy_ratios().items()}
     return {
         "min_bytes": STRIPE_MIN_BYTES,
-        "ucx_same_host_workers": plan.kernel_copy_threads() if two_cpus else 1,
+        "ucx_same_host_workers": plan.kernel_copy_threads() if two else 1,
         "kernel_copy_two_threads_x_one": ratios,
-        "tcp_connections": 2 if two_cpus else 1,
+        "tcp_connections": 2 if two else 1,
     }
 
 

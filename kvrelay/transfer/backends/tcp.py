@@ -57,7 +57,7 @@ from kvrelay.transfer.errors import (
 )
 from kvrelay.transfer.handle import MAX_RUNS, check_runs, rows_array
 from kvrelay.transfer.lease import covers
-from kvrelay.transfer.stripes import STRIPE_MIN_BYTES, split_rows
+from kvrelay.transfer.stripes import STRIPE_MIN_BYTES, split_rows, two_cpus
 
 _REMOTE_ERRORS = {
     cls.__name__: cls for cls in (LeaseExpired, RunOutOfBounds, UnknownArena, MalformedHandle)
@@ -87,8 +87,7 @@ class TcpTransport(Transport):
 
     def tune(self, config, plan) -> None:
         self._config = config
-        two_cpus = len(os.sched_getaffinity(0)) > 1
-        self.stripes = (config.stripes or 2) if two_cpus else 1
+        self.stripes = (config.stripes or 2) if two_cpus() else 1
 
     async def move(self, peer, handle, local, rows, read, deadline) -> None:
         triples = rows_array(rows)

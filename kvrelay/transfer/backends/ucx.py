@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import os
 import threading
 import time
 import weakref
@@ -25,7 +24,7 @@ from dataclasses import dataclass, field
 from kvrelay.transfer.base import Peer, Transport
 from kvrelay.transfer.errors import BackendUnavailable, PeerError, TransferError
 from kvrelay.transfer.inline import InlineBudget
-from kvrelay.transfer.stripes import STRIPE_MIN_BYTES
+from kvrelay.transfer.stripes import STRIPE_MIN_BYTES, two_cpus
 
 try:
     import torch  # noqa: F401  (loads libc10/libtorch, which _ucx links against)
@@ -101,7 +100,7 @@ class UcxTransport(Transport):
         return config.stripes == 0
 
     def tune(self, config, plan) -> None:
-        if len(os.sched_getaffinity(0)) < 2:
+        if not two_cpus():
             self.stripes = 1  # two copies would share one CPU
         elif config.stripes:
             self.stripes = config.stripes
