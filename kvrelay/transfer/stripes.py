@@ -25,35 +25,47 @@ STRIPE_MIN_BYTES = 8 << 20
 STRIPE_ALIGN = 4096
 
 
-def locals_disjoint(triples: np.ndarray) -> bool:
-    """Whether no two (remote, local, length) rows write the same local byte."""
+def writes_agree(triples: np.ndarray, dest: int) -> bool:
+    """Whether any two (remote, local, length) rows that write a common byte
+    copy the same source byte to it: their destination runs (column `dest`:
+    1, local, for a pull; 0, remote, for a push) overlap only where the
+    offset from source to destination is the same."""
     live = triples[triples[:, 2] > 0]
     if len(live) < 2:
         return True
-    order = np.argsort(live[:, 1], kind="stable")
-    starts, lengths = live[order, 1], live[order, 2]
-    return bool((starts[1:] >= starts[:-1] + lengths[:-1]).all())
+    order = np.argsort(live[:, dest], kind="stable")
+    starts = live[order, dest]
+    reach = np.maximum.accumulate(starts + live[order, 2])
+    shifts = live[order, 1] - live[order, 0]  # mod 2**64, as in C++
+    # A cluster is a run of writes each overlapping what came before it.
+    opens = np.ones(len(starts), dtype=bool)
+    opens[1:] = starts[1:] >= reach[:-1]
+    cluster = np.cumsum(opens) - 1
+    return bool((shifts == shifts[np.flatnonzero(opens)][cluster]).all())
 
 
-def split_rows(rows, min_bytes: int):
+def split_rows(rows, min_bytes: int, read: bool = True):
     """Two (k, 3) uint64 row arrays that together move exactly `rows` (a
     buffer of native uint64 (remote, local, length) triples), for two
-    workers to copy at once, such that no local byte is written by both
-    (two copies racing to the same lines only slow each other); None when
-    the rows move under `min_bytes` (or under two STRIPE_ALIGN pieces) or no
-    such split was found. Rows that write disjoint bytes are cut in the
-    middle of their bytes (the first half a multiple of STRIPE_ALIGN, the
-    row across the middle cut in two); rows that write some byte twice
-    (ucx_perftest's pattern: one run read again and again into one place)
-    have every row cut in its middle instead (`_by_columns`)."""
+    workers to copy at once, such that a byte both write gets the same
+    value from each; None when the rows move under `min_bytes` (or under
+    two STRIPE_ALIGN pieces) or no such split was found. Rows that agree
+    where they overlap (`writes_agree`: always so for apart destination
+    runs, and for ucx_perftest's pattern, one run read again and again into
+    one place) are cut in the middle of their bytes (the first half a
+    multiple of STRIPE_ALIGN, the row across the middle cut in two); rows
+    that write some byte from two different sources have every row cut in
+    its middle instead (`_by_columns`), if that keeps the halves' written
+    bytes apart."""
     triples = rows_array(rows)
     total = int(triples[:, 2].sum())
     if total < min_bytes or total < 2 * STRIPE_ALIGN:
         return None
-    if locals_disjoint(triples):
+    dest = 1 if read else 0
+    if writes_agree(triples, dest):
         return _by_bytes(triples, total)
     first, second = _by_columns(triples)
-    if not len(second) or _meet(_merged(first), _merged(second)):
+    if not len(second) or _meet(_merged(first, dest), _merged(second, dest)):
         return None
     return first, second
 
@@ -90,11 +102,13 @@ def _by_columns(triples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return first, second
 
 
-def _merged(triples: np.ndarray) -> np.ndarray:
-    """The rows' non-empty local runs as sorted, merged (start, end) rows."""
+def _merged(triples: np.ndarray, dest: int) -> np.ndarray:
+    """The rows' non-empty destination runs (column `dest`) as sorted,
+    merged (start, end) rows."""
     live = triples[triples[:, 2] > 0]
-    order = np.argsort(live[:, 1], kind="stable")
-    starts, ends = live[order, 1], live[order, 1] + live[order, 2]
+    order = np.argsort(live[:, dest], kind="stable")
+    starts = live[order, dest]
+    ends = starts + live[order, 2]
     reach = np.maximum.accumulate(ends) if len(ends) else ends
     new = np.ones(len(starts), dtype=bool)
     new[1:] = starts[1:] >= reach[:-1]

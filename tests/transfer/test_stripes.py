@@ -77,12 +77,19 @@ def test_the_binding_splits_as_the_reference_does(seed):
         at += n + rng.choice([0, 0, 16])
     rng.shuffle(rows)
     if seed % 5 == 0:
-        rows.append(list(rows[0]))  # a local range written twice
+        rows.append(list(rows[0]))  # a local range written twice, from the same bytes
+    if seed % 5 == 1:
+        rows.append([rows[0][0] + 8, rows[0][1], rows[0][2]])  # ... from other bytes
+    if seed % 5 == 2:
+        rows.append([rows[0][0], rows[0][1] + 8192, 8192])  # a remote range read twice
     triples = np.array(rows, dtype=np.uint64)
-    compiled, reference = _ucx.split_rows(_rows(rows), 0), split_rows(triples, 0)
-    assert (compiled is None) == (reference is None)
-    for got, want in zip(compiled or (), reference or (), strict=True):
-        assert np.frombuffer(bytes(got), dtype=np.uint64).reshape(-1, 3).tolist() == want.tolist()
+    for read in (True, False):
+        compiled = _ucx.split_rows(_rows(rows), 0, read)
+        reference = split_rows(triples, 0, read)
+        assert (compiled is None) == (reference is None)
+        for got, want in zip(compiled or (), reference or (), strict=True):
+            got = np.frombuffer(bytes(got), dtype=np.uint64).reshape(-1, 3)
+            assert got.tolist() == want.tolist()
 
 
 def test_a_single_run_is_cut_in_two():
@@ -100,16 +107,49 @@ def test_small_plans_are_not_split():
     assert _ucx.split_rows(_rows([[0, 0, 4096]]), 0) is None  # under two 4 KiB pieces
 
 
-def test_a_plan_writing_a_byte_twice_is_split_by_columns():
+def test_one_run_read_again_and_again_is_split_by_rows():
     """ucx_perftest's pattern, one run read again and again into one place:
-    a split by bytes would have both workers write the same lines, so every
-    row is cut in its middle, first halves to one worker, second to the other."""
+    every row writes the same bytes there, so two workers may each take
+    half of the rows (half the kernel calls each, where a cut of every row
+    left each worker as many calls as the whole)."""
     first, second = (
         np.frombuffer(bytes(h), dtype=np.uint64).reshape(-1, 3).tolist()
         for h in _ucx.split_rows(_rows([[4096, 0, RUN]] * 512), 8 << 20)
     )
-    assert first == [[4096, 0, RUN // 2]] * 512
-    assert second == [[4096 + RUN // 2, RUN // 2, RUN // 2]] * 512
+    assert first == second == [[4096, 0, RUN]] * 256
+
+
+def test_overlapping_rows_from_one_source_are_split_by_bytes():
+    # [0, 64K) and [32K, 96K) of local from the same remote offsets.
+    triples = [[4096, 0, RUN], [4096 + RUN // 2, RUN // 2, RUN]]
+    first, second = _ucx.split_rows(_rows(triples), 0)
+    assert np.frombuffer(bytes(first), dtype=np.uint64).tolist() == [4096, 0, RUN]
+    assert np.frombuffer(bytes(second), dtype=np.uint64).tolist() == triples[1]
+
+
+def test_a_plan_writing_a_byte_from_two_sources_is_split_by_columns():
+    """Two workers racing to write one byte from different sources would
+    leave either value: every row is cut in its middle instead, first
+    halves to one worker, second to the other, so each byte has one writer."""
+    first, second = (
+        np.frombuffer(bytes(h), dtype=np.uint64).reshape(-1, 3).tolist()
+        for h in _ucx.split_rows(_rows([[4096, 0, RUN], [0, 0, RUN]] * 128), 8 << 20)
+    )
+    assert first == [[4096, 0, RUN // 2], [0, 0, RUN // 2]] * 128
+    assert second == [[4096 + RUN // 2, RUN // 2, RUN // 2], [RUN // 2, RUN // 2, RUN // 2]] * 128
+
+
+def test_a_push_is_checked_on_the_remote_bytes_it_writes():
+    """Apart local runs pushed to one remote run from different bytes: a
+    split by bytes would race on the remote run, so it is cut by columns."""
+    triples = [[0, i * RUN, RUN] for i in range(4)]
+    assert len(np.frombuffer(bytes(_ucx.split_rows(_rows(triples), 0)[0]), dtype=np.uint64)) == 6
+    first, second = (
+        np.frombuffer(bytes(h), dtype=np.uint64).reshape(-1, 3).tolist()
+        for h in _ucx.split_rows(_rows(triples), 0, read=False)
+    )
+    assert first == [[0, i * RUN, RUN // 2] for i in range(4)]
+    assert second == [[RUN // 2, i * RUN + RUN // 2, RUN // 2] for i in range(4)]
 
 
 @pytest.mark.parametrize("seed", [4, 5])
@@ -187,8 +227,11 @@ def _striped(stats: dict, mode: str) -> bool:
 async def test_striped_pulls_and_pushes_land_byte_for_byte(mode, start_peer):
     single = [(4096, 24 << 20)]
     batch = _batch(192, seed=1)  # 12 MiB of 64 KiB runs
-    again = [(5 * RUN, RUN)] * 160  # one run read 160 times (10 MiB): split by columns
-    peer = start_peer(mode, SIZE, [single, batch, again])
+    again = [(5 * RUN, RUN)] * 160  # one run read 160 times (10 MiB): split by rows
+    # Two runs read in turn into one place, 80 times each: split by columns,
+    # and the last row's run is what stays.
+    turns = [(5 * RUN, RUN), (7 * RUN, RUN)] * 80
+    peer = start_peer(mode, SIZE, [single, batch, again, turns])
     expected = pattern(SIZE, 0).clone()
     backend = mode.split("-")[0]
     async with await create_agent(backend, token=TOKEN, fast_path=False, stripes=2) as agent:
@@ -209,6 +252,8 @@ async def test_striped_pulls_and_pushes_land_byte_for_byte(mode, start_peer):
         await agent.read(peer.handles[2], local, [RUN] * 160, namespace=NAMESPACE, timeout=30)
         assert _sha(local.tensor[RUN : 2 * RUN]) == _sha(expected[5 * RUN : 6 * RUN])
         assert not local.tensor[:RUN].any() and not local.tensor[2 * RUN :].any()
+        await agent.read(peer.handles[3], local, [RUN] * 160, namespace=NAMESPACE, timeout=30)
+        assert _sha(local.tensor[RUN : 2 * RUN]) == _sha(expected[7 * RUN : 8 * RUN])
         # A push of the batch: the stripe worker writes half of it.
         source = pattern(32 << 20, 9)
         local.tensor.copy_(source)

@@ -91,7 +91,7 @@ class TcpTransport(Transport):
 
     async def move(self, peer, handle, local, rows, read, deadline) -> None:
         triples = rows_array(rows)
-        halves = split_rows(triples, STRIPE_MIN_BYTES) if self.stripes > 1 else None
+        halves = split_rows(triples, STRIPE_MIN_BYTES, read) if self.stripes > 1 else None
         async with asyncio.timeout_at(deadline):
             if halves is None:
                 await self._move(peer.conn, peer, handle, local, triples, read)

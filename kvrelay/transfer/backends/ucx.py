@@ -183,7 +183,7 @@ class UcxTransport(Transport):
         rkey = self._rkey(state.rkeys, state.endpoint, handle)
         halves = None
         if self.stripes > 1 and peer.on_host:
-            halves = _ucx.split_rows(rows, STRIPE_MIN_BYTES)
+            halves = _ucx.split_rows(rows, STRIPE_MIN_BYTES, read)
         far_fd = -1
         try:
             if halves is not None:

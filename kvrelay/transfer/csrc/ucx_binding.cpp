@@ -306,9 +306,9 @@ PYBIND11_MODULE(_ucx, m) {
   // Registered after UcxError, so its translator is tried first.
   py::register_exception<PeerClosed>(m, "PeerClosed", ucx_error.ptr());
   m.def("version", &version, "version of the libucp loaded at run time");
-  m.def("split_rows", &split_rows, py::arg("rows"), py::arg("min_bytes"),
-        "two halves of a plan's rows for two workers, or None (under min_bytes, or a local "
-        "byte written twice)");
+  m.def("split_rows", &split_rows, py::arg("rows"), py::arg("min_bytes"), py::arg("read") = true,
+        "two halves of a plan's rows for two workers, or None (under min_bytes, or no split "
+        "that leaves a byte both write with one value)");
 
   py::class_<Context, std::shared_ptr<Context>>(m, "Context")
       .def(py::init<const std::map<std::string, std::string>&>(), py::arg("defaults"),

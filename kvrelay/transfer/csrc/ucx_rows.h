@@ -46,37 +46,58 @@ Rows parse_rows(const py::buffer& rows_buffer) {
   return Rows{std::move(info), row, bytes / 24};
 }
 
-// True when no two rows write the same local byte. Plans usually list their
-// local runs in order (one pass); others are sorted first.
-bool locals_disjoint(const Rows& rows) {
-  std::vector<std::pair<uint64_t, uint64_t>> spans;  // (start, end), only if out of order
+// True when any two rows that write a common byte copy the same source byte
+// to it: their destination runs (local for a pull, `dest` 1; remote for a
+// push, `dest` 0) overlap only where the offset from source to destination
+// is the same. Two workers may then split the rows anywhere: where both
+// write a byte, both write the value the whole plan leaves there. Plans
+// usually list apart destination runs in order (one pass); others are
+// sorted first.
+bool writes_agree(const Rows& rows, int dest) {
   uint64_t end = 0;
-  for (size_t i = 0; i < rows.count; ++i) {
-    const uint64_t at = rows.row[3 * i + 1], len = rows.row[3 * i + 2];
+  size_t i = 0;
+  for (; i < rows.count; ++i) {
+    const uint64_t at = rows.row[3 * i + dest], len = rows.row[3 * i + 2];
     if (len == 0) continue;
-    if (at < end) {
-      spans.reserve(rows.count);
-      for (size_t j = 0; j < rows.count; ++j)
-        if (rows.row[3 * j + 2] > 0)
-          spans.emplace_back(rows.row[3 * j + 1], rows.row[3 * j + 1] + rows.row[3 * j + 2]);
-      std::sort(spans.begin(), spans.end());
-      for (size_t j = 1; j < spans.size(); ++j)
-        if (spans[j].first < spans[j - 1].second) return false;
-      return true;
-    }
+    if (at < end) break;
     end = at + len;
+  }
+  if (i == rows.count) return true;
+  struct Write {
+    uint64_t start, end, shift;  // shift: destination minus source, mod 2^64
+  };
+  std::vector<Write> writes;
+  writes.reserve(rows.count);
+  for (size_t j = 0; j < rows.count; ++j) {
+    const uint64_t* r = rows.row + 3 * j;
+    if (r[2] > 0) writes.push_back({r[dest], r[dest] + r[2], r[1] - r[0]});
+  }
+  std::stable_sort(writes.begin(), writes.end(),
+                   [](const Write& a, const Write& b) { return a.start < b.start; });
+  // A cluster is a run of writes each overlapping what came before it; all
+  // of a cluster's writes must share one shift.
+  uint64_t reach = 0, shift = 0;
+  for (size_t j = 0; j < writes.size(); ++j) {
+    if (j > 0 && writes[j].start < reach) {
+      if (writes[j].shift != shift) return false;
+      reach = std::max(reach, writes[j].end);
+    } else {
+      reach = writes[j].end;
+      shift = writes[j].shift;
+    }
   }
   return true;
 }
 
-using Span = std::pair<uint64_t, uint64_t>;  // [start, end) of local bytes
+using Span = std::pair<uint64_t, uint64_t>;  // [start, end) of destination bytes
 
-// The local runs of `v`'s (remote, local, length) triples, sorted and merged.
-std::vector<Span> merged_locals(const std::vector<uint64_t>& v) {
+// The destination runs (column `dest`) of `v`'s (remote, local, length)
+// triples, sorted and merged.
+std::vector<Span> merged_writes(const std::vector<uint64_t>& v, int dest) {
   std::vector<Span> spans;
   spans.reserve(v.size() / 3);
   for (size_t i = 0; i < v.size(); i += 3)
-    if (v[i + 2] > 0) spans.emplace_back(v[i + 1], v[i + 1] + v[i + 2]);
+    if (v[i + 2] > 0) spans.emplace_back(v[i + dest], v[i + dest] + v[i + 2]);
   std::sort(spans.begin(), spans.end());
   std::vector<Span> merged;
   for (const Span& s : spans) {
@@ -136,27 +157,30 @@ void split_by_columns(const Rows& rows, std::vector<uint64_t>& first,
 }
 
 // Two plans that together move exactly `rows`, for two workers to copy at
-// once, such that no local byte is written by both (two copies racing to
-// the same lines only slow each other); None when the plan moves under
-// `min_bytes` or no such split was found. A plan whose rows write disjoint
-// bytes is cut in the middle of its bytes (the first half a whole number
-// of 4 KiB); one that writes some byte twice (ucx_perftest's pattern: one
-// run read again and again into one place) has every row cut in the
-// middle instead, the first halves to one worker and the second halves to
-// the other, if that leaves the two workers' bytes apart.
-py::object split_rows(const py::buffer& rows_buffer, uint64_t min_bytes) {
+// once, such that a byte both write gets the same value from each; None
+// when the plan moves under `min_bytes` or no such split was found. A plan
+// whose rows agree where they overlap (`writes_agree`: always so for apart
+// destination runs, and for ucx_perftest's pattern, one run read again and
+// again into one place) is cut in the middle of its bytes, the first half a
+// whole number of 4 KiB. One whose rows write some byte with two different
+// sources has every row cut in the middle instead, the first halves to one
+// worker and the second halves to the other, if that leaves the two
+// workers' destination bytes apart (each byte then gets the value its last
+// row gives it, as in the whole plan).
+py::object split_rows(const py::buffer& rows_buffer, uint64_t min_bytes, bool read) {
   const Rows rows = parse_rows(rows_buffer);
+  const int dest = read ? 1 : 0;
   uint64_t total = 0;
   for (size_t i = 0; i < rows.count; ++i) total += rows.row[3 * i + 2];
   if (total < min_bytes || total < 2 * kStripeAlign) return py::none();
   std::vector<uint64_t> first, second;
   first.reserve(3 * rows.count + 3);
   second.reserve(3 * rows.count + 3);
-  if (locals_disjoint(rows)) {
+  if (writes_agree(rows, dest)) {
     split_by_bytes(rows, total, first, second);
   } else {
     split_by_columns(rows, first, second);
-    if (second.empty() || spans_meet(merged_locals(first), merged_locals(second)))
+    if (second.empty() || spans_meet(merged_writes(first, dest), merged_writes(second, dest)))
       return py::none();
   }
   auto as_bytes = [](const std::vector<uint64_t>& v) {
