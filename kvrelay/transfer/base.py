@@ -34,7 +34,7 @@ class AgentConfig:
     # What a pull of STRIPE_MIN_BYTES or more is split over (stripes.py):
     # two UCX workers (same-host peers) or two TCP connections. 0 as this
     # host measured (ucx: two where two kernel copies beat one by
-    # TWO_THREAD_MARGIN in the calibration; tcp: two where the process may
+    # STRIPE_MARGIN in the calibration; tcp: two where the process may
     # run on two CPUs), or 1 (never) or 2.
     stripes: int = 0
     timeout: float = 10.0  # default deadline of a read or write, seconds
