@@ -8,7 +8,6 @@ a dead owner fails a striped pull within its deadline and leaves nothing
 held."""
 
 import hashlib
-import os
 import random
 
 import numpy as np
@@ -19,7 +18,7 @@ pytest.importorskip("kvrelay._ucx")
 from kvrelay import _ucx
 from kvrelay.transfer import BlockHandle, create_agent
 from kvrelay.transfer.calibrate import CopyChoice, CopyPlan
-from kvrelay.transfer.stripes import split_rows
+from kvrelay.transfer.stripes import split_rows, two_cpus
 from tests.transfer.conftest import pull_until_owner_killed
 from tests.transfer.peer import NAMESPACE, TOKEN, pattern
 
@@ -212,7 +211,7 @@ def _batch(count: int, seed: int) -> list:
     return [(s * RUN, RUN) for s in slots]
 
 
-TWO_CPUS = len(os.sched_getaffinity(0)) > 1
+TWO_CPUS = two_cpus()
 MODES = ["ucx-shm", "tcp"]
 
 

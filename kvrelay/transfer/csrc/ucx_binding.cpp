@@ -119,22 +119,17 @@ class Batch : public std::enable_shared_from_this<Batch> {
   // returned eventfd when done, at the deadline or after abort(); an asyncio
   // loop watches the fd and then calls result().
   int start(double timeout) {
-    if (waiter_.joinable() || event_fd_ >= 0) throw UcxError("the batch was already started");
-    event_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-    if (event_fd_ < 0) throw UcxError(std::string("eventfd: ") + std::strerror(errno));
+    open_event_fd();
     waiter_ = std::thread([this, timeout] {
       drive(timeout);
-      const uint64_t one = 1;
-      [[maybe_unused]] ssize_t n = write(event_fd_, &one, sizeof(one));
+      signal_done();
     });
     return event_fd_;
   }
 
   // start() on a kept thread: the driver's (see Driver).
   int start_on(const std::shared_ptr<Driver>& driver, double timeout) {
-    if (waiter_.joinable() || event_fd_ >= 0) throw UcxError("the batch was already started");
-    event_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-    if (event_fd_ < 0) throw UcxError(std::string("eventfd: ") + std::strerror(errno));
+    open_event_fd();
     driver->submit([self = shared_from_this(), timeout] {
       self->drive(timeout);
       {
@@ -142,8 +137,7 @@ class Batch : public std::enable_shared_from_this<Batch> {
         self->driven_done_ = true;
       }
       self->done_.notify_all();
-      const uint64_t one = 1;
-      [[maybe_unused]] ssize_t n = write(self->event_fd_, &one, sizeof(one));
+      self->signal_done();
     });
     driven_ = true;  // only once submitted: join() would wait for a job never run
     return event_fd_;
@@ -185,6 +179,18 @@ class Batch : public std::enable_shared_from_this<Batch> {
   }
 
  private:
+  // The eventfd start() and start_on() return; a batch is started once.
+  void open_event_fd() {
+    if (waiter_.joinable() || event_fd_ >= 0) throw UcxError("the batch was already started");
+    event_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (event_fd_ < 0) throw UcxError(std::string("eventfd: ") + std::strerror(errno));
+  }
+  // Fires the eventfd: the thread that drove the batch is done with it.
+  void signal_done() {
+    const uint64_t one = 1;
+    [[maybe_unused]] ssize_t n = write(event_fd_, &one, sizeof(one));
+  }
+
   // One GET or PUT per row, on the endpoint; GIL released, as a waiter.
   void post(const uint64_t* row, size_t n) {
     const uint64_t local_base = local_->address();
