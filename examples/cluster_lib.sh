@@ -3,6 +3,14 @@
 # Each process runs in its own session (setsid), so one signal to its process
 # group also reaches the ranks it spawned.
 
+# The project's environment, which `make test` creates: its bin/ goes first
+# on PATH when it exists, so `kvrelay` and `python3` are the project's own
+# without activating anything; elsewhere (an installed kvrelay) PATH is kept.
+KVRELAY_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+if [ -x "$KVRELAY_ROOT/.venv/bin/kvrelay" ]; then
+  PATH="$KVRELAY_ROOT/.venv/bin:$PATH"
+  export PATH
+fi
 KVRELAY=${KVRELAY:-kvrelay}
 LOGDIR=${LOGDIR:-kvrelay-logs}
 READY_TIMEOUT=${READY_TIMEOUT:-120}

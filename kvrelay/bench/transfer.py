@@ -25,7 +25,7 @@ from pathlib import Path
 # torch's OpenMP workers spin-wait after each parallel region, and the
 # memcpy baseline and the cache sweep run right before every timed pull: on
 # a 2-core host the spinning took a core from the pull's own threads (15-30%
-# of a tcp pull, issue 14). Passive workers sleep at once. Set before torch
+# of a tcp pull). Passive workers sleep at once. Set before torch
 # loads OpenMP (no effect where it already has) and inherited by every
 # process the bench spawns (owners, the NIXL peer), so all are timed alike.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

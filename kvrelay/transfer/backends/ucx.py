@@ -48,7 +48,7 @@ _WAIT_LIMIT = 24 * 3600.0  # a batch's own bound; the caller's deadline aborts i
 # a GET in segments of UCX_CMA_SEG_SIZE (512 KiB by default), one
 # process_vm_readv and one progress call each: a 16 MiB GET took 32. One
 # segment up to 64 MiB keeps a segment's copy short enough for an abort to
-# be seen within a few ms (measured in issue 14: docs/architecture.md).
+# be seen within a few ms.
 UCX_DEFAULTS = {"CMA_SEG_SIZE": "64M"}
 _FAR_BLOCK_S = 0.004  # how long the loop's thread waits for the far half before yielding
 
