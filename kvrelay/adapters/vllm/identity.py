@@ -1,0 +1,54 @@
+"""The kvrelay namespace and rectangle of a vLLM engine's KV cache.
+
+The geometry comes from vLLM's model and cache configs, the identity from
+the connector's config, so a page written by an engine of one TP degree is
+found (same key) and read (same bytes, each rank its own heads) by an engine
+of another, or by kvrelay's own workers when the identity matches theirs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvrelay.adapters.vllm.config import ConnectorConfig, ConnectorConfigError
+from kvrelay.layout import ModelKVSpec, ParallelConfig, Rectangle, rank_rectangle
+
+# The KV dtypes a unified page can hold, by torch dtype.
+KV_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def engine_spec(config: ConnectorConfig, vllm_config) -> ModelKVSpec:
+    """The model's `ModelKVSpec`: one page is one vLLM block."""
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    parallel = vllm_config.parallel_config
+    if model.use_mla:
+        raise ConnectorConfigError("KvrelayConnector does not move MLA caches yet")
+    if parallel.pipeline_parallel_size != 1:
+        raise ConnectorConfigError("KvrelayConnector runs with pipeline_parallel_size 1 only")
+    if cache.cache_dtype not in ("auto", None):
+        raise ConnectorConfigError(
+            "KvrelayConnector moves the model's own dtype, "
+            f"not kv_cache_dtype={cache.cache_dtype!r}"
+        )
+    dtype = KV_DTYPES.get(model.dtype)
+    if dtype is None:
+        raise ConnectorConfigError(f"KvrelayConnector cannot move a {model.dtype} KV cache")
+    head_dim = model.get_head_size()
+    return ModelKVSpec(
+        model_id=config.model_id or str(model.model),
+        weights_fingerprint=config.weights_fingerprint,
+        num_layers=model.get_total_num_hidden_layers(),
+        num_kv_heads=model.get_total_num_kv_heads(),
+        k_head_dim=head_dim,
+        v_head_dim=head_dim,
+        kv_dtype=dtype,
+        page_size=cache.block_size,
+        salt=config.salt,
+        key_scheme=config.key_scheme,
+    )
+
+
+def rank_rect(spec: ModelKVSpec, vllm_config, tp_rank: int) -> Rectangle:
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    return rank_rectangle(spec, ParallelConfig(tp=tp, pp=1, tp_rank=tp_rank, pp_rank=0))

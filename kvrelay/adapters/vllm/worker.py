@@ -1,0 +1,129 @@
+"""The worker side of `KvrelayConnector`: fills blocks from the tier before a
+step's forward and writes the step's new full blocks after it.
+
+Pages move whole (every layer of the rank's heads at once) through staging
+rows of unified pages, so `save_kv_layer` and `wait_for_layer_load` have
+nothing to do per layer: the blocks a step loads are filled before its
+forward starts, and the blocks it completes are written once its forward
+has written every layer.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvrelay.adapters.vllm.blocks import BlockPages, probe_permutation
+from kvrelay.adapters.vllm.scheduler import PageBatch, StepPlan
+from kvrelay.adapters.vllm.tier import RankTier, TierLoop
+from kvrelay.layout import ModelKVSpec, Rectangle
+
+log = logging.getLogger("kvrelay.adapters.vllm")
+
+
+def cpu_cache_writer(dtype: torch.dtype, block_size: int, head_dim: int):
+    """vLLM's CPU attention cache write (`cpu_attn_reshape_and_cache`) for one layer."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(dtype, block_size, head_dim)
+
+    def write(key, value, cache, slot_mapping) -> None:
+        blocks, heads, size, _ = cache.shape
+        key_cache, value_cache = cache.view(blocks, heads, size * 2, head_dim).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, isa)
+
+    return write
+
+
+def layer_order(names) -> list[str]:
+    """vLLM's attention layer names in model order."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return sorted(names, key=extract_layer_index)
+
+
+class WorkerSide:
+    def __init__(self, spec: ModelKVSpec, rect: Rectangle, tier_config) -> None:
+        self.spec, self.rect = spec, rect
+        self.timeout_s = tier_config.timeout_s
+        self.tier_config = tier_config
+        self.pages: BlockPages | None = None
+        self.loop: TierLoop | None = None
+        self.tier: RankTier | None = None
+        self.load_errors: set[int] = set()
+        self.counters = {"loaded_pages": 0, "missed_pages": 0, "written_pages": 0, "errors": 0}
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if hasattr(torch.cpu, "_init_amx"):
+            # A first attention call of one query token on an AMX CPU dies of an
+            # illegal instruction unless the tile state is set up first; a load
+            # that leaves only a prompt's last token to compute makes that call.
+            torch.cpu._init_amx()
+        caches = [kv_caches[name] for name in layer_order(kv_caches)]
+        if len(caches) != self.spec.num_layers:
+            raise ValueError(f"{len(caches)} layer caches for a {self.spec.num_layers}-layer model")
+        first = caches[0]
+        if first.device.type != "cpu" or first.dim() != 4:
+            raise ValueError(
+                "KvrelayConnector moves vLLM's CPU caches [blocks, heads, block, 2*head_dim]; "
+                f"got {tuple(first.shape)} on {first.device}"
+            )
+        _, heads, block_size, fused = first.shape
+        if heads != self.rect.num_heads or block_size != self.spec.page_size:
+            raise ValueError(
+                f"cache of {heads} heads x {block_size} tokens; the rank owns "
+                f"{self.rect.num_heads} heads of {self.spec.page_size}-token pages"
+            )
+        write = cpu_cache_writer(first.dtype, block_size, fused // 2)
+        perm = probe_permutation(write, heads, block_size, fused // 2, first.dtype)
+        self.pages = BlockPages(caches, perm, self.spec.num_kv_heads, self.rect.head_start)
+        self.loop = TierLoop("kvrelay-vllm-worker")
+        self.tier = self.loop.run(
+            RankTier(self.tier_config, self.spec, self.rect).start(staging=True), 30
+        )
+
+    def close(self) -> None:
+        if self.loop is not None:
+            try:
+                self.loop.run(self.tier.close(), 10)
+            finally:
+                self.loop.close()
+
+    def load(self, plan: StepPlan) -> None:
+        for batch in plan.loads:
+            found = self._read(batch)
+            self.counters["loaded_pages"] += found
+            if found < len(batch.keys):
+                self.counters["missed_pages"] += len(batch.keys) - found
+                self.load_errors.update(batch.block_ids[found:])
+
+    def _read(self, batch: PageBatch) -> int:
+        def consume(rows, start: int, n: int) -> None:
+            self.pages.scatter(rows, batch.block_ids[start : start + n])
+
+        try:
+            return self.loop.run(self.tier.read(batch.keys, consume), self.timeout_s)
+        except Exception as exc:  # a failed load is recomputed by vLLM
+            self.counters["errors"] += 1
+            log.warning("kvrelay: loading %d pages failed (%s); vLLM recomputes them",
+                        len(batch.keys), exc)  # fmt: skip
+            return 0
+
+    def save(self, plan: StepPlan) -> None:
+        for batch in plan.saves:
+
+            def produce(rows, start: int, n: int, batch=batch) -> None:
+                self.pages.gather(batch.block_ids[start : start + n], rows)
+
+            try:
+                written = self.loop.run(self.tier.write(batch.keys, produce), self.timeout_s)
+                self.counters["written_pages"] += written
+            except Exception as exc:  # a page not written is a later miss
+                self.counters["errors"] += 1
+                log.warning("kvrelay: writing %d pages failed (%s)", len(batch.keys), exc)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self.load_errors = self.load_errors, set()
+        return errors

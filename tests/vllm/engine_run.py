@@ -1,0 +1,65 @@
+"""One vLLM engine in a process of its own, for the connector tests.
+
+`python -m tests.vllm.engine_run CONFIG.json` reads {"model", "connector"
+(extra config or null), "phases": [[prompt, ...], ...], "go_file"} and, for
+each phase, generates greedily from every prompt (token ids), printing one
+JSON line per request: {"phase", "tokens", "cached"}. Between phases it
+touches `go_file + ".N"` and waits for `go_file + ".N.go"` (at most 120 s),
+so a test can act (kill a cache server) while the engine lives.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+MAX_TOKENS = 16
+
+
+def connector_config(extra: dict):
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector="KvrelayConnector",
+        kv_connector_module_path="kvrelay.adapters.vllm.connector",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config=extra,
+    )
+
+
+def wait_for(path: Path, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s} s")
+        time.sleep(0.05)
+
+
+def main() -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    config = json.loads(Path(sys.argv[1]).read_text())
+    extra = {}
+    if config["connector"] is not None:
+        extra["kv_transfer_config"] = connector_config(config["connector"])
+    llm = LLM(model=config["model"], dtype="bfloat16", max_model_len=4096, enforce_eager=True,
+              skip_tokenizer_init=True, **extra)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, detokenize=False)
+    for phase, prompts in enumerate(config["phases"]):
+        if phase:
+            marker = Path(f"{config['go_file']}.{phase}")
+            marker.touch()
+            wait_for(Path(f"{marker}.go"))
+        for prompt in prompts:
+            out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+            line = {"phase": phase, "tokens": list(out.outputs[0].token_ids),
+                    "cached": out.num_cached_tokens}  # fmt: skip
+            print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()

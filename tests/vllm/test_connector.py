@@ -1,0 +1,208 @@
+"""KvrelayConnector with real vLLM engines (CPU) and a real kvrelay cache server.
+
+One set of engine runs, shared by the tests (an engine start is 20-60 s):
+a baseline engine without a connector; a writer engine with the connector
+(computes, writes its pages through); then, in a fresh process, a reader
+engine with the connector that takes prompts from the tier, in two phases
+with the cache server killed between them. Before the reader starts the
+test writes two kinds of pages into the tier itself: pages kvrelay's own
+model computed (an import across engines) and, as a negative control, a
+real page of another prompt under a prompt's keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvrelay.cache.client import CacheClient, CacheClientConfig
+from kvrelay.cache.launch import CacheServerProcess
+from kvrelay.layout import ParallelConfig, rank_rectangle
+from kvrelay.model.config import ModelConfig
+from kvrelay.model.loader import kv_spec, load_engine
+from kvrelay.model.page_export import export_prefix
+from kvrelay.model.requests import Request
+from kvrelay.model.sampling import SamplingParams
+from kvrelay.transfer import create_agent
+
+TOKEN = "vllm-test-token"
+BLOCK = 128  # vLLM's CPU block size: one kvrelay page
+ENGINE_TIMEOUT_S = 600
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def prompt(seed: int, pages: int) -> list[int]:
+    """`pages` full pages and one more token (vLLM always computes the last one)."""
+    rnd = random.Random(seed)
+    return [rnd.randrange(512) for _ in range(pages * BLOCK + 1)]
+
+
+P_REUSE, P_POISON, P_AFTER_KILL, P_VLLM_KV, P_KVRELAY_KV = (
+    prompt(1, 8), prompt(2, 8), prompt(3, 4), prompt(4, 4), prompt(5, 8)
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("vllm") / "tiny-llama"
+    subprocess.run(
+        [sys.executable, "-m", "kvrelay.cli", "make-model", "--arch", "llama", "--layers", "2",
+         "--hidden", "128", "--heads", "4", "--kv-heads", "2", "--vocab", "512",
+         "--dtype", "bfloat16", "--max-positions", "4096", str(path)],
+        check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    return path
+
+
+@pytest.fixture(scope="module")
+def spec(model_dir):
+    return kv_spec(model_dir, ModelConfig.from_dir(model_dir), "bfloat16", BLOCK)
+
+
+def run_engine(tmp: Path, model_dir: Path, connector: dict | None, phases, between=None):
+    """Runs engine_run.py; `between(phase)` runs before each phase after the first."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    config = tmp / "engine.json"
+    config.write_text(json.dumps({"model": str(model_dir), "connector": connector,
+                                  "phases": phases, "go_file": str(tmp / "phase")}))  # fmt: skip
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+               PYTHONPATH=str(ROOT))  # fmt: skip
+    log = tmp / "engine.log"
+    with log.open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.vllm.engine_run", str(config)],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
+        )  # fmt: skip
+    deadline = time.monotonic() + ENGINE_TIMEOUT_S
+    try:
+        for phase in range(1, len(phases)):
+            marker = tmp / f"phase.{phase}"
+            while not marker.exists():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"engine stopped before phase {phase}:\n{log.read_text()[-4000:]}")
+                time.sleep(0.1)
+            if between is not None:
+                between(phase)
+            Path(f"{marker}.go").touch()
+        out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, log.read_text()[-4000:]
+    results = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert len(results) == sum(len(p) for p in phases), out
+    return results
+
+
+def connector(server: str, spec) -> dict:
+    return {"servers": [server], "token": TOKEN, "model_id": spec.model_id,
+            "weights_fingerprint": spec.weights_fingerprint, "timeout_s": 5.0}  # fmt: skip
+
+
+async def tier_pages(server: str, spec, tokens, write_rows: torch.Tensor | None = None):
+    """Reads (or, with `write_rows`, writes) the full pages of `tokens` in the tier."""
+    keys = spec.page_keys(tokens[: len(tokens) // BLOCK * BLOCK])
+    agent = await create_agent("tcp", token=TOKEN)
+    try:
+        client = CacheClient(
+            agent, spec, rank_rectangle(spec, ParallelConfig()),
+            CacheClientConfig(servers=(server,), token=TOKEN, timeout_s=10),
+        )  # fmt: skip
+        arena = agent.allocate_arena(len(keys) * spec.page_bytes)
+        rows = arena.tensor.view(len(keys), spec.page_bytes)
+        offsets = [i * spec.page_bytes for i in range(len(keys))]
+        if write_rows is not None:
+            rows.copy_(write_rows)
+            assert await client.write(keys, arena, offsets) == len(keys)
+            result = None
+        else:
+            found = await client.lookup(keys, arena, offsets)
+            result = rows[:found].clone()
+        await client.close()
+        return result
+    finally:
+        await agent.close()
+
+
+def kvrelay_pages(model_dir: Path, tokens) -> torch.Tensor:
+    """kvrelay's own runner: the full pages of `tokens`, computed cold, as unified rows."""
+    engine = load_engine(model_dir, dtype="bfloat16", page_size=BLOCK, num_pages=64)
+    engine.generate([Request(list(tokens), SamplingParams(max_new_tokens=1))])
+    full = len(tokens) // BLOCK
+    rows = torch.zeros(full + 1, engine.spec.page_bytes, dtype=torch.uint8)
+    export_prefix(engine, tokens, rows)
+    return rows[:full]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, model_dir, spec):
+    tmp = tmp_path_factory.mktemp("runs")
+    everything = [P_REUSE, P_POISON, P_AFTER_KILL, P_VLLM_KV, P_KVRELAY_KV]
+    baseline = run_engine(tmp / "baseline", model_dir, None, [everything])
+    server = CacheServerProcess(token=TOKEN, page_bytes=spec.page_bytes, pages=128)
+    try:
+        extra = connector(server.address, spec)
+        writer = run_engine(tmp / "writer", model_dir, extra, [[P_REUSE, P_VLLM_KV]])
+        vllm_kv = asyncio.run(tier_pages(server.address, spec, P_VLLM_KV))
+        ours = kvrelay_pages(model_dir, P_VLLM_KV)
+        # Negative control: P_REUSE's real pages under P_POISON's keys.
+        wrong = asyncio.run(tier_pages(server.address, spec, P_REUSE))
+        asyncio.run(tier_pages(server.address, spec, P_POISON, write_rows=wrong))
+        asyncio.run(tier_pages(server.address, spec, P_KVRELAY_KV,
+                               write_rows=kvrelay_pages(model_dir, P_KVRELAY_KV)))  # fmt: skip
+
+        def kill_cache_server(phase: int) -> None:
+            server.kill()
+
+        reader = run_engine(tmp / "reader", model_dir, extra,
+                            [[P_REUSE, P_POISON, P_KVRELAY_KV], [P_AFTER_KILL]],
+                            between=kill_cache_server)  # fmt: skip
+    finally:
+        server.stop()
+    base = {tuple(p): r["tokens"] for p, r in zip(everything, baseline, strict=True)}
+    return {"base": base, "writer": writer, "reader": reader, "vllm_kv": vllm_kv, "ours": ours}
+
+
+def test_a_fresh_engine_takes_the_prompt_from_the_tier(runs):
+    writer, reader = runs["writer"], runs["reader"]
+    assert writer[0]["tokens"] == runs["base"][tuple(P_REUSE)]
+    assert writer[0]["cached"] == 0
+    assert reader[0]["cached"] >= 0.9 * len(P_REUSE)
+    assert reader[0]["tokens"] == runs["base"][tuple(P_REUSE)]
+
+
+def test_wrong_pages_in_the_tier_change_the_output(runs):
+    poisoned = runs["reader"][1]
+    assert poisoned["cached"] >= 0.9 * len(P_POISON)  # the pages were used ...
+    assert poisoned["tokens"] != runs["base"][tuple(P_POISON)]  # ... and they matter
+
+
+def test_vllm_kv_equals_kvrelays_position_by_position(runs):
+    theirs = runs["vllm_kv"].view(torch.bfloat16).float()
+    ours = runs["ours"].view(torch.bfloat16).float()
+    assert theirs.shape == ours.shape and theirs.shape[0] == len(P_VLLM_KV) // BLOCK
+    # Both engines round to bfloat16 at every op: a few ulps of the values.
+    assert torch.allclose(theirs, ours, rtol=0.05, atol=0.05), (theirs - ours).abs().max()
+    assert (theirs - ours).abs().mean() < 0.01 * ours.abs().mean()
+
+
+def test_vllm_imports_pages_kvrelay_computed(runs):
+    imported = runs["reader"][2]
+    assert imported["cached"] >= 0.9 * len(P_KVRELAY_KV)
+
+
+def test_a_dead_cache_server_means_recompute_not_failure(runs):
+    after = runs["reader"][3]
+    assert after["phase"] == 1
+    assert after["cached"] == 0
+    assert after["tokens"] == runs["base"][tuple(P_AFTER_KILL)]
