@@ -4,19 +4,30 @@ Each trace line has `hash_ids`; a hash id stands for one block of
 `--block-tokens` (512) tokens whose content is deterministic per id, and its
 page key is the key chain of kvrelay.layout over those tokens (one page per
 block). Requests go round robin to `--workers` simulated prefill workers.
-Per L2 capacity (total pages), the policies side by side:
+Per L2 capacity (total pages), side by side:
 
 - `infinite`: every page ever written stays (the optimum);
-- `local`: each worker has its own CacheTier of capacity / workers pages;
-- `shared`: `--servers` CacheTiers, pages placed by HashRing, the same total;
-- `shared_l3`: the same with an L3 behind each tier (`--l3`: a file store per
-  server in a temp dir, `--l3-pages` in total, by default the whole working
-  set; or one valkey server): evicted pages are demoted (write-back), L2
-  misses found in L3 are promoted.
+- `local`: each worker has its own CacheTier of capacity / workers pages
+  (default eviction policy);
+- `policies`: the host tier alone, `--servers` CacheTiers with pages placed
+  by HashRing, the same total, under each eviction policy (`--policies`;
+  `lru` and the default always), and Belady's offline bound on the same
+  servers (`kvrelay.cache.eviction.belady`, the same prefix rule for hits);
+  `shared` is the default policy's entry;
+- `policies_l3`: the same with an L3 behind each tier (`--l3`: a file store
+  per server in a temp dir, `--l3-pages` in total, by default the whole
+  working set; or one valkey server): evicted pages are demoted
+  (write-back), L2 misses found in L3 are promoted; Belady there is the
+  bound of one cache of L2 and L3 together; `shared_l3` is the default's.
+
+The index's cost per operation under each policy is measured after the
+replays (`cache_policies.index_cost`), at the smallest capacity below the
+working set.
 
 A request looks up its keys (longest sealed prefix, as a worker would) and
-writes the pages it missed. The tiers are the real CacheTier (index, arena
-slots, LRU, L3 stores). Pages are `--slot-bytes` long (small, for speed;
+writes the pages it missed, each tier its share in chain order as a client
+does. The tiers are the real CacheTier (index, eviction policy, arena
+slots, L3 stores). Pages are `--slot-bytes` long (small, for speed;
 hit rates do not depend on it) with content fixed per key, written into the
 slot on commit, moved for real through L3 on demotion and promotion, and
 compared with the key's content on every hit: a wrong page fails the run, a
@@ -28,15 +39,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
-import json
 import os
-import struct
 import tempfile
 from pathlib import Path
 
 from kvrelay.bench import cache_policies
 from kvrelay.bench.cache_report import plot, print_tables, progress_bar
+from kvrelay.bench.cache_trace import NAMESPACE, KeyChain, load_trace, page_content
 from kvrelay.bench.stats import machine_info, write_json
 from kvrelay.cache.arena import ArenaConfig, PageArena
 from kvrelay.cache.eviction import DEFAULT_POLICY, POLICIES
@@ -44,45 +53,6 @@ from kvrelay.cache.l3 import L3Store, open_store, record
 from kvrelay.cache.tier import CacheTier, TierConfig
 from kvrelay.layout.ring import HashRing
 from kvrelay.transfer import create_agent
-
-NAMESPACE = hashlib.sha256(b"kvrelay bench cache").digest()
-
-
-def load_trace(path: str | Path, limit: int | None = None) -> list[dict]:
-    requests = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                requests.append(json.loads(line))
-                if limit is not None and len(requests) >= limit:
-                    break
-    return requests
-
-
-class KeyChain:
-    """Page keys of hash-id sequences: sha256 over the parent key and the block's tokens."""
-
-    def __init__(self, block_tokens: int) -> None:
-        self.block_tokens = block_tokens
-        self._keys: dict[tuple[bytes, int], bytes] = {}
-
-    def tokens(self, hash_id: int) -> bytes:
-        # Deterministic per hash id, distinct between ids: uint32 LE as in layout.
-        base = hash_id * self.block_tokens
-        return struct.pack(f"<{self.block_tokens}I", *range(base, base + self.block_tokens))
-
-    def keys(self, hash_ids: list[int]) -> list[bytes]:
-        parent = NAMESPACE
-        out = []
-        for hash_id in hash_ids:
-            memo = (parent, hash_id)
-            key = self._keys.get(memo)
-            if key is None:
-                key = hashlib.sha256(parent + self.tokens(hash_id)).digest()
-                self._keys[memo] = key
-            out.append(key)
-            parent = key
-        return out
 
 
 class Counts:
@@ -137,11 +107,6 @@ class Counts:
             "l3_checksum_failures": self.checksum_failures,
             "wrong_pages": self.wrong_pages,
         }
-
-
-def page_content(key: bytes, size: int) -> bytes:
-    """A page's deterministic bytes in the replay: its key, repeated."""
-    return (key * (size // len(key) + 1))[:size]
 
 
 def _replay_tiers(tiers: list[CacheTier], route, requests, key_lists, args, progress) -> Counts:
@@ -390,12 +355,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="bytes of a page in the replay (L2 slots, L3 records); hit rates do not depend on it",
     )  # fmt: skip
     parser.add_argument(
-        "--policies", default=",".join(POLICIES),
-        help=f"eviction policies to replay, comma-separated (lru and the default,"
-        f" {DEFAULT_POLICY}, always run); Belady's bound is computed besides",
+        "--policies", default="",
+        help=f"more eviction policies to replay, comma-separated, of {sorted(POLICIES)}"
+        f" (lru and the default, {DEFAULT_POLICY}, always run); Belady's bound is"
+        " computed besides",
     )  # fmt: skip
     parser.add_argument(
-        "--cost-rounds", type=int, default=5,
+        "--cost-rounds", type=int, default=3,
         help="rounds of the index cost measurement (median reported)",
     )  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="write the results here")

@@ -91,18 +91,20 @@ def policy_rows(payload: dict, group: str) -> tuple[list[str], list[list]]:
 
 
 def cost_rows(cost: dict) -> tuple[list[str], list[list]]:
-    headers = ["policy", "ns/lookup", "(min-max)", "ns/insert", "(min-max)", "lookup x", "insert x"]
+    headers = ["policy", "collector", "ns/page looked up", "(min-max)", "ns/insert",
+               "(min-max)", "lookup x", "insert x"]  # fmt: skip
     rows = []
-    for name, c in cost.items():
-        if not isinstance(c, dict):
+    for name, on in cost.items():
+        if not isinstance(on, dict):
             continue
-        rows.append([
-            name, f"{c['ns_per_lookup']:.0f}",
-            f"{c['ns_per_lookup_min']:.0f}-{c['ns_per_lookup_max']:.0f}",
-            f"{c['ns_per_insert']:.0f}",
-            f"{c['ns_per_insert_min']:.0f}-{c['ns_per_insert_max']:.0f}",
-            f"{c['lookup_ratio']:.2f}", f"{c['insert_ratio']:.2f}",
-        ])  # fmt: skip
+        for label, c in (("on", on), ("paused", on["gc_off"])):
+            rows.append([
+                name, label, f"{c['ns_per_lookup']:.0f}",
+                f"{c['ns_per_lookup_min']:.0f}-{c['ns_per_lookup_max']:.0f}",
+                f"{c['ns_per_insert']:.0f}",
+                f"{c['ns_per_insert_min']:.0f}-{c['ns_per_insert_max']:.0f}",
+                f"{c['lookup_ratio']:.2f}", f"{c['insert_ratio']:.2f}",
+            ])  # fmt: skip
     return headers, rows
 
 

@@ -255,9 +255,8 @@ class PageIndex:
             if entry is None or not entry.sealed:
                 break
             hits.append(entry)
-        touch = self.policy.touch
-        for entry in hits:
-            touch(entry.key)
+        if hits:
+            self.policy.touch_many(keys[: len(hits)])
         lease = None
         if lease_s is not None and hits:
             lease = self._grant([e.key for e in hits], lease_s)

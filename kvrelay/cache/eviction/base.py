@@ -9,7 +9,7 @@ never frees anything itself. The owner tells it what happens to each page:
   while a later page of its chain stays;
 - `make_evictable(key)` / `hold(key)`: the page may (sealed and unpinned) or
   may not (pinned by a lease, being written) be a victim;
-- `touch(key)`: the page was read (a hit);
+- `touch(key)` / `touch_many(keys)`: the page(s) were read (hits);
 - `forget(key)`: the page left for another reason (removed, flushed, dropped);
 - `victim()`: pick an evictable page, forget it and return its key.
 
@@ -20,7 +20,7 @@ a page a victim. Every call is O(1) amortised.
 from __future__ import annotations
 
 import abc
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from typing import ClassVar
 
 
@@ -42,6 +42,11 @@ class EvictionPolicy(abc.ABC):
     @abc.abstractmethod
     def touch(self, key: Hashable) -> None:
         """The resident page was read."""
+
+    def touch_many(self, keys: Sequence[Hashable]) -> None:
+        """`touch` each key, in order (a lookup's hits: one call per lookup)."""
+        for key in keys:
+            self.touch(key)
 
     @abc.abstractmethod
     def forget(self, key: Hashable) -> None:

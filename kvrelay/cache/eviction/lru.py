@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Sequence
 
 from kvrelay.cache.eviction.base import EvictionPolicy
 
@@ -30,6 +30,13 @@ class LRUPolicy(EvictionPolicy):
     def touch(self, key: Hashable) -> None:
         if key in self._order:
             self._order.move_to_end(key)
+
+    def touch_many(self, keys: Sequence[Hashable]) -> None:
+        order = self._order
+        move = order.move_to_end
+        for key in keys:
+            if key in order:
+                move(key)
 
     def forget(self, key: Hashable) -> None:
         self._resident.discard(key)
