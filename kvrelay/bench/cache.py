@@ -10,8 +10,8 @@ Per L2 capacity (total pages), side by side:
 - `local`: each worker has its own CacheTier of capacity / workers pages
   (default eviction policy);
 - `policies`: the host tier alone, `--servers` CacheTiers with pages placed
-  by HashRing, the same total, under each eviction policy (`--policies`;
-  `lru` and the default always), and Belady's offline bound on the same
+  by HashRing, the same total, under each eviction policy (`--policies`,
+  all by default; `lru` and the default always), and Belady's offline bound on the same
   servers (`kvrelay.cache.eviction.belady`, the same prefix rule for hits);
   `shared` is the default policy's entry;
 - `policies_l3`: the same with an L3 behind each tier (`--l3`: a file store
@@ -355,10 +355,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="bytes of a page in the replay (L2 slots, L3 records); hit rates do not depend on it",
     )  # fmt: skip
     parser.add_argument(
-        "--policies", default="",
-        help=f"more eviction policies to replay, comma-separated, of {sorted(POLICIES)}"
-        f" (lru and the default, {DEFAULT_POLICY}, always run); Belady's bound is"
-        " computed besides",
+        "--policies", default=",".join(POLICIES),
+        help="eviction policies to replay, comma-separated (default: all; lru and the"
+        f" default, {DEFAULT_POLICY}, always run); Belady's bound is computed besides",
     )  # fmt: skip
     parser.add_argument(
         "--cost-rounds", type=int, default=3,

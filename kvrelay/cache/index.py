@@ -262,6 +262,16 @@ class PageIndex:
             lease = self._grant([e.key for e in hits], lease_s)
         return LookupResult(tuple(hits), lease)
 
+    def peek(self, keys: Sequence[bytes]) -> int:
+        """How many pages `lookup(keys)` would answer, without it counting as a use."""
+        hits = 0
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is None or not entry.sealed:
+                break
+            hits += 1
+        return hits
+
     def pin(self, keys: Sequence[bytes], lease_s: float) -> PinLease:
         """Pin indexed pages (sealed or not, e.g. reservations being written) under a lease."""
         self.expire_leases()

@@ -81,7 +81,8 @@ class CacheTier:
         """Longest sealed prefix of `keys`, promoting from L3 past the L2 hits."""
         self.stats.lookups += 1
         self.stats.lookup_pages += len(keys)
-        hits = self.index.lookup(keys).hits
+        # One read per lookup: the policy must not count the check as a use too.
+        hits = self.index.peek(keys)
         if self.l3 is not None and hits < len(keys):
             parent = keys[hits - 1] if hits else None
             self._promote(keys[hits : hits + self.config.max_promote], namespace, parent)
