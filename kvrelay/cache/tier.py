@@ -84,8 +84,13 @@ class CacheTier:
         # One read per lookup: the policy must not count the check as a use too.
         hits = self.index.peek(keys)
         if self.l3 is not None and hits < len(keys):
+            # The L2 hits are pinned while L3 pages come up behind them, so
+            # that making room for those cannot evict them.
+            guard = self.index.pin(keys[:hits], lease_s=60.0) if hits else None
             parent = keys[hits - 1] if hits else None
             self._promote(keys[hits : hits + self.config.max_promote], namespace, parent)
+            if guard is not None:
+                self.index.release(guard.lease_id)
         result = self.index.lookup(keys, lease_s)
         self.stats.hit_pages += result.hits
         if 0 < result.hits < len(keys):
