@@ -212,14 +212,21 @@ class PrefixLIRSPolicy(EvictionPolicy):
     def _prune(self) -> None:
         """Drop the oldest non-LIR entries of S while S is longer than the resident
         pages and older than the oldest LIR page (none while no page is LIR)."""
-        stack, floor = self._stack, len(self._resident)
-        while len(stack) > floor and self._lir:
-            key, page = next(iter(stack.items()))
-            if page.lir:
-                return
-            del stack[key]
+        if not self._lir:
+            return
+        stack = self._stack
+        extra = len(stack) - len(self._resident)
+        ghosts = 0
+        while extra > 0:
+            key, page = stack.popitem(last=False)
+            if page.lir:  # the oldest LIR page: it stays at the bottom
+                stack[key] = page
+                stack.move_to_end(key, last=False)
+                break
+            extra -= 1
             if page is _GHOST:
-                self._ghosts -= 1
+                ghosts += 1
+        self._ghosts -= ghosts
 
     def _drop_ghosts(self) -> None:
         """The older half of the ghosts leave S, in one pass over it."""
