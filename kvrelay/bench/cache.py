@@ -4,19 +4,30 @@ Each trace line has `hash_ids`; a hash id stands for one block of
 `--block-tokens` (512) tokens whose content is deterministic per id, and its
 page key is the key chain of kvrelay.layout over those tokens (one page per
 block). Requests go round robin to `--workers` simulated prefill workers.
-Per L2 capacity (total pages), the policies side by side:
+Per L2 capacity (total pages), side by side:
 
 - `infinite`: every page ever written stays (the optimum);
-- `local`: each worker has its own CacheTier of capacity / workers pages;
-- `shared`: `--servers` CacheTiers, pages placed by HashRing, the same total;
-- `shared_l3`: the same with an L3 behind each tier (`--l3`: a file store per
-  server in a temp dir, `--l3-pages` in total, by default the whole working
-  set; or one valkey server): evicted pages are demoted (write-back), L2
-  misses found in L3 are promoted.
+- `local`: each worker has its own CacheTier of capacity / workers pages
+  (default eviction policy);
+- `policies`: the host tier alone, `--servers` CacheTiers with pages placed
+  by HashRing, the same total, under each eviction policy (`--policies`,
+  all by default; `lru` and the default always), and Belady's offline bound on the same
+  servers (`kvrelay.cache.eviction.belady`, the same prefix rule for hits);
+  `shared` is the default policy's entry;
+- `policies_l3`: the same with an L3 behind each tier (`--l3`: a file store
+  per server in a temp dir, `--l3-pages` in total, by default the whole
+  working set; or one valkey server): evicted pages are demoted
+  (write-back), L2 misses found in L3 are promoted; Belady there is the
+  bound of one cache of L2 and L3 together; `shared_l3` is the default's.
+
+The index's cost per operation under each policy is measured after the
+replays (`cache_policies.index_cost`), at the smallest capacity below the
+working set.
 
 A request looks up its keys (longest sealed prefix, as a worker would) and
-writes the pages it missed. The tiers are the real CacheTier (index, arena
-slots, LRU, L3 stores). Pages are `--slot-bytes` long (small, for speed;
+writes the pages it missed, each tier its share in chain order as a client
+does. The tiers are the real CacheTier (index, eviction policy, arena
+slots, L3 stores). Pages are `--slot-bytes` long (small, for speed;
 hit rates do not depend on it) with content fixed per key, written into the
 slot on commit, moved for real through L3 on demotion and promotion, and
 compared with the key's content on every hit: a wrong page fails the run, a
@@ -28,59 +39,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
-import json
 import os
-import struct
 import tempfile
 from pathlib import Path
 
-from kvrelay.bench.cache_report import HEADERS, L3_HEADERS, l3_row, plot, progress_bar, row
-from kvrelay.bench.stats import format_table, machine_info, write_json
+from kvrelay.bench import cache_policies
+from kvrelay.bench.cache_report import plot, print_tables, progress_bar
+from kvrelay.bench.cache_trace import NAMESPACE, KeyChain, load_trace, page_content
+from kvrelay.bench.stats import machine_info, write_json
 from kvrelay.cache.arena import ArenaConfig, PageArena
+from kvrelay.cache.eviction import DEFAULT_POLICY, POLICIES
 from kvrelay.cache.l3 import L3Store, open_store, record
-from kvrelay.cache.tier import CacheTier
+from kvrelay.cache.tier import CacheTier, TierConfig
 from kvrelay.layout.ring import HashRing
 from kvrelay.transfer import create_agent
-
-NAMESPACE = hashlib.sha256(b"kvrelay bench cache").digest()
-
-
-def load_trace(path: str | Path, limit: int | None = None) -> list[dict]:
-    requests = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                requests.append(json.loads(line))
-                if limit is not None and len(requests) >= limit:
-                    break
-    return requests
-
-
-class KeyChain:
-    """Page keys of hash-id sequences: sha256 over the parent key and the block's tokens."""
-
-    def __init__(self, block_tokens: int) -> None:
-        self.block_tokens = block_tokens
-        self._keys: dict[tuple[bytes, int], bytes] = {}
-
-    def tokens(self, hash_id: int) -> bytes:
-        # Deterministic per hash id, distinct between ids: uint32 LE as in layout.
-        base = hash_id * self.block_tokens
-        return struct.pack(f"<{self.block_tokens}I", *range(base, base + self.block_tokens))
-
-    def keys(self, hash_ids: list[int]) -> list[bytes]:
-        parent = NAMESPACE
-        out = []
-        for hash_id in hash_ids:
-            memo = (parent, hash_id)
-            key = self._keys.get(memo)
-            if key is None:
-                key = hashlib.sha256(parent + self.tokens(hash_id)).digest()
-                self._keys[memo] = key
-            out.append(key)
-            parent = key
-        return out
 
 
 class Counts:
@@ -137,11 +109,6 @@ class Counts:
         }
 
 
-def page_content(key: bytes, size: int) -> bytes:
-    """A page's deterministic bytes in the replay: its key, repeated."""
-    return (key * (size // len(key) + 1))[:size]
-
-
 def _replay_tiers(tiers: list[CacheTier], route, requests, key_lists, args, progress) -> Counts:
     counts = Counts()
     slot_bytes = tiers[0].arena.page_bytes
@@ -171,12 +138,17 @@ def _replay_tiers(tiers: list[CacheTier], route, requests, key_lists, args, prog
         for t, count in taken.items():
             counts.l2_hit_pages += min(count, in_l2[t])
             counts.l3_hit_pages += max(0, count - in_l2[t])
+        # Write what missed, each tier its share in chain order, as a client does.
+        writes: dict[int, list[bytes]] = {}
         for key in keys[hits:]:
-            tier = tiers[route(number, key)]
-            slots, lease = tier.reserve([key], lease_s=60, namespace=NAMESPACE)
-            if slots[0] is not None:
-                tier.arena.view(slots[0])[:] = page_content(key, slot_bytes)
-                tier.commit(key, [(0, slot_bytes)])
+            writes.setdefault(route(number, key), []).append(key)
+        for t, mine in writes.items():
+            tier = tiers[t]
+            slots, lease = tier.reserve(mine, lease_s=60, namespace=NAMESPACE)
+            for key, slot in zip(mine, slots, strict=True):
+                if slot is not None:
+                    tier.arena.view(slot)[:] = page_content(key, slot_bytes)
+                    tier.commit(key, [(0, slot_bytes)])
             tier.release(lease.lease_id)
         counts.add(len(keys), hits, request["input_length"], args.block_tokens, args.page_bytes)
         progress()
@@ -197,17 +169,22 @@ def _replay_infinite(requests, key_lists, args, progress) -> Counts:
     return counts
 
 
-def _tiers(agent, count: int, pages_each: int, slot_bytes: int, l3_stores=None) -> list[CacheTier]:
+def _tiers(
+    agent, count: int, pages_each: int, slot_bytes: int, l3_stores=None,
+    eviction: str = DEFAULT_POLICY,
+) -> list[CacheTier]:  # fmt: skip
     stores = l3_stores or [None] * count
-    return [
-        CacheTier(PageArena(agent, ArenaConfig(slot_bytes, capacity_pages=pages_each)), store)
-        for store in stores
-    ]
+    config = TierConfig(eviction=eviction)
+    arena = ArenaConfig(slot_bytes, capacity_pages=pages_each)
+    return [CacheTier(PageArena(agent, arena), store, config) for store in stores]
 
 
-def _l3_stores(args, directory: Path, count: int, unique: int, run: int) -> list[L3Store]:
+def _l3_stores(
+    args, directory: Path, count: int, unique: int, run: int, number: int = 0
+) -> list[L3Store]:
     """One L3 per shared server: file stores in `directory` sized to `--l3-pages` in total,
-    or stores of one valkey server (its own capacity), flushed of the bench's pages first."""
+    or stores of one valkey server (its own capacity), flushed of the bench's pages first.
+    `run` and `number` (capacity and policy) name fresh directories."""
     if args.l3.startswith(("valkey://", "redis://")):
         stores = [open_store(args.l3) for _ in range(count)]
         stores[0].flush(NAMESPACE)
@@ -215,7 +192,7 @@ def _l3_stores(args, directory: Path, count: int, unique: int, run: int) -> list
     pages_each = max(1, (args.l3_pages or unique) // count)
     capacity = pages_each * (record.HEADER_BYTES + args.slot_bytes)
     return [
-        open_store(f"file:{directory / f'run{run}-server{i}'}", capacity_bytes=capacity)
+        open_store(f"file:{directory / f'run{run}-{number}-server{i}'}", capacity_bytes=capacity)
         for i in range(count)
     ]
 
@@ -232,6 +209,23 @@ def _l3_dir(args: argparse.Namespace) -> str | None:
     return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
 
 
+def _policy_names(args: argparse.Namespace) -> list[str]:
+    """The online policies to replay: `lru` first (the baseline), the default among them."""
+    names = [n for n in args.policies.split(",") if n]
+    unknown = [n for n in names if n not in POLICIES]
+    if unknown:
+        raise SystemExit(f"bench cache: unknown policies {unknown}; known: {sorted(POLICIES)}")
+    return list(dict.fromkeys(["lru", DEFAULT_POLICY, *names]))
+
+
+def _close(tiers: list[CacheTier]) -> None:
+    for tier in tiers:
+        tier.arena.close(force=True)
+        if tier.l3 is not None:
+            tier.l3.flush(NAMESPACE)
+            tier.l3.close()
+
+
 async def _run(args: argparse.Namespace) -> dict:
     requests = load_trace(args.trace, args.limit)
     chain = KeyChain(args.block_tokens)
@@ -240,14 +234,16 @@ async def _run(args: argparse.Namespace) -> dict:
     capacities = [int(c) for c in args.capacities.split(",")] if args.capacities else None
     if not capacities:
         capacities = [max(args.workers, int(unique * f)) for f in (0.05, 0.1, 0.25, 0.5, 1.0)]
+    names = _policy_names(args)
     with_l3 = args.l3 != "none"
-    runs_each = 3 if with_l3 else 2
-    bar = progress_bar(len(requests) * (1 + runs_each * len(capacities)), args.no_progress)
+    runs_each = (1 + len(names) * (2 if with_l3 else 1)) * len(capacities)
+    bar = progress_bar(len(requests) * (1 + runs_each), args.no_progress)
     agent = await create_agent("loopback", token="bench-cache", fast_path=False)
     page_bytes = args.page_bytes
     results = {"infinite": _replay_infinite(requests, key_lists, args, bar.update).to_json(0)}
     ring = HashRing([f"server-{i}" for i in range(args.servers)])
     server_of = {name: i for i, name in enumerate(ring.servers)}
+    l3_pages = (args.l3_pages or unique) if with_l3 else 0
 
     def by_worker(n, _k):
         return n % args.workers
@@ -255,62 +251,81 @@ async def _run(args: argparse.Namespace) -> dict:
     def by_ring(_n, k):
         return server_of[ring.server_for(k)]
 
+    def replay(count, route, stores, capacity, eviction):
+        tiers = _tiers(agent, count, max(1, capacity // count), args.slot_bytes, stores, eviction)
+        counts = _replay_tiers(tiers, route, requests, key_lists, args, bar.update)
+        _close(tiers)
+        return counts.to_json(page_bytes)
+
+    def belady(capacity):
+        each = [max(1, capacity // args.servers)] * args.servers
+        counts = cache_policies.belady_rate(key_lists, each, by_ring, requests, args, Counts)
+        return counts.to_json(page_bytes)
+
     results["capacities"] = []
     with tempfile.TemporaryDirectory(prefix="kvrelay-bench-l3-", dir=_l3_dir(args)) as scratch:
         for run, capacity in enumerate(capacities):
-            policies = {
-                "local": (args.workers, by_worker, None),
-                "shared": (args.servers, by_ring, None),
-            }
-            if with_l3:
-                stores = _l3_stores(args, Path(scratch), args.servers, unique, run)
-                policies["shared_l3"] = (args.servers, by_ring, stores)
             entry = {"capacity_pages": capacity, "capacity_bytes": capacity * page_bytes}
-            for name, (count, route, stores) in policies.items():
-                tiers = _tiers(agent, count, max(1, capacity // count), args.slot_bytes, stores)
-                counts = _replay_tiers(tiers, route, requests, key_lists, args, bar.update)
-                entry[name] = counts.to_json(page_bytes)
-                for tier in tiers:
-                    tier.arena.close(force=True)
-                    if tier.l3 is not None:
-                        tier.l3.flush(NAMESPACE)
-                        tier.l3.close()
+            entry["local"] = replay(args.workers, by_worker, None, capacity, DEFAULT_POLICY)
+            entry["policies"] = {"belady": belady(capacity)}
+            for name in names:
+                entry["policies"][name] = replay(args.servers, by_ring, None, capacity, name)
+            entry["shared"] = entry["policies"][DEFAULT_POLICY]
+            if with_l3:
+                # Belady over L2 and L3 together: the bound of a cache of both sizes.
+                entry["policies_l3"] = {"belady": belady(capacity + l3_pages)}
+                for number, name in enumerate(names):
+                    stores = _l3_stores(args, Path(scratch), args.servers, unique, run, number)
+                    entry["policies_l3"][name] = replay(
+                        args.servers, by_ring, stores, capacity, name
+                    )
+                entry["shared_l3"] = entry["policies_l3"][DEFAULT_POLICY]
             results["capacities"].append(entry)
     bar.close()
     await agent.close()
-    return _report(args, requests, unique, results)
+    below = [c for c in capacities if c < unique] or capacities[:1]
+    results["index_cost"] = cache_policies.index_cost(key_lists, below[0], names, args.cost_rounds)
+    return _report(args, requests, unique, l3_pages, names, results)
 
 
-def _report(args: argparse.Namespace, requests, unique: int, results: dict) -> dict:
+def _report(args: argparse.Namespace, requests, unique: int, l3_pages: int, names, results):
     """Prints the tables, returns the JSON payload; SystemExit if any hit
     page had the wrong bytes."""
-    with_l3, page_bytes = args.l3 != "none", args.page_bytes
     payload = {
         "bench": "cache",
         "trace": str(args.trace),
         "requests": len(requests),
         "unique_pages": unique,
+        "default_policy": DEFAULT_POLICY,
+        "online_policies": names,
         "workers": args.workers,
         "servers": args.servers,
         "block_tokens": args.block_tokens,
-        "page_bytes": page_bytes,
+        "page_bytes": args.page_bytes,
         "slot_bytes": args.slot_bytes,
         "l3": args.l3,
-        "l3_pages": (args.l3_pages or unique) if with_l3 else 0,
+        "l3_pages": l3_pages,
         "machine": machine_info(),
         **results,
     }
-    print(format_table(HEADERS, [row(e, results["infinite"]) for e in payload["capacities"]]))
-    if with_l3:
-        print()
-        print(format_table(L3_HEADERS, [l3_row(e, page_bytes) for e in payload["capacities"]]))
-    wrong = sum(
-        e[p]["wrong_pages"] for e in payload["capacities"] for p in ("local", "shared", "shared_l3")
-        if p in e
-    )  # fmt: skip
+    for entry in payload["capacities"]:
+        entry["gap_closed"] = {
+            name: cache_policies.gap_closed(entry["policies"], name) for name in names
+        }
+    print_tables(payload)
+    wrong = _wrong_pages(payload)
     if wrong:
         raise SystemExit(f"bench cache: {wrong} hit pages had the wrong bytes")
     return payload
+
+
+def _wrong_pages(payload: dict) -> int:
+    wrong = 0
+    for entry in payload["capacities"]:
+        wrong += entry["local"]["wrong_pages"]
+        for group in ("policies", "policies_l3"):
+            wrong += sum(c["wrong_pages"] for c in entry.get(group, {}).values())
+    return wrong
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -338,6 +353,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--slot-bytes", type=int, default=256,
         help="bytes of a page in the replay (L2 slots, L3 records); hit rates do not depend on it",
+    )  # fmt: skip
+    parser.add_argument(
+        "--policies", default=",".join(POLICIES),
+        help="eviction policies to replay, comma-separated (default: all; lru and the"
+        f" default, {DEFAULT_POLICY}, always run); Belady's bound is computed besides",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cost-rounds", type=int, default=3,
+        help="rounds of the index cost measurement (median reported)",
     )  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="write the results here")
     parser.add_argument("--plot", metavar="PNG", help="plot hit rate vs capacity here")

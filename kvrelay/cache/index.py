@@ -3,8 +3,9 @@
 Maps a page key to the L2 arena slot that holds its bytes (L3 is probed by
 the tier, never indexed: `kvrelay.cache.tier`), tracks which byte runs of
 the page have been written so a page is sealed only once every rectangle is
-in (DESIGN.md section 3), and holds pins, leases and last use for LRU
-eviction.
+in (DESIGN.md section 3), and holds pins and leases. Which sealed, unpinned
+page goes first is its eviction policy's choice (`kvrelay.cache.eviction`):
+the index tells the policy what happens to each page.
 
 The index moves no bytes and owns no memory: the arena and the L3 stores act
 on what it returns (slots to free, pages to demote).
@@ -15,10 +16,10 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvrelay.cache.eviction import EvictionPolicy, make_policy
 from kvrelay.layout import ModelKVSpec, Rectangle
 
 KEY_BYTES = 32  # a sha256 page key (kvrelay.layout.keys)
@@ -94,20 +95,26 @@ def _add_interval(intervals: list[tuple[int, int]], start: int, end: int) -> Non
 
 
 class PageIndex:
-    """Page key -> L2 slot, seal state, pins, leases and LRU order.
+    """Page key -> L2 slot, seal state, pins and leases, in an eviction policy's order.
 
     `clock` returns seconds (monotonic by default); tests pass a fake one.
     Expired leases are dropped lazily at the start of every public call.
+    `policy` defaults to a fresh `kvrelay.cache.eviction.DEFAULT_POLICY`.
     """
 
-    def __init__(self, page_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        page_bytes: int,
+        clock: Callable[[], float] = time.monotonic,
+        policy: EvictionPolicy | None = None,
+    ) -> None:
         if page_bytes <= 0:
             raise ValueError(f"page_bytes must be positive, got {page_bytes}")
         self.page_bytes = page_bytes
         self._clock = clock
         self._entries: dict[bytes, PageEntry] = {}
-        # Sealed, unpinned pages, least recently used first: the eviction order.
-        self._evictable: OrderedDict[bytes, None] = OrderedDict()
+        # Sealed, unpinned pages are the policy's evictable set; the rest it holds.
+        self.policy = policy if policy is not None else make_policy()
         self._leases: dict[int, PinLease] = {}
         self._expiries: list[tuple[float, int]] = []
         self._lease_ids = itertools.count(1)
@@ -132,15 +139,26 @@ class PageIndex:
     # -- pages -------------------------------------------------------------------------
 
     def insert(
-        self, key: bytes, slot: int, *, sealed: bool = False, namespace: bytes = b""
+        self,
+        key: bytes,
+        slot: int,
+        *,
+        sealed: bool = False,
+        namespace: bytes = b"",
+        parent: bytes | None = None,
     ) -> PageEntry:
-        """Add a page at `slot`, empty (to be written) or already sealed (promoted)."""
+        """Add a page at `slot`, empty (to be written) or already sealed (promoted).
+
+        `parent`: the indexed page before it in its chain, if the caller knows
+        it (a prefix-aware policy keeps the parent while this page stays).
+        """
         _check_key(key)
         self.expire_leases()
         if key in self._entries:
             raise CacheIndexError(f"page {key.hex()[:16]} is already indexed")
         entry = PageEntry(key, slot, self.page_bytes, namespace=namespace)
         self._entries[key] = entry
+        self.policy.admit(key, parent)
         if sealed:
             entry.filled = [(0, self.page_bytes)]
             self._seal(entry)
@@ -177,28 +195,36 @@ class PageIndex:
         if entry.pins:
             raise CacheIndexError(f"page {key.hex()[:16]} is pinned {entry.pins} times")
         del self._entries[key]
-        self._evictable.pop(key, None)
+        self.policy.forget(key)
         return entry
 
     def evict(
         self, count: int, where: Callable[[PageEntry], bool] | None = None
     ) -> list[PageEntry]:
-        """Remove up to `count` sealed, unpinned pages, least recently used first.
+        """Remove up to `count` sealed, unpinned pages in the policy's order.
 
-        `where` restricts the choice (e.g. to one namespace); the caller frees
-        or demotes what comes back.
+        `where` restricts the choice (e.g. to one namespace; a scan of every
+        evictable page, in no promised order); the caller frees or demotes
+        what comes back.
         """
         self.expire_leases()
         victims: list[PageEntry] = []
-        for key in self._evictable:
+        if where is None:
+            while len(victims) < count:
+                key = self.policy.victim()
+                if key is None:
+                    break
+                victims.append(self._entries.pop(key))
+            return victims
+        for key in self.policy.evictable():
             if len(victims) >= count:
                 break
             entry = self._entries[key]
-            if where is None or where(entry):
+            if where(entry):
                 victims.append(entry)
         for entry in victims:
             del self._entries[entry.key]
-            del self._evictable[entry.key]
+            self.policy.forget(entry.key)
         return victims
 
     def drop_abandoned(self, where: Callable[[PageEntry], bool] | None = None) -> list[PageEntry]:
@@ -211,6 +237,7 @@ class PageIndex:
         ]
         for entry in dropped:
             del self._entries[entry.key]
+            self.policy.forget(entry.key)
         return dropped
 
     # -- lookups and leases ------------------------------------------------------------
@@ -218,7 +245,7 @@ class PageIndex:
     def lookup(self, keys: Sequence[bytes], lease_s: float | None = None) -> LookupResult:
         """The longest run of consecutive sealed pages from the start of `keys`.
 
-        Hits count as a use (LRU). With `lease_s`, the hits are pinned under one
+        Hits count as a use (the policy's `touch`). With `lease_s`, the hits are pinned under one
         lease that expires after `lease_s` seconds unless released first.
         """
         self.expire_leases()
@@ -228,13 +255,22 @@ class PageIndex:
             if entry is None or not entry.sealed:
                 break
             hits.append(entry)
-        for entry in hits:
-            if entry.key in self._evictable:
-                self._evictable.move_to_end(entry.key)
+        if hits:
+            self.policy.touch_many(keys[: len(hits)])
         lease = None
         if lease_s is not None and hits:
             lease = self._grant([e.key for e in hits], lease_s)
         return LookupResult(tuple(hits), lease)
+
+    def peek(self, keys: Sequence[bytes]) -> int:
+        """How many pages `lookup(keys)` would answer, without it counting as a use."""
+        hits = 0
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is None or not entry.sealed:
+                break
+            hits += 1
+        return hits
 
     def pin(self, keys: Sequence[bytes], lease_s: float) -> PinLease:
         """Pin indexed pages (sealed or not, e.g. reservations being written) under a lease."""
@@ -297,7 +333,7 @@ class PageIndex:
     def _seal(self, entry: PageEntry) -> None:
         entry.sealed = True
         if not entry.pins:
-            self._evictable[entry.key] = None
+            self.policy.make_evictable(entry.key)
 
     def _grant(self, keys: list[bytes], lease_s: float) -> PinLease:
         if lease_s <= 0:
@@ -306,7 +342,7 @@ class PageIndex:
         for key in keys:
             entry = self._entries[key]
             entry.pins += 1
-            self._evictable.pop(key, None)
+            self.policy.hold(key)
         self._leases[lease.lease_id] = lease
         heapq.heappush(self._expiries, (lease.expiry, lease.lease_id))
         return lease
@@ -319,4 +355,4 @@ class PageIndex:
             entry.pins -= 1
             if entry.pins == 0 and entry.sealed:
                 # A reader was using the page until now: that is its last use.
-                self._evictable[key] = None
+                self.policy.make_evictable(key)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvrelay.cache.arena import PageArena
+from kvrelay.cache.eviction import DEFAULT_POLICY, make_policy
 from kvrelay.cache.index import LookupResult, PageEntry, PageIndex, PinLease
 from kvrelay.cache.l3 import L3Store
 from kvrelay.cache.policy import WritePolicy
@@ -42,9 +43,17 @@ class TierConfig:
     l3_policy: WritePolicy = WritePolicy.WRITE_BACK
     # A lookup asks L3 for at most this many pages past its L2 hits.
     max_promote: int = 256
+    # Which L2 page goes first (kvrelay.cache.eviction.POLICIES).
+    eviction: str = DEFAULT_POLICY
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "l3_policy", WritePolicy.of(self.l3_policy, "l3_policy"))
+        make_policy(self.eviction)  # refuse an unknown name here, not at the first page
+
+
+# Misses a lookup remembers with the hit before them, so the reservation that
+# follows can name each new page's parent; older ones are dropped first.
+_PARENT_HINTS = 4096
 
 
 class CacheTier:
@@ -58,8 +67,10 @@ class CacheTier:
         self.arena = arena
         self.l3 = l3
         self.config = config or TierConfig()
-        self.index = PageIndex(arena.page_bytes, clock)
+        self.index = PageIndex(arena.page_bytes, clock, make_policy(self.config.eviction))
         self.stats = TierStats()
+        # First missed key of a lookup -> the key before it (see _PARENT_HINTS).
+        self._parent_hints: dict[bytes, bytes] = {}
         # L2 pages whose bytes L3 holds already (they were promoted from it; a
         # sealed page never changes): evicting one writes nothing.
         self._clean: set[bytes] = set()
@@ -70,11 +81,20 @@ class CacheTier:
         """Longest sealed prefix of `keys`, promoting from L3 past the L2 hits."""
         self.stats.lookups += 1
         self.stats.lookup_pages += len(keys)
-        hits = self.index.lookup(keys).hits
+        # One read per lookup: the policy must not count the check as a use too.
+        hits = self.index.peek(keys)
         if self.l3 is not None and hits < len(keys):
-            self._promote(keys[hits : hits + self.config.max_promote], namespace)
+            # The L2 hits are pinned while L3 pages come up behind them, so
+            # that making room for those cannot evict them.
+            guard = self.index.pin(keys[:hits], lease_s=60.0) if hits else None
+            parent = keys[hits - 1] if hits else None
+            self._promote(keys[hits : hits + self.config.max_promote], namespace, parent)
+            if guard is not None:
+                self.index.release(guard.lease_id)
         result = self.index.lookup(keys, lease_s)
         self.stats.hit_pages += result.hits
+        if 0 < result.hits < len(keys):
+            self._hint_parent(keys[result.hits], keys[result.hits - 1])
         return result
 
     def reserve(
@@ -85,23 +105,31 @@ class CacheTier:
         Per key: its slot, or None when the page is already sealed (nothing to
         write) or no slot could be freed. A key already reserved by another
         writer gets the same slot: rectangles of one page may come from
-        several writers.
+        several writers. `keys` are in chain order (a request's pages on this
+        server), so the key before a page is the parent the policy keeps
+        while the page stays; the first one's comes from the lookup that
+        missed it.
         """
         slots: list[int | None] = []
         pinned: list[bytes] = []
+        before = self._parent_hints.pop(keys[0], None) if keys else None
         for key in keys:
             entry = self.index.get(key)
             if entry is not None and entry.sealed:
                 slots.append(None)
+                before = key
                 continue
             if entry is None:
-                slot = self._take_slot()
+                slot = self._take_slot(keep=pinned)
                 if slot is None:
                     self.stats.no_room += 1
                     slots.append(None)
+                    before = None
                     continue
-                entry = self.index.insert(key, slot, namespace=namespace)
+                parent = before if before is not None and before in self.index else None
+                entry = self.index.insert(key, slot, namespace=namespace, parent=parent)
                 self.stats.reserved_pages += 1
+            before = key
             slots.append(entry.slot)
             pinned.append(key)
         return slots, self.index.pin(pinned, lease_s)
@@ -160,7 +188,9 @@ class CacheTier:
 
     # -- internals ---------------------------------------------------------------------
 
-    def _take_slot(self) -> int | None:
+    def _take_slot(self, keep: Sequence[bytes] = ()) -> int | None:
+        """A free slot, evicting one page if need be; `keep`: this call's own
+        reservations (not pinned yet), which are not abandoned."""
         slot = self.arena.alloc()
         if slot is not None:
             return slot
@@ -170,7 +200,8 @@ class CacheTier:
             self.arena.free(entry.slot)
             return self.arena.alloc()
         # Nothing evictable: reclaim slots of writers whose leases ran out.
-        for entry in self.index.drop_abandoned():
+        mine = set(keep)
+        for entry in self.index.drop_abandoned(where=lambda e: e.key not in mine):
             self.arena.free(entry.slot)
         return self.arena.alloc()
 
@@ -184,8 +215,16 @@ class CacheTier:
         if self.l3.put(entry.key, self.arena.view(entry.slot), entry.namespace):
             self.stats.demotions += 1
 
-    def _promote(self, keys: Sequence[bytes], namespace: bytes) -> None:
-        """Bring the leading run of `keys` found in L3 into L2 slots, sealed."""
+    def _hint_parent(self, key: bytes, parent: bytes) -> None:
+        hints = self._parent_hints
+        hints.pop(key, None)
+        hints[key] = parent
+        if len(hints) > _PARENT_HINTS:
+            del hints[next(iter(hints))]
+
+    def _promote(self, keys: Sequence[bytes], namespace: bytes, parent: bytes | None) -> None:
+        """Bring the leading run of `keys` found in L3 into L2 slots, sealed
+        (`parent`: the L2 hit before them)."""
         pages = self.l3.get_many(keys, namespace)
         # Pin what is promoted so promoting page i+1 cannot evict page i.
         leases: list[int] = []
@@ -198,7 +237,10 @@ class CacheTier:
             if slot is None:
                 break
             self.arena.view(slot)[:] = page
-            self.index.insert(key, slot, sealed=True, namespace=namespace)
+            if parent is not None and parent not in self.index:
+                parent = None
+            self.index.insert(key, slot, sealed=True, namespace=namespace, parent=parent)
+            parent = key
             self._clean.add(key)
             leases.append(self.index.pin([key], lease_s=60.0).lease_id)
             self.stats.promotions += 1

@@ -1,9 +1,11 @@
 import argparse
+import itertools
 import json
 
 import pytest
 
 from kvrelay.bench import cache as cache_bench
+from kvrelay.cache.eviction import DEFAULT_POLICY
 from kvrelay.cache.l3.file import FileStore, FileStoreConfig
 from kvrelay.cli import main
 from kvrelay.layout.ring import HashRing
@@ -118,3 +120,63 @@ async def test_a_wrong_page_from_l3_is_detected(tmp_path):
 async def test_corrupt_l3_records_are_misses(tmp_path):
     counts = await replay_with(RottingStore, tmp_path)
     assert counts.checksum_failures > 0 and counts.l3_hit_pages == 0 and counts.wrong_pages == 0
+
+
+def test_bench_cache_reports_every_policy_and_belady(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    write_trace(trace)
+    out, png = tmp_path / "out.json", tmp_path / "hit.png"
+    main(["bench", "cache", "--trace", str(trace), "--workers", "2", "--servers", "1",
+          "--capacities", "12,30", "--policies", "prefix-lru,prefix-s3fifo",
+          "--cost-rounds", "1", "--json", str(out), "--plot", str(png),
+          "--no-progress"])  # fmt: skip
+    payload = json.loads(out.read_text())
+    default = payload["default_policy"]
+    assert default == DEFAULT_POLICY
+    names = {"lru", default, "prefix-lru", "prefix-s3fifo"}
+    assert set(payload["online_policies"]) == names
+    for entry in payload["capacities"]:
+        rates = {n: r["block_hit_rate"] for n, r in entry["policies"].items()}
+        assert set(rates) == names | {"belady"}
+        # One server: Belady is the optimum (tests/cache/test_eviction.py).
+        assert all(rates["belady"] >= rate - 1e-12 for rate in rates.values())
+        assert entry["shared"] == entry["policies"][default]
+        assert set(entry["policies_l3"]) == names | {"belady"}
+        assert set(entry["gap_closed"]) == names
+    cost = payload["index_cost"]
+    assert cost["baseline"] == "lru" and cost["lru"]["lookup_ratio"] == 1.0
+    assert cost[default]["ns_per_lookup"] > 0 and cost[default]["gc_off"]["ns_per_insert"] > 0
+    printed = capsys.readouterr().out
+    assert "belady" in printed and "ns/page looked up" in printed
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_cache_refuses_an_unknown_policy(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    write_trace(trace, 10)
+    with pytest.raises(SystemExit, match="unknown policies"):
+        main(["bench", "cache", "--trace", str(trace), "--policies", "fifo", "--no-progress"])
+
+
+def test_agentic_trace_is_the_demo_workload_in_mooncake_format(tmp_path, capsys):
+    out = tmp_path / "agentic.jsonl"
+    main(["bench", "agentic-trace", "--out", str(out), "--sessions", "3", "--concurrent", "2",
+          "--turns", "3", "--system-tokens", "1024", "--user-tokens", "300",
+          "--tool-tokens", "512", "--answer-tokens", "16", "--block-tokens", "256"])  # fmt: skip
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 9 and "9 requests" in capsys.readouterr().out
+    assert [r["timestamp"] for r in records] == list(range(9))
+    # The shared system prompt: 4 blocks, the same ids in every request.
+    assert all(r["hash_ids"][:4] == [0, 1, 2, 3] for r in records)
+    # Two sessions live at once, turns round robin; the third starts when one ends.
+    sessions: dict[int, list[dict]] = {}
+    for r in records:
+        owner = r["hash_ids"][4]
+        sessions.setdefault(owner, []).append(r)
+    assert sorted(len(turns) for turns in sessions.values()) == [3, 3, 3]
+    for turns in sessions.values():
+        for before, after in itertools.pairwise(turns):
+            assert after["input_length"] == before["input_length"] + 512 + 16
+            assert after["hash_ids"][: len(before["hash_ids"])] == before["hash_ids"]
+            assert len(after["hash_ids"]) == after["input_length"] // 256
+    assert [len(r["hash_ids"]) for r in records[:3]] == [5, 5, 7]

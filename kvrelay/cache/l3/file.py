@@ -2,8 +2,11 @@
 
 Writes go to a temporary file in the same directory and are renamed into
 place, so a reader (or a restarted server) sees a whole page or none. The
-store keeps its own byte capacity with LRU eviction; the LRU order lives in
-memory and in file mtimes (touched on every hit), so a restart rebuilds it.
+store keeps its own byte capacity, evicting in the order of an
+`EvictionPolicy` (`kvrelay.cache.eviction`; LRU by default: a store gets
+no chain parents, and its reads are promotions, each of which moves the
+page up to L2). The order lives in memory and in file mtimes (touched on
+every hit), so a restart rebuilds it, reads in mtime order.
 
 Layout: `DIR/<namespace hex>/<2 hex of key>/<key hex>.page`, so flushing one
 tenant removes one directory's files and leaves the others alone.
@@ -15,10 +18,10 @@ import contextlib
 import os
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvrelay.cache.eviction import make_policy
 from kvrelay.cache.l3 import record
 from kvrelay.cache.l3.base import L3Store, check_key
 
@@ -33,6 +36,8 @@ class FileStoreConfig:
     # fsync before the rename: pages then survive a machine crash, not just a
     # process restart, at the price of a disk flush per page.
     fsync: bool = False
+    # Which file goes first at the byte cap (kvrelay.cache.eviction.POLICIES).
+    eviction: str = "lru"
 
 
 class FileStore(L3Store):
@@ -48,8 +53,9 @@ class FileStore(L3Store):
         self._tmp = self.root / _TMP_DIR
         self._tmp.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        # (namespace, key) -> file size, least recently used first.
-        self._files: OrderedDict[tuple[bytes, bytes], int] = OrderedDict()
+        # (namespace, key) -> file size; the policy orders the same names.
+        self._files: dict[tuple[bytes, bytes], int] = {}
+        self._policy = make_policy(config.eviction)
         self._bytes = 0
         self._scan()
 
@@ -90,8 +96,7 @@ class FileStore(L3Store):
             if len(key) == record.KEY_BYTES and len(namespace) == record.NAMESPACE_BYTES:
                 found.append((stat.st_mtime_ns, namespace, key, stat.st_size))
         for _, namespace, key, size in sorted(found):
-            self._files[namespace, key] = size
-            self._bytes += size
+            self._add(namespace, key, size)
         self._make_room(0)
 
     def put(self, key: bytes, page: bytes | memoryview, namespace: bytes = b"") -> bool:
@@ -116,9 +121,8 @@ class FileStore(L3Store):
                 except FileNotFoundError:  # the page's first directory
                     os.makedirs(os.path.dirname(path), exist_ok=True)
                     os.replace(tmp, path)
-                self._bytes -= self._files.pop((ns, key), 0)
-                self._files[ns, key] = size
-                self._bytes += size
+                self._drop(ns, key)
+                self._add(ns, key, size)
                 self._make_room(0)
         except OSError:
             with contextlib.suppress(OSError):
@@ -136,7 +140,7 @@ class FileStore(L3Store):
         with self._lock:
             if (ns, key) not in self._files:
                 return None
-            self._files.move_to_end((ns, key))
+            self._policy.touch((ns, key))
         path = self._file(key, ns)
         try:
             with open(path, "rb") as f:
@@ -180,7 +184,7 @@ class FileStore(L3Store):
         with self._lock:
             chosen = [name for name in self._files if ns is None or name[0] == ns]
             for name in chosen:
-                self._bytes -= self._files.pop(name)
+                self._drop(*name)
         removed = 0
         pattern = f"{'*' if ns is None else ns.hex()}/??/*{_SUFFIX}"
         for path in self.root.glob(pattern):
@@ -195,17 +199,28 @@ class FileStore(L3Store):
 
     def _forget(self, namespace: bytes, key: bytes) -> bool:
         with self._lock:
-            size = self._files.pop((namespace, key), None)
-            if size is None:
-                return False
-            self._bytes -= size
-            return True
+            return self._drop(namespace, key)
+
+    def _add(self, namespace: bytes, key: bytes, size: int) -> None:
+        """Count a stored file and hand it to the policy, evictable at once (lock held)."""
+        self._files[namespace, key] = size
+        self._bytes += size
+        self._policy.admit((namespace, key))
+        self._policy.make_evictable((namespace, key))
+
+    def _drop(self, namespace: bytes, key: bytes) -> bool:
+        size = self._files.pop((namespace, key), None)
+        if size is None:
+            return False
+        self._bytes -= size
+        self._policy.forget((namespace, key))
+        return True
 
     def _make_room(self, incoming: int) -> None:
-        """Evict least recently used files until `incoming` more bytes fit (lock held)."""
+        """Evict files in the policy's order until `incoming` more bytes fit (lock held)."""
         while self._files and self._bytes + incoming > self.config.capacity_bytes:
-            (namespace, key), size = self._files.popitem(last=False)
-            self._bytes -= size
+            namespace, key = self._policy.victim()
+            self._bytes -= self._files.pop((namespace, key))
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._file(key, namespace))
             self.stats.evictions += 1

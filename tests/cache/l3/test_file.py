@@ -142,3 +142,23 @@ def test_a_file_moved_to_another_namespace_is_a_miss(tmp_path):
     store._path(key(0), a).rename(target)
     reopened = make(tmp_path)
     assert reopened.get(key(0), b) is None and reopened.stats.checksum_failures == 1
+
+
+def test_byte_cap_evicts_through_the_chosen_policy(tmp_path):
+    store = make(tmp_path, eviction="prefix-lirs")
+    for i in range(4):
+        assert store.put(key(i), page(i))
+    for _ in range(2):
+        assert store.get(key(0)) == page(0)  # read again: LIR under prefix-lirs
+    for i in range(4, 10):
+        assert store.put(key(i), page(i))
+    assert store.get(key(0)) == page(0)
+    assert len(page_files(store)) == 4 and store.used_bytes == 4 * RECORD
+    assert store.stats.evictions == 6
+
+
+def test_unknown_eviction_policy_is_refused(tmp_path):
+    import pytest
+
+    with pytest.raises(ValueError, match="eviction policy"):
+        make(tmp_path, eviction="fifo")
