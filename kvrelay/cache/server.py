@@ -51,7 +51,9 @@ class CacheServerConfig:
     arena_bytes: int = option(help="L2 host arena size in GiB", flag="--arena-gb", scale=GIB)
     listen: str = option("127.0.0.1:0", help="control address HOST:PORT")
     backend: str = option("tcp", help="transfer backend for page data", choices=["tcp", "ucx"])
-    l3: str | None = option(None, help="file:DIR or valkey://HOST:PORT")
+    l3: str | None = option(
+        None, help="file:DIR, valkey://HOST:PORT or valkey-cluster://HOST:PORT[,HOST:PORT...]"
+    )
     l3_capacity_bytes: int | None = option(
         None, help="capacity of a file L3 in GiB", flag="--l3-gb", scale=GIB
     )

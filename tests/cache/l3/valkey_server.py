@@ -52,6 +52,7 @@ class ValkeyServer:
         self.directory = directory
         self.port = free_port()
         self.process: subprocess.Popen | None = None
+        self.extra_args: list[str] = []
 
     def start(self, timeout: float = 10.0) -> None:
         self.process = subprocess.Popen(
@@ -64,6 +65,7 @@ class ValkeyServer:
                 "--appendonly", "no",
                 "--daemonize", "no",
                 "--logfile", str(self.directory / "server.log"),
+                *self.extra_args,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
