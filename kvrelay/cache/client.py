@@ -306,7 +306,9 @@ class CacheClient:
                 namespace=self.namespace,
                 timeout=self.config.timeout_s,
             )
-            await conn.call(Commit([keys[p] for p in todo], self._commit_runs), CommitReply)
+            await conn.call(
+                Commit([keys[p] for p in todo], self._commit_runs, self.namespace), CommitReply
+            )
             self.stats.bytes_out += len(todo) * self.rect.num_bytes(self.spec)
             return len(todo), 0
         except (Unavailable, TransferError):

@@ -6,6 +6,10 @@ commit, release, stats, flush). `lookup` and `reserve` may carry `ns`, the
 namespace digest, recorded with each page so `flush` can drop one tenant's
 pages. Each request is answered with its reply or a typed `Error`.
 
+Tenants: the server admits tenant-scoped tokens as well as the cluster token
+and checks every request against the connection's scope (`tenants.py`); page
+keys are turned into per-namespace keys before they reach the tier.
+
 The tier is single-threaded: every op runs on the event loop.
 """
 
@@ -18,6 +22,7 @@ from kvrelay import rpc
 from kvrelay.cache.arena import ArenaConfig, PageArena
 from kvrelay.cache.l3 import open_store
 from kvrelay.cache.policy import WritePolicy
+from kvrelay.cache.tenants import check_every_namespace, check_namespace, tenant_keys
 from kvrelay.cache.tier import CacheTier, TierConfig
 from kvrelay.options import option
 from kvrelay.rpc import MalformedMessage
@@ -78,8 +83,8 @@ class CacheServer:
         self.config = config
         self.agent = None
         self.tier: CacheTier | None = None
-        # lease id -> keys in request order that the lease covers (its pinned pages).
-        self._lease_keys: dict[int, list[bytes]] = {}
+        # lease id -> (namespace, tier keys in request order the lease covers).
+        self._lease_keys: dict[int, tuple[bytes | None, list[bytes]]] = {}
         # tier lease id -> transfer leases of handles published under it.
         self._handle_leases: dict[int, list[int]] = {}
         self._server: rpc.Server | None = None
@@ -98,6 +103,7 @@ class CacheServer:
             requests=CacheRequest,
             handler=self._handle,
             welcome=lambda: CacheWelcome(c.page_bytes, self.agent.address),
+            scoped_welcome=lambda scope: CacheWelcome(c.page_bytes, self.agent.address),
             host=host,
             port=port,
             hello_timeout_s=c.timeout_s,
@@ -115,44 +121,62 @@ class CacheServer:
         await self.agent.close()
 
     async def _handle(self, conn: rpc.Connection, request) -> rpc.Message:
-        return self.handle(request)
+        return self.handle(request, conn.scope)
 
-    def handle(self, request) -> rpc.Message:
-        """Answers one decoded request (refusals raise: the server sends them typed)."""
+    def handle(self, request, scope: rpc.Scope = rpc.EVERY_NAMESPACE) -> rpc.Message:
+        """Answers one decoded request from a peer of `scope` (refusals raise: the
+        server sends them typed)."""
         tier = self.tier
         self._ops += 1
         if self._ops % 256 == 0:
             self._forget_dead_leases()
+        if isinstance(request, Lookup | Reserve | Commit | PublishHandle):
+            check_namespace(scope, request.ns)
         if isinstance(request, Lookup):
-            hit = tier.lookup(request.keys, request.lease_s, request.ns or b"")
+            keys = tenant_keys(request.ns, request.keys)
+            hit = tier.lookup(keys, request.lease_s, request.ns or b"")
             lease = hit.lease.lease_id if hit.lease else None
             if lease is not None:
-                self._lease_keys[lease] = [e.key for e in hit.entries]
+                self._lease_keys[lease] = (request.ns, [e.key for e in hit.entries])
             return LookupReply(hit.hits, lease)
         if isinstance(request, Reserve):
-            slots, lease = tier.reserve(request.keys, request.lease_s, request.ns or b"")
-            self._lease_keys[lease.lease_id] = [
-                k for k, s in zip(request.keys, slots, strict=True) if s is not None
-            ]
+            keys = tenant_keys(request.ns, request.keys)
+            slots, lease = tier.reserve(keys, request.lease_s, request.ns or b"")
+            self._lease_keys[lease.lease_id] = (
+                request.ns,
+                [k for k, s in zip(keys, slots, strict=True) if s is not None],
+            )
             return ReserveReply(slots, lease.lease_id)
         if isinstance(request, PublishHandle):
             return self._publish(request)
         if isinstance(request, Commit):
             runs = _page_runs(request.runs, self.config.page_bytes)
-            return CommitReply([tier.commit(k, runs) for k in request.keys])
+            keys = tenant_keys(request.ns, request.keys)
+            return CommitReply([tier.commit(k, runs) for k in keys])
         if isinstance(request, ReleaseLease):
-            released = tier.release(request.lease)
-            self._lease_keys.pop(request.lease, None)
-            for handle_lease in self._handle_leases.pop(request.lease, []):
-                self.agent.leases.release(handle_lease)
-            return ReleaseReply(bool(released))
+            return ReleaseReply(self._release(request.lease, scope))
         if isinstance(request, CacheStats):
+            check_every_namespace(scope, "stats")
             l3 = dataclasses.asdict(tier.l3.stats) if tier.l3 is not None else None
             return CacheStatsReply(dataclasses.asdict(tier.stats), len(tier.index), l3)
         if isinstance(request, Flush):
+            if request.ns is None:
+                check_every_namespace(scope, "a flush of every namespace")
+            check_namespace(scope, request.ns)
             l2, l3 = tier.flush(request.ns)
             return FlushReply(l2, l3)
         raise MalformedMessage(f"a cache server does not serve {type(request).__name__}")
+
+    def _release(self, lease: int, scope: rpc.Scope) -> bool:
+        known = self._lease_keys.get(lease)
+        if known is None or not scope.allows(known[0]):
+            # Another tenant's lease answers as an unknown one: nothing to learn.
+            return False
+        released = self.tier.release(lease)
+        del self._lease_keys[lease]
+        for handle_lease in self._handle_leases.pop(lease, []):
+            self.agent.leases.release(handle_lease)
+        return bool(released)
 
     def _forget_dead_leases(self) -> None:
         for lease in [lid for lid in self._lease_keys if self.tier.index.lease(lid) is None]:
@@ -160,9 +184,9 @@ class CacheServer:
             self._handle_leases.pop(lease, None)
 
     def _publish(self, request: PublishHandle) -> HandleReply:
-        keys = self._lease_keys.get(request.lease)
+        ns, keys = self._lease_keys.get(request.lease, (None, None))
         live = self.tier.index.lease(request.lease) if keys is not None else None
-        if live is None:
+        if live is None or ns != request.ns:
             raise MalformedMessage(f"lease {request.lease!r} is unknown or expired")
         if request.count > len(keys):
             raise MalformedMessage(f"count must be in [1, {len(keys)}]")

@@ -7,7 +7,7 @@
 - `PublishHandle {lease, count, runs, ns}` -> `HandleReply {handle}`: a block
   handle for the first `count` pages of a lookup or reservation lease,
   `runs` (the caller's rectangle within one page) of each
-- `Commit {keys, runs}` -> `CommitReply {sealed}` per key
+- `Commit {keys, runs, ns}` -> `CommitReply {sealed}` per key
 - `ReleaseLease {lease}` -> `ReleaseReply {released}`
 - `CacheStats` -> `CacheStatsReply`; `Flush {ns?}` -> `FlushReply {dropped,
   l3_dropped}`: the unpinned L2 pages and the L3 pages of one namespace, or all
@@ -73,6 +73,7 @@ class HandleReply(Message, tag="handle_reply"):
 class Commit(Message, tag="commit"):
     keys: Keys
     runs: Runs
+    ns: Key | None = None
 
 
 class CommitReply(Message, tag="commit_reply"):

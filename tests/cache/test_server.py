@@ -11,6 +11,7 @@ import pytest
 
 from kvrelay.cache.client import CacheClient, CacheClientConfig
 from kvrelay.cache.l3 import open_store
+from kvrelay.cache.tenants import tenant_key
 from kvrelay.layout import ParallelConfig, rank_rectangle
 from kvrelay.transfer import create_agent
 from tests.cache.server_process import PAGE, TOKEN
@@ -122,8 +123,10 @@ async def test_restart_with_file_l3_keeps_pages_and_corruption_is_a_miss(servers
 
     await main()
     second.stop()
-    # Flip a byte of page 5's file; a fresh server promotes pages 0-4 only.
-    path = next((tmp_path / "l3").glob(f"*/??/{KEYS[5].hex()}.page"))
+    # Flip a byte of page 5's file (filed under its per-namespace key); a fresh
+    # server promotes pages 0-4 only.
+    filed = tenant_key(SPEC.namespace(), KEYS[5])
+    path = next((tmp_path / "l3").glob(f"{SPEC.namespace().hex()}/??/{filed.hex()}.page"))
     data = bytearray(path.read_bytes())
     data[-1] ^= 1
     path.write_bytes(bytes(data))
