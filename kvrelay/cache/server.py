@@ -15,12 +15,14 @@ The tier is single-threaded: every op runs on the event loop.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from dataclasses import dataclass
 
 from kvrelay import rpc
 from kvrelay.cache.arena import ArenaConfig, PageArena
 from kvrelay.cache.l3 import open_store
+from kvrelay.cache.membership import NO_RING, ControlLink
 from kvrelay.cache.policy import WritePolicy
 from kvrelay.cache.tenants import check_every_namespace, check_namespace, tenant_keys
 from kvrelay.cache.tier import CacheTier, TierConfig
@@ -35,6 +37,7 @@ from kvrelay.rpc.cache_ops import (
     CommitReply,
     Flush,
     FlushReply,
+    GetRing,
     HandleReply,
     Lookup,
     LookupReply,
@@ -43,6 +46,7 @@ from kvrelay.rpc.cache_ops import (
     ReleaseReply,
     Reserve,
     ReserveReply,
+    RingReply,
 )
 from kvrelay.transfer import create_agent
 
@@ -67,6 +71,17 @@ class CacheServerConfig:
     timeout_s: float = option(
         10.0, help="hello deadline, frame stall limit, transfer deadline", positive=True
     )
+    control: str | None = option(
+        None, help="control URL: register, heartbeat, follow the ring, drain before leaving"
+    )
+    advertise: str | None = option(
+        None, help="HOST:PORT clients reach this server at (default: the listen address)"
+    )
+    drain_grace_s: float = option(
+        3.0,
+        help="after leaving the ring, serve clients still on the old one this long",
+        minimum=0.0,
+    )
 
 
 def _page_runs(runs: list[tuple[int, int]], page_bytes: int) -> list[tuple[int, int]]:
@@ -90,6 +105,8 @@ class CacheServer:
         self._server: rpc.Server | None = None
         self._ops = 0
         self.address = ""
+        self.control: ControlLink | None = None
+        self._heartbeats: asyncio.Task | None = None
 
     async def start(self) -> CacheServer:
         c = self.config
@@ -110,14 +127,43 @@ class CacheServer:
         )
         await self._server.start()
         self.address = self._server.address
+        if c.control:
+            self.control = ControlLink(c.control, c.token, c.advertise or self.address)
+            self.control.on_new_ring = self._hand_off
+            await self.control.register()
+            self._heartbeats = asyncio.create_task(self.control.heartbeats())
         return self
 
-    async def close(self) -> None:
-        await self._server.close()
+    def _hand_off(self, ring) -> None:
+        """A new ring may give some of this server's keys to another server, which
+        looks for them in L3: write-back pages go there now. (The server cannot
+        tell which keys moved: it holds per-namespace keys, the ring places the
+        clients' keys.) With write-through they are there already."""
         if self.tier.l3 is not None:
-            # A graceful stop keeps write-back pages: a restart promotes them.
             self.tier.demote_all()
-            self.tier.l3.close()
+
+    async def close(self) -> None:
+        """Stop; a member of a cluster drains first: its sealed pages go to L3, it
+        leaves the ring, and it serves clients still on the old ring (and requests
+        in flight) for `drain_grace_s` before the listener closes."""
+        l3 = self.tier.l3
+        if self.control is not None:
+            if l3 is not None:
+                self.tier.demote_all()
+            await self.control.drain()
+            await asyncio.sleep(self.config.drain_grace_s)
+        await self._server.close()
+        if self._heartbeats is not None:
+            self._heartbeats.cancel()
+            await asyncio.gather(self._heartbeats, return_exceptions=True)
+        if l3 is not None:
+            # A graceful stop keeps write-back pages (also those written while
+            # draining): a restart or the ring's next owner promotes them.
+            self.tier.demote_all()
+            l3.close()
+        if self.control is not None:
+            await self.control.deregister()
+            await self.control.close()
         await self.agent.close()
 
     async def _handle(self, conn: rpc.Connection, request) -> rpc.Message:
@@ -159,6 +205,9 @@ class CacheServer:
             check_every_namespace(scope, "stats")
             l3 = dataclasses.asdict(tier.l3.stats) if tier.l3 is not None else None
             return CacheStatsReply(dataclasses.asdict(tier.stats), len(tier.index), l3)
+        if isinstance(request, GetRing):
+            ring = self.control.ring if self.control is not None else NO_RING
+            return RingReply(ring.version, ring.servers)
         if isinstance(request, Flush):
             if request.ns is None:
                 check_every_namespace(scope, "a flush of every namespace")

@@ -190,9 +190,12 @@ class CacheTier:
         # Pin what is promoted so promoting page i+1 cannot evict page i.
         leases: list[int] = []
         for key, page in zip(keys, pages, strict=True):
+            resident = self.index.get(key)
+            if resident is not None:
+                if resident.sealed:
+                    continue  # in L2 already (this server owned it before): the run goes on
+                break  # an unsealed reservation
             if page is None or len(page) != self.arena.page_bytes:
-                break
-            if key in self.index:  # written meanwhile, or an unsealed reservation
                 break
             slot = self._take_slot()
             if slot is None:
