@@ -192,9 +192,12 @@ class CacheTier:
         for key, page in zip(keys, pages, strict=True):
             resident = self.index.get(key)
             if resident is not None:
-                if resident.sealed:
-                    continue  # in L2 already (this server owned it before): the run goes on
-                break  # an unsealed reservation
+                if not resident.sealed:
+                    break  # an unsealed reservation
+                # In L2 already (this server owned it before): the run goes on,
+                # and the page is pinned like a promoted one meanwhile.
+                leases.append(self.index.pin([key], lease_s=60.0).lease_id)
+                continue
             if page is None or len(page) != self.arena.page_bytes:
                 break
             slot = self._take_slot()
