@@ -2,6 +2,7 @@
 replica each (started once for the module)."""
 
 import hashlib
+import subprocess
 import threading
 import time
 
@@ -10,6 +11,7 @@ import redis
 from redis.cluster import RedisCluster
 
 from kvrelay.cache.l3 import open_store
+from kvrelay.cache.l3.local_server import cli_binary
 from kvrelay.cache.l3.record import HEADER_BYTES
 from kvrelay.cache.l3.valkey_cluster import ValkeyClusterStore, parse_nodes
 from tests.cache.l3.valkey_server import free_port
@@ -169,3 +171,25 @@ def test_primary_killed_mid_workload(valkey_cluster, store):
     finally:
         victim.start()
         valkey_cluster.wait_ok(timeout=30)
+
+
+def test_slots_moved_between_primaries(valkey_cluster, store):
+    """Slots holding pages move to another primary (`--cluster reshard`): reads
+    follow them (MOVED), at worst a miss for a moment, never a wrong page."""
+    count = 200
+    assert all(store.put(key(i), page(i)) for i in range(count))
+    source, target = valkey_cluster.primaries()[:2]
+    ids = {n.port: n.client().execute_command("CLUSTER MYID").decode() for n in (source, target)}
+    before = names_on(source, bytes(32))
+    subprocess.run(
+        [cli_binary(valkey_cluster.binary), "--cluster", "reshard", f"127.0.0.1:{source.port}",
+         "--cluster-from", ids[source.port], "--cluster-to", ids[target.port],
+         "--cluster-slots", "1500", "--cluster-yes"],
+        check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    assert names_on(source, bytes(32)) < before  # pages moved with their slots
+    got = store.get_many([key(i) for i in range(count)])
+    assert all(p is None or p == page(i) for i, p in enumerate(got))
+    time.sleep(store.config.backoff_s)
+    assert store.get_many([key(i) for i in range(count)]) == [page(i) for i in range(count)]
+    assert store.put(key(1000), page(1000)) and store.get(key(1000)) == page(1000)
