@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import signal
+import sys
 import time
 
 from kvrelay.bench import nixl_peer
@@ -112,13 +114,17 @@ def run(args) -> dict:
         hosts = TwoHosts("bench").create()
     except NetnsUnavailable as exc:
         raise SystemExit(f"kvrelay bench transfer --netns: {exc}") from None
+    # SIGTERM (a timeout) unwinds too, so the namespaces never outlive the bench.
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         pulls, streams, nixl = _rounds(args, hosts, modes, cases, arena)
     finally:
         hosts.remove()
+        signal.signal(signal.SIGTERM, previous)
     results = _report(args, modes, cases, pulls, streams, nixl)
     link = {"hosts": list(hosts.addresses), "ucx_tls": UCX_TLS}
-    payload = {"benchmark": "transfer-netns", "config": vars(args), "machine": machine_info(),
+    config = {k: v for k, v in vars(args).items() if not callable(v)}
+    payload = {"benchmark": "transfer-netns", "config": config, "machine": machine_info(),
                "link": link, "results": results}  # fmt: skip
     if args.json:
         write_json(args.json, payload)
