@@ -17,8 +17,8 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # Folders whose tests start clusters, servers or rank processes: `make
 # test-fast` (-m "not cluster and not slow") leaves them out.
-CLUSTER_FOLDERS = {"bench", "cache", "chaos", "control", "demo", "integration", "serving",
-                   "transfer"}  # fmt: skip
+CLUSTER_FOLDERS = {"bench", "cache", "chaos", "control", "demo", "integration", "multihost",
+                   "serving", "transfer"}  # fmt: skip
 # Files elsewhere that spawn rank or CLI processes.
 CLUSTER_FILES = {"test_cli.py", "test_context_parallel.py", "test_cross_config.py",
                  "test_parallel.py", "test_examples.py"}  # fmt: skip

@@ -50,6 +50,7 @@ from kvrelay.bench.stats import machine_info, write_json
 from kvrelay.cache.arena import ArenaConfig, PageArena
 from kvrelay.cache.eviction import DEFAULT_POLICY, POLICIES
 from kvrelay.cache.l3 import L3Store, open_store, record
+from kvrelay.cache.l3.local_server import local_l3
 from kvrelay.cache.tier import CacheTier, TierConfig
 from kvrelay.layout.ring import HashRing
 from kvrelay.transfer import create_agent
@@ -183,9 +184,9 @@ def _l3_stores(
     args, directory: Path, count: int, unique: int, run: int, number: int = 0
 ) -> list[L3Store]:
     """One L3 per shared server: file stores in `directory` sized to `--l3-pages` in total,
-    or stores of one valkey server (its own capacity), flushed of the bench's pages first.
-    `run` and `number` (capacity and policy) name fresh directories."""
-    if args.l3.startswith(("valkey://", "redis://")):
+    or stores of one valkey server or cluster (its own capacity), flushed of the bench's
+    pages first. `run` and `number` (capacity and policy) name fresh directories."""
+    if args.l3.startswith(("valkey://", "redis://", "valkey-cluster://", "redis-cluster://")):
         stores = [open_store(args.l3) for _ in range(count)]
         stores[0].flush(NAMESPACE)
         return stores
@@ -341,7 +342,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--l3", default="file",
         help="L3 of the shared tier: file (per-server stores in a temp dir), valkey://HOST:PORT"
-        " (one shared server), or none",
+        " (one shared server), valkey-cluster://HOST:PORT[,...] (a cluster; valkey-cluster"
+        " alone starts a local one of 3 primaries + 3 replicas), or none",
     )  # fmt: skip
     parser.add_argument(
         "--l3-pages", type=int, default=None,
@@ -369,7 +371,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    payload = asyncio.run(_run(args))
+    with local_l3(args.l3) as url:
+        args.l3 = url
+        payload = asyncio.run(_run(args))
     if args.json:
         write_json(args.json, payload)
     if args.plot:

@@ -209,11 +209,23 @@ def _check_landed(local, run_list: Runs) -> None:
             raise RuntimeError(f"run at {offset} did not land at {at}")
 
 
-def measure(cases, arena_bytes: int, runs: int, timeout: float) -> dict[str, tuple] | None:
+def _placed(namespace: str, target, *args) -> None:
+    """`target(*args)` in network namespace `namespace`, UCX held to tcp (`--netns`)."""
+    from kvrelay.bench.netns import enter
+
+    enter(namespace)
+    os.environ["UCX_TLS"] = "tcp"
+    target(*args)
+
+
+def measure(
+    cases, arena_bytes: int, runs: int, timeout: float, netns=None
+) -> dict[str, tuple] | None:
     """Per case, (seconds per prepared NIXL READ of its runs, seconds per
     READ with its descriptors made in the timed call), `runs` of each after
     one untimed read; or None with the reason printed when NIXL is absent or
-    fails."""
+    fails. `netns` (`bench.netns.TwoHosts`): the owner runs on its first host,
+    the reader on its second, over tcp."""
     if runs < 1:
         raise ValueError("runs must be >= 1")
     for name, run_list in cases:
@@ -226,9 +238,13 @@ def measure(cases, arena_bytes: int, runs: int, timeout: float) -> dict[str, tup
     ctx = multiprocessing.get_context("spawn")
     owner_end, reader_end = ctx.Pipe()
     results_in, results_out = ctx.Pipe(duplex=False)
-    owner = ctx.Process(target=_owner, args=(module, owner_end, arena_bytes), daemon=True)
-    reader_args = (module, reader_end, results_out, list(cases), runs, timeout)
-    reader = ctx.Process(target=_reader, args=reader_args, daemon=True)
+    owner_args = (_owner, module, owner_end, arena_bytes)
+    reader_args = (_reader, module, reader_end, results_out, list(cases), runs, timeout)
+    if netns is not None:
+        owner_args = (_placed, netns.names[0], *owner_args)
+        reader_args = (_placed, netns.names[1], *reader_args)
+    owner = ctx.Process(target=owner_args[0], args=owner_args[1:], daemon=True)
+    reader = ctx.Process(target=reader_args[0], args=reader_args[1:], daemon=True)
     owner.start()
     reader.start()
     for end in (owner_end, reader_end, results_out):

@@ -21,8 +21,12 @@ from kvrelay.transfer.arena import private_tensor
 _PATTERN = 0x5A  # what the sender's bytes hold, checked where they land
 
 
-def _sender(port_queue, nbytes: int, times: int) -> None:
-    with socket.create_server(("127.0.0.1", 0)) as server:
+def _sender(port_queue, nbytes: int, times: int, host: str, netns: str | None) -> None:
+    if netns is not None:
+        from kvrelay.bench.netns import enter
+
+        enter(netns)
+    with socket.create_server((host, 0)) as server:
         port_queue.put(server.getsockname()[1])
         conn, _ = server.accept()
         with conn:
@@ -35,15 +39,20 @@ def _sender(port_queue, nbytes: int, times: int) -> None:
                 conn.sendall(payload)
 
 
-def tcp_stream(nbytes: int, runs: int, sweep=None, timeout_s: float = 120.0) -> Summary:
+def tcp_stream(
+    nbytes: int, runs: int, sweep=None, timeout_s: float = 120.0,
+    host: str = "127.0.0.1", sender_netns: str | None = None,
+) -> Summary:  # fmt: skip
     """Seconds per transfer of `nbytes` (first transfer untimed), each after
-    `sweep.add_(1)` when a sweep tensor is given (the bench's cache sweep)."""
+    `sweep.add_(1)` when a sweep tensor is given (the bench's cache sweep).
+    The sender listens on `host`, in network namespace `sender_netns` if given."""
     context = multiprocessing.get_context("spawn")
     ports = context.Queue()
-    sender = context.Process(target=_sender, args=(ports, nbytes, runs + 1), daemon=True)
+    sender_args = (ports, nbytes, runs + 1, host, sender_netns)
+    sender = context.Process(target=_sender, args=sender_args, daemon=True)
     sender.start()
     try:
-        with socket.create_connection(("127.0.0.1", ports.get(timeout=timeout_s))) as conn:
+        with socket.create_connection((host, ports.get(timeout=timeout_s))) as conn:
             conn.settimeout(timeout_s)
             landed = private_tensor(nbytes)
             view = memoryview(landed.numpy())

@@ -32,7 +32,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
-from kvrelay.bench import nixl_peer, transfer_host
+from kvrelay.bench import nixl_peer, transfer_host, transfer_netns
 from kvrelay.bench.stats import Summary, format_table, machine_info, time_once, write_json
 from kvrelay.bench.tcp_stream import tcp_stream
 from kvrelay.bench.transfer_pulls import (
@@ -171,12 +171,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="NIXL UCX READ of the same cases if importable (on)")  # fmt: skip
     parser.add_argument("--device", default="cpu",
                         help="cuda[:N]: pulls of GPU memory (bench/transfer_gpu.py)")  # fmt: skip
+    parser.add_argument("--netns", action="store_true", help="across two network namespaces")
     parser.add_argument("--json", metavar="PATH", help="write the results here")
 
 
 def run(args: argparse.Namespace) -> dict:
-    if args.device != "cpu":
-        return _run_on_gpu(args)
+    if args.netns or args.device != "cpu":
+        return transfer_netns.run(args) if args.netns else _run_on_gpu(args)
     modes = _modes(args.modes)
     arena, cases = bench_cases(args)
     from kvrelay.transfer.calibrate import calibrate
@@ -366,9 +367,8 @@ def _print_table(runs: int, rows: list, nixl_lines: list[str]) -> None:
         f"median of {runs} runs [slowest-fastest]; x memcpy = memcpy time / pull time per "
         "run (Tensor.copy_ of the same byte count, timed before each pull, both from a cold "
         "cache); first pull = GB/s of the untimed first pull (connects, maps: the cold case; "
-        "the goals are on the steady state); "
-        "x baseline = pull rate / ucx_perftest ucp_get rate on the same transport (ucx modes; "
-        "median of 3 runs), "
+        "the goals are on the steady state); x baseline = pull rate / ucx_perftest ucp_get "
+        "rate on the same transport (ucx modes; median of 3 runs), "
         "/ a plain loopback TCP stream of the same bytes (tcp)"
     )
     for line in nixl_lines:

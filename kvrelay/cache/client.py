@@ -1,7 +1,9 @@
 """The worker side of the cache tier: find, pull and write pages of one rank's rectangle.
 
 Pages are placed on servers by `HashRing` over their keys, so each call
-splits its keys per server and talks to those servers concurrently. A server
+splits its keys per server and talks to those servers concurrently. The ring
+starts as the configured list and follows the versions control publishes
+(`RingFollower`); calls already begun finish on the ring they started with. A server
 that is down, slow or refusing counts as misses (lookups) or as pages not
 written (writes): the tier never fails a request.
 
@@ -26,9 +28,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvrelay.cache.policy import WritePolicy
+from kvrelay.cache.ring_follow import RingFollower
 from kvrelay.cache.writeback import WriteBackQueue
 from kvrelay.layout import HashRing, ModelKVSpec, Rectangle, ring_prefix
-from kvrelay.rpc import Channel, Unavailable
+from kvrelay.rpc import Unavailable
 from kvrelay.rpc.cache_ops import (
     DEFAULT_LEASE_S,
     CacheStats,
@@ -63,13 +66,15 @@ class CacheClientConfig:
     # ... pushed as soon as this many wait, or this long after one was queued.
     write_back_batch: int = 16
     write_back_delay_s: float = 0.05
+    # Ask a server for the ring control published this often (0: keep `servers`).
+    ring_poll_s: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "write_policy", WritePolicy.of(self.write_policy, "write_policy"))
         if not 0 < self.write_back_batch <= self.write_back_pages:
             raise ValueError("need 0 < write_back_batch <= write_back_pages")
-        if self.write_back_delay_s < 0 or self.timeout_s <= 0:
-            raise ValueError("write_back_delay_s must be >= 0 and timeout_s > 0")
+        if self.write_back_delay_s < 0 or self.timeout_s <= 0 or self.ring_poll_s < 0:
+            raise ValueError("need write_back_delay_s >= 0, timeout_s > 0, ring_poll_s >= 0")
 
 
 @dataclass(slots=True)
@@ -111,17 +116,37 @@ class CacheClient:
         tail = self.slot_bytes - spec.page_bytes
         self._commit_runs = self.runs + ([(spec.page_bytes, tail)] if tail else [])
         self.namespace = spec.namespace()
-        self.ring = HashRing(config.servers)
         self.stats = ClientStats()
-        self._servers = {
-            a: Channel(a, config.token, CacheWelcome, config.timeout_s, self._check_welcome)
-            for a in config.servers
-        }
+        self.follower = RingFollower(
+            config.servers, config.token, config.timeout_s, self._check_welcome,
+            config.ring_poll_s,
+        )  # fmt: skip
+        # Every server ever on a ring: calls begun on an old ring finish on it.
+        self._servers = self.follower.channels
         self._queue: WriteBackQueue | None = None
         self._pusher: asyncio.Task | None = None
         self._queued = asyncio.Event()  # a page waits
         self._batch_ready = asyncio.Event()  # write_back_batch pages wait, or the queue is full
         self._push_lock = asyncio.Lock()
+
+    @property
+    def ring(self) -> HashRing:
+        return self.follower.ring
+
+    @property
+    def ring_version(self) -> int:
+        return self.follower.version
+
+    def set_ring(self, version: int, servers: Sequence[str]) -> bool:
+        """Move to ring `version` if it is newer (calls already begun keep theirs)."""
+        return self.follower.set(version, servers)
+
+    async def refresh_ring(self) -> bool:
+        """Ask the servers for the ring control published; move to it when newer."""
+        return await self.follower.refresh()
+
+    def _follow_ring(self) -> None:
+        self.follower.follow()
 
     def _check_welcome(self, welcome: CacheWelcome) -> str | None:
         if welcome.page_bytes != self.slot_bytes:
@@ -138,22 +163,23 @@ class CacheClient:
             self._queue = None
             if isinstance(results[0], Exception):
                 raise results[0]
-        for server in self._servers.values():
-            server.drop()
+        await self.follower.close()
 
     def _local_offsets(self, page_offsets: Sequence[int], positions: Sequence[int]) -> list[int]:
         return [page_offsets[p] + offset for p in positions for offset, _ in self.runs]
 
     async def lookup(self, keys: Sequence[bytes], dest: Arena, page_offsets: Sequence[int]) -> int:
         """Pull this rank's rectangle of the longest cached prefix of `keys`; return its length."""
+        self._follow_ring()
+        ring = self.ring
         self.stats.lookups += 1
         self.stats.lookup_pages += len(keys)
-        groups = self.ring.group(keys)
+        groups = ring.group(keys)
         answers = await asyncio.gather(
             *(self._lookup_one(s, [keys[p] for p in ps]) for s, ps in groups.items())
         )
         found = {s: a for s, a in zip(groups, answers, strict=True)}
-        prefix, taken = ring_prefix(self.ring, keys, {s: a[0] for s, a in found.items()})
+        prefix, taken = ring_prefix(ring, keys, {s: a[0] for s, a in found.items()})
         pulls = []
         for server, positions in groups.items():
             lease = found[server][1]
@@ -189,12 +215,14 @@ class CacheClient:
     async def count_prefix(self, keys: Sequence[bytes]) -> int:
         """Length of the sealed prefix of `keys` in the tier, moving no page bytes
         (a lookup whose pins are released at once; a server down counts as misses)."""
-        groups = self.ring.group(keys)
+        self._follow_ring()
+        ring = self.ring
+        groups = ring.group(keys)
         answers = await asyncio.gather(
             *(self._lookup_one(s, [keys[p] for p in ps]) for s, ps in groups.items())
         )
         found = dict(zip(groups, answers, strict=True))
-        prefix, _ = ring_prefix(self.ring, keys, {s: a[0] for s, a in found.items()})
+        prefix, _ = ring_prefix(ring, keys, {s: a[0] for s, a in found.items()})
         await self._release_all([(s, a[1]) for s, a in found.items() if a[1] is not None])
         return prefix
 
@@ -276,6 +304,7 @@ class CacheClient:
         self, keys: Sequence[bytes], src: Arena, offsets: Sequence[list[int]]
     ) -> tuple[int, int]:
         """Push page i's runs from `src` at `offsets[i]`; return (pages in, pages failed)."""
+        self._follow_ring()
         groups = self.ring.group(keys)
         results = await asyncio.gather(
             *(self._write_one(s, ps, keys, src, offsets) for s, ps in groups.items())
@@ -306,7 +335,9 @@ class CacheClient:
                 namespace=self.namespace,
                 timeout=self.config.timeout_s,
             )
-            await conn.call(Commit([keys[p] for p in todo], self._commit_runs), CommitReply)
+            await conn.call(
+                Commit([keys[p] for p in todo], self._commit_runs, self.namespace), CommitReply
+            )
             self.stats.bytes_out += len(todo) * self.rect.num_bytes(self.spec)
             return len(todo), 0
         except (Unavailable, TransferError):
@@ -329,8 +360,9 @@ class CacheClient:
                 {"l3": reply.l3} if reply.l3 else {}
             )
 
-        replies = await asyncio.gather(*(one(s) for s in self._servers))
-        return dict(zip(self._servers, replies, strict=True))
+        servers = self.ring.servers
+        replies = await asyncio.gather(*(one(s) for s in servers))
+        return dict(zip(servers, replies, strict=True))
 
     async def admin_flush(self, namespace: bytes | None = None) -> dict[str, dict | None]:
         """Drop one namespace's pages (None: every page) from every server's L2 and L3;
@@ -343,8 +375,9 @@ class CacheClient:
                 return None
             return {"dropped": reply.dropped, "l3_dropped": reply.l3_dropped}
 
-        replies = await asyncio.gather(*(one(s) for s in self._servers))
-        return dict(zip(self._servers, replies, strict=True))
+        servers = self.ring.servers
+        replies = await asyncio.gather(*(one(s) for s in servers))
+        return dict(zip(servers, replies, strict=True))
 
     async def _release_all(self, leases: list[tuple[str, int]]) -> None:
         async def release(server: str, lease: int) -> None:

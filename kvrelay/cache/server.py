@@ -6,18 +6,25 @@ commit, release, stats, flush). `lookup` and `reserve` may carry `ns`, the
 namespace digest, recorded with each page so `flush` can drop one tenant's
 pages. Each request is answered with its reply or a typed `Error`.
 
+Tenants: the server admits tenant-scoped tokens as well as the cluster token
+and checks every request against the connection's scope (`tenants.py`); page
+keys are turned into per-namespace keys before they reach the tier.
+
 The tier is single-threaded: every op runs on the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from dataclasses import dataclass
 
 from kvrelay import rpc
 from kvrelay.cache.arena import ArenaConfig, PageArena
 from kvrelay.cache.l3 import open_store
+from kvrelay.cache.membership import NO_RING, ControlLink
 from kvrelay.cache.policy import WritePolicy
+from kvrelay.cache.tenants import check_every_namespace, check_namespace, tenant_keys
 from kvrelay.cache.tier import CacheTier, TierConfig
 from kvrelay.options import option
 from kvrelay.rpc import MalformedMessage
@@ -30,6 +37,7 @@ from kvrelay.rpc.cache_ops import (
     CommitReply,
     Flush,
     FlushReply,
+    GetRing,
     HandleReply,
     Lookup,
     LookupReply,
@@ -38,6 +46,7 @@ from kvrelay.rpc.cache_ops import (
     ReleaseReply,
     Reserve,
     ReserveReply,
+    RingReply,
 )
 from kvrelay.transfer import create_agent
 
@@ -51,7 +60,9 @@ class CacheServerConfig:
     arena_bytes: int = option(help="L2 host arena size in GiB", flag="--arena-gb", scale=GIB)
     listen: str = option("127.0.0.1:0", help="control address HOST:PORT")
     backend: str = option("tcp", help="transfer backend for page data", choices=["tcp", "ucx"])
-    l3: str | None = option(None, help="file:DIR or valkey://HOST:PORT")
+    l3: str | None = option(
+        None, help="file:DIR, valkey://HOST:PORT or valkey-cluster://HOST:PORT[,HOST:PORT...]"
+    )
     l3_capacity_bytes: int | None = option(
         None, help="capacity of a file L3 in GiB", flag="--l3-gb", scale=GIB
     )
@@ -59,6 +70,17 @@ class CacheServerConfig:
     l3_policy: WritePolicy = option(WritePolicy.WRITE_BACK, help="when L3 gets pages")  # noqa: RUF009
     timeout_s: float = option(
         10.0, help="hello deadline, frame stall limit, transfer deadline", positive=True
+    )
+    control: str | None = option(
+        None, help="control URL: register, heartbeat, follow the ring, drain before leaving"
+    )
+    advertise: str | None = option(
+        None, help="HOST:PORT clients reach this server at (default: the listen address)"
+    )
+    drain_grace_s: float = option(
+        3.0,
+        help="after leaving the ring, serve clients still on the old one this long",
+        minimum=0.0,
     )
 
 
@@ -76,13 +98,15 @@ class CacheServer:
         self.config = config
         self.agent = None
         self.tier: CacheTier | None = None
-        # lease id -> keys in request order that the lease covers (its pinned pages).
-        self._lease_keys: dict[int, list[bytes]] = {}
+        # lease id -> (namespace, tier keys in request order the lease covers).
+        self._lease_keys: dict[int, tuple[bytes | None, list[bytes]]] = {}
         # tier lease id -> transfer leases of handles published under it.
         self._handle_leases: dict[int, list[int]] = {}
         self._server: rpc.Server | None = None
         self._ops = 0
         self.address = ""
+        self.control: ControlLink | None = None
+        self._heartbeats: asyncio.Task | None = None
 
     async def start(self) -> CacheServer:
         c = self.config
@@ -96,61 +120,112 @@ class CacheServer:
             requests=CacheRequest,
             handler=self._handle,
             welcome=lambda: CacheWelcome(c.page_bytes, self.agent.address),
+            scoped_welcome=lambda scope: CacheWelcome(c.page_bytes, self.agent.address),
             host=host,
             port=port,
             hello_timeout_s=c.timeout_s,
         )
         await self._server.start()
         self.address = self._server.address
+        if c.control:
+            self.control = ControlLink(c.control, c.token, c.advertise or self.address)
+            self.control.on_new_ring = self._hand_off
+            await self.control.register()
+            self._heartbeats = asyncio.create_task(self.control.heartbeats())
         return self
 
-    async def close(self) -> None:
-        await self._server.close()
+    def _hand_off(self, ring) -> None:
+        """A new ring may give some of this server's keys to another server, which
+        looks for them in L3: write-back pages go there now. (The server cannot
+        tell which keys moved: it holds per-namespace keys, the ring places the
+        clients' keys.) With write-through they are there already."""
         if self.tier.l3 is not None:
-            # A graceful stop keeps write-back pages: a restart promotes them.
             self.tier.demote_all()
-            self.tier.l3.close()
+
+    async def close(self) -> None:
+        """Stop; a member of a cluster drains first: its sealed pages go to L3, it
+        leaves the ring, and it serves clients still on the old ring (and requests
+        in flight) for `drain_grace_s` before the listener closes."""
+        l3 = self.tier.l3
+        if self.control is not None:
+            if l3 is not None:
+                self.tier.demote_all()
+            await self.control.drain()
+            await asyncio.sleep(self.config.drain_grace_s)
+        await self._server.close()
+        if self._heartbeats is not None:
+            self._heartbeats.cancel()
+            await asyncio.gather(self._heartbeats, return_exceptions=True)
+        if l3 is not None:
+            # A graceful stop keeps write-back pages (also those written while
+            # draining): a restart or the ring's next owner promotes them.
+            self.tier.demote_all()
+            l3.close()
+        if self.control is not None:
+            await self.control.deregister()
+            await self.control.close()
         await self.agent.close()
 
     async def _handle(self, conn: rpc.Connection, request) -> rpc.Message:
-        return self.handle(request)
+        return self.handle(request, conn.scope)
 
-    def handle(self, request) -> rpc.Message:
-        """Answers one decoded request (refusals raise: the server sends them typed)."""
+    def handle(self, request, scope: rpc.Scope = rpc.EVERY_NAMESPACE) -> rpc.Message:
+        """Answers one decoded request from a peer of `scope` (refusals raise: the
+        server sends them typed)."""
         tier = self.tier
         self._ops += 1
         if self._ops % 256 == 0:
             self._forget_dead_leases()
+        if isinstance(request, Lookup | Reserve | Commit | PublishHandle):
+            check_namespace(scope, request.ns)
         if isinstance(request, Lookup):
-            hit = tier.lookup(request.keys, request.lease_s, request.ns or b"")
+            keys = tenant_keys(request.ns, request.keys)
+            hit = tier.lookup(keys, request.lease_s, request.ns or b"")
             lease = hit.lease.lease_id if hit.lease else None
             if lease is not None:
-                self._lease_keys[lease] = [e.key for e in hit.entries]
+                self._lease_keys[lease] = (request.ns, [e.key for e in hit.entries])
             return LookupReply(hit.hits, lease)
         if isinstance(request, Reserve):
-            slots, lease = tier.reserve(request.keys, request.lease_s, request.ns or b"")
-            self._lease_keys[lease.lease_id] = [
-                k for k, s in zip(request.keys, slots, strict=True) if s is not None
-            ]
+            keys = tenant_keys(request.ns, request.keys)
+            slots, lease = tier.reserve(keys, request.lease_s, request.ns or b"")
+            self._lease_keys[lease.lease_id] = (
+                request.ns,
+                [k for k, s in zip(keys, slots, strict=True) if s is not None],
+            )
             return ReserveReply(slots, lease.lease_id)
         if isinstance(request, PublishHandle):
             return self._publish(request)
         if isinstance(request, Commit):
             runs = _page_runs(request.runs, self.config.page_bytes)
-            return CommitReply([tier.commit(k, runs) for k in request.keys])
+            keys = tenant_keys(request.ns, request.keys)
+            return CommitReply([tier.commit(k, runs) for k in keys])
         if isinstance(request, ReleaseLease):
-            released = tier.release(request.lease)
-            self._lease_keys.pop(request.lease, None)
-            for handle_lease in self._handle_leases.pop(request.lease, []):
-                self.agent.leases.release(handle_lease)
-            return ReleaseReply(bool(released))
+            return ReleaseReply(self._release(request.lease, scope))
         if isinstance(request, CacheStats):
+            check_every_namespace(scope, "stats")
             l3 = dataclasses.asdict(tier.l3.stats) if tier.l3 is not None else None
             return CacheStatsReply(dataclasses.asdict(tier.stats), len(tier.index), l3)
+        if isinstance(request, GetRing):
+            ring = self.control.ring if self.control is not None else NO_RING
+            return RingReply(ring.version, ring.servers)
         if isinstance(request, Flush):
+            if request.ns is None:
+                check_every_namespace(scope, "a flush of every namespace")
+            check_namespace(scope, request.ns)
             l2, l3 = tier.flush(request.ns)
             return FlushReply(l2, l3)
         raise MalformedMessage(f"a cache server does not serve {type(request).__name__}")
+
+    def _release(self, lease: int, scope: rpc.Scope) -> bool:
+        known = self._lease_keys.get(lease)
+        if known is None or not scope.allows(known[0]):
+            # Another tenant's lease answers as an unknown one: nothing to learn.
+            return False
+        released = self.tier.release(lease)
+        del self._lease_keys[lease]
+        for handle_lease in self._handle_leases.pop(lease, []):
+            self.agent.leases.release(handle_lease)
+        return bool(released)
 
     def _forget_dead_leases(self) -> None:
         for lease in [lid for lid in self._lease_keys if self.tier.index.lease(lid) is None]:
@@ -158,9 +233,9 @@ class CacheServer:
             self._handle_leases.pop(lease, None)
 
     def _publish(self, request: PublishHandle) -> HandleReply:
-        keys = self._lease_keys.get(request.lease)
+        ns, keys = self._lease_keys.get(request.lease, (None, None))
         live = self.tier.index.lease(request.lease) if keys is not None else None
-        if live is None:
+        if live is None or ns != request.ns:
             raise MalformedMessage(f"lease {request.lease!r} is unknown or expired")
         if request.count > len(keys):
             raise MalformedMessage(f"count must be in [1, {len(keys)}]")

@@ -229,9 +229,15 @@ class CacheTier:
         # Pin what is promoted so promoting page i+1 cannot evict page i.
         leases: list[int] = []
         for key, page in zip(keys, pages, strict=True):
+            resident = self.index.get(key)
+            if resident is not None:
+                if not resident.sealed:
+                    break  # an unsealed reservation
+                # In L2 already (this server owned it before): the run goes on,
+                # and the page is pinned like a promoted one meanwhile.
+                leases.append(self.index.pin([key], lease_s=60.0).lease_id)
+                continue
             if page is None or len(page) != self.arena.page_bytes:
-                break
-            if key in self.index:  # written meanwhile, or an unsealed reservation
                 break
             slot = self._take_slot()
             if slot is None:

@@ -16,6 +16,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrelay.control import metrics
+from kvrelay.control.cache_members import CacheMembers, add_cache_routes
 from kvrelay.control.completions import CompletionRunner, error_body
 from kvrelay.control.config import ControlConfig
 from kvrelay.control.dispatch import Dispatcher
@@ -62,13 +63,30 @@ def _validation_message(exc: RequestValidationError) -> str:
 _BEARER = HTTPBearer(auto_error=False, description="The cluster token")
 
 
+def _authorizer(token: str):
+    """The dependency that admits the cluster token as a bearer token."""
+
+    def authorized(
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)],
+    ) -> None:
+        if credentials is None or not credentials.credentials:
+            raise HTTPException(401, "missing bearer token",
+                                headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+        given = credentials.credentials.strip().encode()
+        if not hmac.compare_digest(given, token.encode()):
+            raise HTTPException(403, "wrong token")
+
+    return authorized
+
+
 def create_app(config: ControlConfig) -> FastAPI:
     if not config.token:
         raise ValueError("the control endpoint needs a cluster token")
     registry = Registry(config.heartbeat_s)
     stats = ControlStats()
     prometheus = metrics.ControlMetrics(stats, registry)
-    tier = TierProbe(config.cache, config.token, config.tier_timeout_s) if config.cache else None
+    tier = TierProbe(config.cache, config.token, config.tier_timeout_s)  # the ring may grow
+    members = CacheMembers(config.cache, config.heartbeat_s)
     runner = CompletionRunner(Dispatcher(config, registry, stats, tier), registry, stats)
 
     @contextlib.asynccontextmanager
@@ -77,6 +95,7 @@ def create_app(config: ControlConfig) -> FastAPI:
             while True:
                 await asyncio.sleep(min(config.heartbeat_s / 2, 1.0))
                 registry.sweep()
+                members.sweep()
 
         sweeper = asyncio.create_task(sweep())
         try:
@@ -85,8 +104,7 @@ def create_app(config: ControlConfig) -> FastAPI:
             sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
-            if tier is not None:
-                tier.close()
+            tier.close()
 
     app = FastAPI(title="kvrelay control", lifespan=lifespan)
     app.router.route_class = FastJSONRoute  # bodies through msgspec: 1M-token prompts
@@ -108,19 +126,11 @@ def create_app(config: ControlConfig) -> FastAPI:
         return JSONResponse(error_body(exc.status_code, message),
                             status_code=exc.status_code, headers=exc.headers)  # fmt: skip
 
-    def authorized(
-        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)],
-    ) -> None:
-        if credentials is None or not credentials.credentials:
-            raise HTTPException(401, "missing bearer token",
-                                headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
-        given = credentials.credentials.strip().encode()
-        if not hmac.compare_digest(given, config.token.encode()):
-            raise HTTPException(403, "wrong token")
-
+    authorized = _authorizer(config.token)
     _serving_routes(app, registry, stats, tier, runner, prometheus)
     _node_routes(app, registry, config, [Depends(authorized)])
     _admin_routes(app, registry, tier, config, [Depends(authorized)])
+    add_cache_routes(app, members, tier, [Depends(authorized)])
     return app
 
 
@@ -165,7 +175,7 @@ def _serving_routes(app, registry, stats, tier, runner, prometheus) -> None:
                                    "inflight": n.inflight} for n in nodes},
             "nodes": [n.describe() for n in nodes],
             "removed_nodes": dict(registry.removed),
-            "tier": None if tier is None else {"servers": tier.servers, "probes": tier.probes,
+            "tier": None if not tier.servers else {"servers": tier.servers, "probes": tier.probes,
                                                "errors": tier.errors},
         }  # fmt: skip
 
@@ -220,7 +230,7 @@ def _admin_routes(app, registry, tier, config, admin) -> None:
                 return False
             return True
 
-        tier_result = await tier.flush(namespace) if tier is not None else {}
+        tier_result = await tier.flush(namespace)
         results = await asyncio.gather(*(flush_node(n) for n in nodes))
         workers = {n.node_id: ok for n, ok in zip(nodes, results, strict=True)}
         return {"tier": tier_result, "workers": workers}

@@ -29,6 +29,7 @@ PROBE_LEASE_S = 2.0
 
 class TierProbe:
     def __init__(self, servers: Sequence[str], token: str, timeout_s: float = 1.0) -> None:
+        self.token, self.timeout_s = token, timeout_s
         self.ring = HashRing(servers)
         self._servers = {a: Channel(a, token, CacheWelcome, timeout_s) for a in servers}
         self.probes = 0
@@ -38,12 +39,20 @@ class TierProbe:
     def servers(self) -> list[str]:
         return self.ring.servers
 
+    def set_servers(self, servers) -> None:
+        """Follow a new ring: probes begun on the old one finish on it."""
+        self.ring = HashRing(servers)
+        for address in servers:
+            if address not in self._servers:
+                self._servers[address] = Channel(address, self.token, CacheWelcome, self.timeout_s)
+
     async def probe(self, namespace: bytes, keys: Sequence[bytes]) -> int:
         """Pages of the longest prefix of `keys` the tier holds sealed right now."""
-        if not keys or not self._servers:
+        ring = self.ring  # a new ring published meanwhile applies to the next probe
+        if not keys or not ring.servers:
             return 0
         self.probes += 1
-        groups = self.ring.group(keys)
+        groups = ring.group(keys)
         answers = await asyncio.gather(
             *(self._lookup(s, namespace, [keys[p] for p in ps]) for s, ps in groups.items())
         )
@@ -52,7 +61,7 @@ class TierProbe:
             *(self._release(s, lease) for s, (_, lease) in zip(groups, answers, strict=True)
               if lease is not None)
         )  # fmt: skip
-        prefix, _ = ring_prefix(self.ring, keys, hits)
+        prefix, _ = ring_prefix(ring, keys, hits)
         return prefix
 
     async def _lookup(self, server: str, namespace: bytes, keys: list[bytes]):
@@ -82,8 +91,9 @@ class TierProbe:
                 self.errors += 1
                 return None
 
-        results = await asyncio.gather(*(one(s) for s in self._servers.values()))
-        return dict(zip(self._servers, results, strict=True))
+        servers = self.ring.servers
+        results = await asyncio.gather(*(one(self._servers[s]) for s in servers))
+        return dict(zip(servers, results, strict=True))
 
     def close(self) -> None:
         for server in self._servers.values():

@@ -25,9 +25,11 @@ from kvrelay.rpc.messages import (
     pack_tokens,
     unpack_tokens,
 )
+from kvrelay.rpc.scope import EVERY_NAMESPACE, Scope, scoped_token, token_scope
 from kvrelay.rpc.server import Server
 
 __all__ = [
+    "EVERY_NAMESPACE",
     "MAX_FRAME",
     "WIRE_VERSION",
     "AuthError",
@@ -43,6 +45,7 @@ __all__ = [
     "RemoteError",
     "RpcError",
     "RpcTimeout",
+    "Scope",
     "Server",
     "Unavailable",
     "WireVersionError",
@@ -52,6 +55,8 @@ __all__ = [
     "hello",
     "listen_socket",
     "pack_tokens",
+    "scoped_token",
     "split_address",
+    "token_scope",
     "unpack_tokens",
 ]

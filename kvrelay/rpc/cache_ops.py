@@ -7,10 +7,12 @@
 - `PublishHandle {lease, count, runs, ns}` -> `HandleReply {handle}`: a block
   handle for the first `count` pages of a lookup or reservation lease,
   `runs` (the caller's rectangle within one page) of each
-- `Commit {keys, runs}` -> `CommitReply {sealed}` per key
+- `Commit {keys, runs, ns}` -> `CommitReply {sealed}` per key
 - `ReleaseLease {lease}` -> `ReleaseReply {released}`
 - `CacheStats` -> `CacheStatsReply`; `Flush {ns?}` -> `FlushReply {dropped,
   l3_dropped}`: the unpinned L2 pages and the L3 pages of one namespace, or all
+- `GetRing` -> `RingReply {version, servers}`: the ring of cache servers
+  control published last, as the server heard it (clients follow it)
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class HandleReply(Message, tag="handle_reply"):
 class Commit(Message, tag="commit"):
     keys: Keys
     runs: Runs
+    ns: Key | None = None
 
 
 class CommitReply(Message, tag="commit_reply"):
@@ -97,6 +100,17 @@ class CacheStatsReply(Message, tag="stats_reply"):
     l3: dict[str, int] | None = None
 
 
+class GetRing(Message, tag="get_ring"):
+    pass
+
+
+class RingReply(Message, tag="ring_reply"):
+    """The ring control published last (version 0, no servers: none, a static list)."""
+
+    version: Annotated[int, msgspec.Meta(ge=0)]
+    servers: list[str]
+
+
 class Flush(Message, tag="flush"):
     ns: Key | None = None
 
@@ -107,5 +121,5 @@ class FlushReply(Message, tag="flush_reply"):
 
 
 CacheRequest = Union[  # noqa: UP007 (msgspec takes a Union)
-    Lookup, Reserve, PublishHandle, Commit, ReleaseLease, CacheStats, Flush
+    Lookup, Reserve, PublishHandle, Commit, ReleaseLease, CacheStats, Flush, GetRing
 ]

@@ -77,6 +77,8 @@ class Connection:
         self.sock = sock
         self.loop = asyncio.get_running_loop()
         self.lock = asyncio.Lock()
+        # What the peer may touch, set by a server's hello (`rpc.scope.Scope`).
+        self.scope = None
         # Asked before every pull from a peer: a poll with nothing to report
         # costs one system call, where a peek raised and caught an exception
         # (about 85 us per pull from a cold cache).

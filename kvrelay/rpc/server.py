@@ -3,7 +3,9 @@ worker front): listen, hello with the cluster token, then requests.
 
 Per connection: the first frame must be a `Hello` of this `WIRE_VERSION`
 with the cluster token (compared in constant time) within `hello_timeout_s`,
-else a typed `Error` reply and the connection closes. Then each frame is
+else a typed `Error` reply and the connection closes. A server given
+`scoped_welcome` also admits tenant-scoped tokens (`rpc.scope`), answered with
+that welcome; `conn.scope` then says which namespaces the peer may touch. Then each frame is
 decoded as the service's request union (a frame, once begun, must arrive within
 `hello_timeout_s`; before the hello at most `MAX_HELLO_FRAME` bytes) and
 passed to `handler(conn, request)`; what it returns (a message) is sent back, an exception it raises
@@ -15,7 +17,6 @@ None. A lost connection or a broken frame ends the connection.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -30,14 +31,11 @@ from kvrelay.rpc.errors import (
 )
 from kvrelay.rpc.framing import MAX_HELLO_FRAME, Connection, listen_socket
 from kvrelay.rpc.messages import WIRE_VERSION, Error, Hello, Message
+from kvrelay.rpc.scope import Scope, token_scope
 
 log = logging.getLogger("kvrelay.rpc")
 
 Handler = Callable[[Connection, Any], Awaitable[Message | None]]
-
-
-def token_ok(given: str, expected: str) -> bool:
-    return hmac.compare_digest(given.encode(), expected.encode())
 
 
 class Server:
@@ -51,6 +49,7 @@ class Server:
         host: str = "127.0.0.1",
         port: int = 0,
         hello_timeout_s: float = 10.0,
+        scoped_welcome: Callable[[Scope], Message] | None = None,
     ) -> None:
         if not token:
             raise ValueError("a server needs a non-empty cluster token")
@@ -58,6 +57,7 @@ class Server:
         self.requests = requests
         self.handler = handler
         self.welcome = welcome
+        self.scoped_welcome = scoped_welcome
         self.host, self.port = host, port
         self.hello_timeout_s = hello_timeout_s
         self.address = ""
@@ -137,10 +137,15 @@ class Server:
             )
             await conn.send(Error.of(refusal))
             return False
-        if not token_ok(hello.token, self.token):
+        scope = token_scope(hello.token, self.token, scoped=self.scoped_welcome is not None)
+        if scope is None:
             await conn.send(Error.of(AuthError("bad cluster token")))
             return False
-        await conn.send(self.welcome())
+        conn.scope = scope
+        if scope.every_namespace:
+            await conn.send(self.welcome())
+        else:
+            await conn.send(self.scoped_welcome(scope))
         return True
 
 

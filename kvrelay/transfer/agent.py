@@ -79,6 +79,9 @@ class Agent:
             requests=AgentRequest,
             handler=self._handle,
             welcome=self._welcome,
+            # Tenant-scoped peers only where every byte they move is checked
+            # against a lease of their namespace (no rkey, no mapping).
+            scoped_welcome=self._scoped_welcome if self.transport.lease_bounded else None,
             host=self.config.host,
             port=self.config.port,
             hello_timeout_s=self.config.timeout,
@@ -141,11 +144,15 @@ class Agent:
             self.transport.deregister(arena)
             arena.close()
 
-    def arena_table(self) -> list[ArenaInfo]:
+    def arena_table(self, scope: rpc.Scope = rpc.EVERY_NAMESPACE) -> list[ArenaInfo]:
+        """The arenas as peers see them; a tenant-scoped peer gets no rkey and no
+        memory to map, only what its leases let it move through the owner."""
+        every = scope.every_namespace
         return [
-            ArenaInfo(a.arena_id, a.address, a.size, a.rkey, a.shm_path)
+            ArenaInfo(a.arena_id, a.address, a.size, a.rkey if every else b"",
+                      a.shm_path if every else "")
             for a in self.arenas.values()
-        ]
+        ]  # fmt: skip
 
     def publish(
         self,
@@ -159,7 +166,9 @@ class Agent:
             raise UnknownArena(f"arena {arena.arena_id} is not registered with this agent")
         runs = tuple((int(o), int(n)) for o, n in runs)
         array = check_runs(runs, arena.size, "published")
-        lease = self.leases.grant(arena.arena_id, runs, lease_seconds or self.config.lease_seconds)
+        lease = self.leases.grant(
+            arena.arena_id, runs, lease_seconds or self.config.lease_seconds, namespace
+        )
         handle = BlockHandle(
             backend=self.transport.name,
             agent=self.address,
@@ -309,11 +318,18 @@ class Agent:
             self.agent_id, self.host_id, self.arena_table(), **self.transport.hello_fields()
         )
 
+    def _scoped_welcome(self, scope: rpc.Scope) -> AgentWelcome:
+        return AgentWelcome(
+            self.agent_id, self.host_id, self.arena_table(scope), **self.transport.hello_fields()
+        )
+
     async def _handle(self, conn: rpc.Connection, request) -> rpc.Message | None:
         if isinstance(request, Arenas):
-            return ArenaTable(self.arena_table())
+            return ArenaTable(self.arena_table(conn.scope))
         if isinstance(request, Release):
-            self.leases.release(request.lease)
+            lease = self.leases.get(request.lease)
+            if lease is not None and conn.scope.allows(lease.namespace):
+                self.leases.release(request.lease)
             return rpc.Ok()
         return await self.transport.serve(self, conn, request)
 

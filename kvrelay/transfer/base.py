@@ -63,6 +63,10 @@ class Transport(ABC):
     name: str
     # Whether `register` takes device (CUDA) memory; the others move host memory only.
     device_memory: bool = False
+    # Whether every byte a peer moves goes through `serve`, checked against a
+    # lease: only such a backend admits tenant-scoped peers (rkeys reach a
+    # whole arena).
+    lease_bounded: bool = False
 
     def hello_fields(self) -> dict:
         """Fields of `AgentWelcome` this backend fills in (e.g. a UCX worker address)."""

@@ -46,10 +46,14 @@ def _copy_pool() -> concurrent.futures.ThreadPoolExecutor:
 
 
 def host_id() -> str:
-    """Same value exactly when /proc/<pid>/fd of the other agent is reachable."""
+    """Same value exactly when /proc/<pid>/fd of the other agent is reachable and
+    both share a network namespace: a process in a network namespace of its own
+    (a container, the two-host tests) counts as another host, reached over the
+    network only."""
     with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
         boot = f.read().strip()
-    return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    pid_ns, net_ns = (os.stat(f"/proc/self/ns/{ns}").st_ino for ns in ("pid", "net"))
+    return f"{boot}:{pid_ns}:{net_ns}"
 
 
 def _mapping(peer, info: ArenaInfo) -> RemoteMapping:

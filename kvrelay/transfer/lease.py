@@ -9,6 +9,7 @@ synchronised clocks (within a fraction of the lease length).
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -24,6 +25,8 @@ class RunLease:
     arena_id: int
     runs: tuple[tuple[int, int], ...]
     expiry: float
+    # The namespace of the pages: a tenant-scoped peer may use only its own.
+    namespace: bytes = b""
 
 
 def covers(lease: RunLease, runs: np.ndarray) -> bool:
@@ -53,13 +56,22 @@ class LeaseTable:
     """Active leases of one agent. Not thread-safe: used from the agent's loop."""
 
     def __init__(self) -> None:
-        self._ids = itertools.count(1)
         self._active: dict[int, RunLease] = {}
 
-    def grant(self, arena_id: int, runs, seconds: float) -> RunLease:
+    def _new_id(self) -> int:
+        # Random, not counted: a lease id names pages on the wire, and a peer
+        # must not reach another tenant's pages by guessing the next one.
+        while True:
+            lease_id = secrets.randbits(63) or 1
+            if lease_id not in self._active:
+                return lease_id
+
+    def grant(self, arena_id: int, runs, seconds: float, namespace: bytes = b"") -> RunLease:
         if not seconds > 0:
             raise ValueError(f"a lease lasts a positive number of seconds, got {seconds!r}")
-        lease = RunLease(next(self._ids), arena_id, tuple(runs), time.time() + seconds)
+        lease = RunLease(
+            self._new_id(), arena_id, tuple(runs), time.time() + seconds, bytes(namespace)
+        )
         self._active[lease.lease_id] = lease
         return lease
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from kvrelay.layout import DEFAULT_PAGE_SIZE
 from kvrelay.options import option
+from kvrelay.rpc import split_address
 from kvrelay.rpc.worker_ops import Role
 from kvrelay.worker.rank import RankOptions, Staging
 
@@ -132,4 +133,5 @@ class WorkerConfig:
             transfer_timeout_s=self.transfer_timeout_s,
             local_cache=self.local_cache,
             write_back=self.write_back,
+            agent_host=split_address(self.listen)[0],
         )

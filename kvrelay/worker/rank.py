@@ -48,6 +48,9 @@ class RankOptions:
     transfer_timeout_s: float
     local_cache: bool
     write_back: bool
+    # Where the rank's transfer agent listens: the worker's listen host, so
+    # that peers on other hosts reach the address its handles carry.
+    agent_host: str = "127.0.0.1"
 
 
 class PullFailed(RuntimeError):
@@ -90,7 +93,12 @@ class RankRuntime:
         from kvrelay.transfer import create_agent
 
         self.agent = self.run(
-            create_agent(options.backend, token=options.token, timeout=options.transfer_timeout_s)
+            create_agent(
+                options.backend,
+                token=options.token,
+                host=options.agent_host,
+                timeout=options.transfer_timeout_s,
+            )
         )
         self.arena = self._staging_arena(options.staging_pages * self.page_bytes)
         self.staging = self.arena.tensor.view(options.staging_pages, self.page_bytes)

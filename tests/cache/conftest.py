@@ -1,5 +1,6 @@
 import pytest
 
+from tests.cache.l3.valkey_cluster import ValkeyCluster
 from tests.cache.l3.valkey_server import ValkeyServer
 from tests.cache.server_process import ServerProcess
 
@@ -26,3 +27,15 @@ def servers():
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def valkey_cluster(tmp_path_factory):
+    """A real cluster of three primaries with a replica each, for a whole module
+    (tests that kill a node restart it and wait for the cluster to settle)."""
+    cluster = ValkeyCluster(tmp_path_factory.mktemp("valkey-cluster"))
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

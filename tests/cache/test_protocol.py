@@ -39,17 +39,17 @@ async def test_malformed_requests_are_refused():
     for message in bad:
         with pytest.raises(MalformedMessage):
             server.handle(request(message))
-    reply = server.handle(request({"op": "reserve", "keys": [KEY], "lease_s": 5}))
+    reply = server.handle(request({"op": "reserve", "keys": [KEY], "lease_s": 5, "ns": KEY}))
     lease = reply.lease
     assert reply.slots == [0]
     for count in (0, 2):
         with pytest.raises(MalformedMessage):
             server.handle(request({"op": "handle", "lease": lease, "count": count,
                                    "runs": [[0, 64]], "ns": KEY}))  # fmt: skip
-    commit = request({"op": "commit", "keys": [KEY], "runs": [[0, 64]]})
+    commit = request({"op": "commit", "keys": [KEY], "runs": [[0, 64]], "ns": KEY})
     assert server.handle(commit).sealed == [True]
     assert server.handle(request({"op": "release", "lease": lease})).released
-    looked = server.handle(request({"op": "lookup", "keys": [KEY]}))
+    looked = server.handle(request({"op": "lookup", "keys": [KEY], "ns": KEY}))
     assert looked.hits == 1
     assert server.handle(request({"op": "stats"})).tier["sealed_pages"] == 1
     other = hashlib.sha256(b"x").digest()

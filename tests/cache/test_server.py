@@ -10,6 +10,8 @@ import time
 import pytest
 
 from kvrelay.cache.client import CacheClient, CacheClientConfig
+from kvrelay.cache.l3 import open_store
+from kvrelay.cache.tenants import tenant_key
 from kvrelay.layout import ParallelConfig, rank_rectangle
 from kvrelay.transfer import create_agent
 from tests.cache.server_process import PAGE, TOKEN
@@ -121,8 +123,10 @@ async def test_restart_with_file_l3_keeps_pages_and_corruption_is_a_miss(servers
 
     await main()
     second.stop()
-    # Flip a byte of page 5's file; a fresh server promotes pages 0-4 only.
-    path = next((tmp_path / "l3").glob(f"*/??/{KEYS[5].hex()}.page"))
+    # Flip a byte of page 5's file (filed under its per-namespace key); a fresh
+    # server promotes pages 0-4 only.
+    filed = tenant_key(SPEC.namespace(), KEYS[5])
+    path = next((tmp_path / "l3").glob(f"{SPEC.namespace().hex()}/??/{filed.hex()}.page"))
     data = bytearray(path.read_bytes())
     data[-1] ^= 1
     path.write_bytes(bytes(data))
@@ -137,8 +141,14 @@ async def test_restart_with_file_l3_keeps_pages_and_corruption_is_a_miss(servers
 
 
 @pytest.mark.asyncio
-async def test_restart_with_valkey_l3_keeps_pages(servers, valkey_server):
-    l3 = ["--l3", f"valkey://127.0.0.1:{valkey_server.port}"]
+@pytest.mark.parametrize("kind", ["valkey", "valkey-cluster"])
+async def test_restart_with_valkey_l3_keeps_pages(servers, kind, request):
+    if kind == "valkey":
+        url = f"valkey://127.0.0.1:{request.getfixturevalue('valkey_server').port}"
+    else:
+        url = request.getfixturevalue("valkey_cluster").url
+        open_store(url).flush()
+    l3 = ["--l3", url]
     first = servers(*l3)  # write-back: pages reach valkey when evicted or at a clean stop
     assert await write_pages([first.address], ParallelConfig(tp=1), range(8)) == 8
     first.stop(signal.SIGKILL)

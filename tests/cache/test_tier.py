@@ -252,3 +252,19 @@ async def test_flush_reaches_pages_only_l3_holds(tmp_path):
         await agent.close()
 
     await main()
+
+
+@pytest.mark.asyncio
+async def test_promotion_walks_past_pages_l2_already_holds(tmp_path):
+    """A server that gains keys (a ring change) holds some pages of a prefix in
+    L2 and finds the others in L3: one lookup answers the whole prefix."""
+    agent, tier = await make_tier(tmp_path, slots=8)
+    for i in (1, 3):
+        fill(tier, i)
+    for i in (0, 2, 4):
+        assert tier.l3.put(KEYS[i], content(i))
+    result = tier.lookup(KEYS[:6])
+    assert result.hits == 5 and tier.stats.promotions == 3
+    pages = [bytes(tier.arena.view(e.slot)) for e in result.entries]
+    assert pages == [content(i) for i in range(5)]
+    await agent.close()

@@ -133,7 +133,7 @@ class ValkeyStore(L3Store):
         """SCAN for the namespace's names (every kvrelay page with None) and UNLINK them
         in batches; return how many went. A failure midway stops with what was done."""
         prefix = self.config.prefix if namespace is None else self._ns_prefix(namespace)
-        pattern = _glob_escape(prefix) + b"*"
+        pattern = glob_escape(prefix) + b"*"
         removed = 0
         if not self._available():
             return 0
@@ -155,7 +155,7 @@ class ValkeyStore(L3Store):
         self._client.connection_pool.disconnect()
 
 
-def _glob_escape(text: bytes) -> bytes:
+def glob_escape(text: bytes) -> bytes:
     """`text` matched literally in a SCAN MATCH pattern."""
     out = bytearray()
     for byte in text:

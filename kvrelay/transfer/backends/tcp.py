@@ -79,6 +79,7 @@ for _call_name in ("readv", "writev"):
 
 class TcpTransport(Transport):
     name = "tcp"
+    lease_bounded = True
 
     def __init__(self) -> None:
         self.stripes = 1  # set by tune()
@@ -162,7 +163,7 @@ class TcpTransport(Transport):
     async def serve(self, agent, conn, request):
         if not isinstance(request, Read | Write):
             return await super().serve(agent, conn, request)
-        arena, runs = _checked(agent, request)  # refused with its HandleError's name
+        arena, runs = _checked(agent, request, conn.scope)  # refused with its HandleError's name
         iov = iovecs(arena, merge_adjacent(runs))
         answer = Accepted(int(runs[:, 1].sum()))
         receive = isinstance(request, Write)
@@ -340,7 +341,7 @@ def _advance(iov: np.ndarray, ends: np.ndarray, first: int, done: int) -> int:
     return first
 
 
-def _checked(agent, request):
+def _checked(agent, request, scope):
     arena = agent.arenas.get(request.arena)
     if arena is None:
         raise UnknownArena(f"no arena {request.arena!r}")
@@ -349,6 +350,9 @@ def _checked(agent, request):
         lease is None
         or not agent.leases.is_active(request.lease)
         or lease.arena_id != arena.arena_id
+        # A tenant-scoped peer's leases are its namespace's; another's answer
+        # as unknown, so that a guess learns nothing.
+        or not scope.allows(lease.namespace)
     ):
         raise LeaseExpired(f"lease {request.lease!r} is not active on arena {arena.arena_id}")
     runs = request.runs  # packed uint64 (offset, length) pairs

@@ -16,13 +16,17 @@ def page(i: int, size: int = 4096) -> bytes:
     return (bytes(range(256)) * (size // 256 + 1))[i % 256 : i % 256 + size]
 
 
-@pytest.fixture(params=["file", "valkey"])
+@pytest.fixture(params=["file", "valkey", "valkey-cluster"])
 def store(request, tmp_path) -> L3Store:
     if request.param == "file":
         s = open_store(f"file:{tmp_path / 'l3'}", capacity_bytes=1 << 20)
-    else:
+    elif request.param == "valkey":
         server = request.getfixturevalue("valkey_server")
         s = open_store(f"valkey://127.0.0.1:{server.port}")
+    else:
+        # One cluster for the module: each test starts from an empty store.
+        s = open_store(request.getfixturevalue("valkey_cluster").url)
+        s.flush()
     with s:
         yield s
 
@@ -68,7 +72,8 @@ def test_bad_keys_raise(store):
 
 
 def test_open_store_rejects_unknown_urls(tmp_path):
-    for url in ["s3://bucket", "valkey://host", "file:"]:
+    bad_clusters = ["valkey-cluster://", "valkey-cluster://host", "redis-cluster://h:1,h:port"]
+    for url in ["s3://bucket", "valkey://host", "file:", *bad_clusters]:
         with pytest.raises(ValueError):
             open_store(url, capacity_bytes=1)
     with pytest.raises(ValueError):
