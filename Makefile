@@ -114,6 +114,7 @@ test: setup lint
 	$(PY) -m pytest $(PYTEST_XDIST) -m "not slow" --durations=30
 	$(MAKE) --no-print-directory test-numba
 	$(MAKE) --no-print-directory test-sglang
+	$(MAKE) --no-print-directory test-vllm
 
 # Only the slow ones; test-all: the whole suite, slow included.
 test-slow: setup
@@ -123,6 +124,7 @@ test-all: setup lint
 	$(PY) -m pytest $(PYTEST_XDIST)
 	$(MAKE) --no-print-directory test-numba
 	$(MAKE) --no-print-directory test-sglang
+	$(MAKE) --no-print-directory test-vllm
 
 # The edit-run loop: unit tests only (no servers, clusters or rank processes,
 # nothing marked slow or gpu), under two minutes; the 10 slowest are printed,
