@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from kvrelay import rpc
 from kvrelay.cache.arena import ArenaConfig, PageArena
+from kvrelay.cache.eviction import DEFAULT_POLICY, POLICIES
 from kvrelay.cache.l3 import open_store
 from kvrelay.cache.membership import NO_RING, ControlLink
 from kvrelay.cache.policy import WritePolicy
@@ -68,6 +69,10 @@ class CacheServerConfig:
     )
     # option() is a dataclasses.field: the enum member is the default itself.
     l3_policy: WritePolicy = option(WritePolicy.WRITE_BACK, help="when L3 gets pages")  # noqa: RUF009
+    eviction: str = option(
+        DEFAULT_POLICY, help="which L2 page goes first when the arena is full",
+        choices=sorted(POLICIES),
+    )  # fmt: skip
     timeout_s: float = option(
         10.0, help="hello deadline, frame stall limit, transfer deadline", positive=True
     )
@@ -114,7 +119,7 @@ class CacheServer:
         self.agent = await create_agent(c.backend, token=c.token, host=host, timeout=c.timeout_s)
         arena = PageArena(self.agent, ArenaConfig(c.page_bytes, capacity_bytes=c.arena_bytes))
         l3 = open_store(c.l3, capacity_bytes=c.l3_capacity_bytes) if c.l3 else None
-        self.tier = CacheTier(arena, l3, TierConfig(l3_policy=c.l3_policy))
+        self.tier = CacheTier(arena, l3, TierConfig(l3_policy=c.l3_policy, eviction=c.eviction))
         self._server = rpc.Server(
             token=c.token,
             requests=CacheRequest,

@@ -1,6 +1,7 @@
 """Eviction policies: Belady's replay against brute force, pins and leases never
 victims, the prefix rule on hand-made chains, LIRS against a loop."""
 
+import argparse
 import functools
 import hashlib
 import itertools
@@ -284,3 +285,17 @@ def test_unknown_policy_is_refused():
         make_policy("fifo")
     with pytest.raises(ValueError, match="eviction policy"):
         TierConfig(eviction="fifo")
+
+
+def test_the_cache_server_takes_its_eviction_policy_from_its_config():
+    from kvrelay.cache.server import CacheServerConfig
+    from kvrelay.options import add_arguments, from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, CacheServerConfig)
+    base = ["--token", "t", "--page-bytes", "64", "--arena-gb", "0.001"]
+    assert from_args(CacheServerConfig, parser.parse_args(base)).eviction == DEFAULT_POLICY
+    config = from_args(CacheServerConfig, parser.parse_args([*base, "--eviction", "lru"]))
+    assert config.eviction == "lru"
+    with pytest.raises(SystemExit):
+        parser.parse_args([*base, "--eviction", "mru"])
