@@ -58,6 +58,7 @@ DIRECT_TRANSFERS = (
 HOST_POOL_MODULES = ("sglang.srt.mem_cache.pool_host.mha", "sglang.srt.mem_cache.pool_host.mla")
 
 applied: list[str] = []  # what this process stands in for, in order
+_applied_all = False
 
 
 def _note(what: str) -> None:
@@ -164,8 +165,10 @@ def stand_in_host_pool() -> None:
 
 def apply() -> list[str]:
     """Apply every stand-in this process needs; returns what was stood in for."""
-    if applied:
+    global _applied_all
+    if _applied_all:
         return applied
+    _applied_all = True
     torchvision_op_schemas()
     stand_in_engine_ops()
     stand_in_host_pool()
