@@ -85,6 +85,20 @@ class Tier:
             await client.close()
             await agent.close()
 
+    async def _l3_stats(self) -> dict:
+        agent = await create_agent("tcp", token=TOKEN)
+        rect = Rectangle(0, self.spec.num_kv_heads, 0, self.spec.num_layers)
+        config = CacheClientConfig(servers=(self.listen,), token=TOKEN, timeout_s=10.0)
+        client = CacheClient(agent, self.spec, rect, config)
+        try:
+            return (await client.server_stats())[self.listen]["l3"]
+        finally:
+            await client.close()
+            await agent.close()
+
+    def l3_stats(self) -> dict:
+        return asyncio.run(self._l3_stats())
+
     def read(self, tokens) -> tuple[int, torch.Tensor]:
         """Full pages of `tokens` found in the tier (keyed as kvrelay's workers
         key them), and their bytes."""
@@ -229,6 +243,7 @@ def test_cache_server_faults_are_misses_and_corrupt_pages_are_never_served(sglan
     sglang.flush()
     cold = sglang.generate(fresh, NEW)
     assert cold.storage_tokens == 0
+    assert tier.l3_stats()["checksum_failures"] >= 1  # the records were read, and refused
     # The output SGLang gave from kvrelay's workers' pages is its own cold one.
     assert cold.output_ids == seen.get("p2_from_kvrelay_pages")
     # Restarted, the tier takes pages again and hits come back.

@@ -77,6 +77,7 @@ class SGLangServer:
     request_timeout_s: float = 120.0
     port: int = 0
     process: subprocess.Popen | None = None
+    _deadline: float = 0.0
 
     def command(self) -> list[str]:
         args = [
@@ -105,6 +106,11 @@ class SGLangServer:
         return args
 
     def start(self) -> SGLangServer:
+        return self.launch().wait_healthy()
+
+    def launch(self) -> SGLangServer:
+        """Start the process; `wait_healthy` waits for it (several servers can
+        then import and load side by side)."""
         self.port = self.port or free_port()
         env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
         if self.l3 == "file":
@@ -117,8 +123,11 @@ class SGLangServer:
                 self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
                 start_new_session=True,
             )  # fmt: skip
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
+        self._deadline = time.monotonic() + self.start_timeout_s
+        return self
+
+    def wait_healthy(self) -> SGLangServer:
+        while time.monotonic() < self._deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"SGLang server exited ({self.process.returncode}): "
                                    f"{self.log_tail()}")  # fmt: skip
