@@ -35,6 +35,10 @@ TOKEN = "bench-sglang-server"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model directory (default: a tiny random Llama)")
+    parser.add_argument("--layers", type=int, default=4, help="the random model's (no --model)")
+    parser.add_argument("--hidden", type=int, default=256, help="the random model's")
+    parser.add_argument("--heads", type=int, default=4, help="the random model's")
+    parser.add_argument("--kv-heads", type=int, default=2, help="the random model's")
     parser.add_argument("--sessions", type=int, default=6)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--system-tokens", type=int, default=2048)
@@ -166,7 +170,11 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit("kvrelay bench sglang-server: sizes must be >= 1")
     work = Path(args.out or tempfile.mkdtemp(prefix="kvrelay-bench-sglang-"))
     work.mkdir(parents=True, exist_ok=True)
-    model_dir = Path(args.model or write_model(work / "llama", RandomModelSpec(seed=9)))
+    # The default model costs enough compute per token that recomputing a
+    # context is slower than reading its KV (GQA: 2 KV heads of 64).
+    random_model = RandomModelSpec(layers=args.layers, hidden=args.hidden, heads=args.heads,
+                                   kv_heads=args.kv_heads, seed=9)  # fmt: skip
+    model_dir = Path(args.model or write_model(work / "llama", random_model))
     spec = kv_spec(model_dir, ModelConfig.from_dir(model_dir), args.dtype, args.page_size,
                    key_scheme="sglang")  # fmt: skip
     results = replay(modes, args, model_dir, spec, work)

@@ -73,6 +73,9 @@ class SGLangServer:
     # Requests wait for their L3 prefetch to finish: the hit is what the L3
     # holds, not what it delivers before a deadline (SGLang's default).
     prefetch_policy: str = "wait_complete"
+    # An idle scheduler polls its sockets instead of spinning: servers left
+    # up beside others (the bench keeps one per mode) then take no CPU.
+    sleep_on_idle: bool = True
     start_timeout_s: float = 300.0
     request_timeout_s: float = 120.0
     port: int = 0
@@ -88,6 +91,8 @@ class SGLangServer:
             "--max-total-tokens", str(self.device_tokens), "--page-size", str(self.page_size),
             "--log-level", "info",
         ]  # fmt: skip
+        if self.sleep_on_idle:
+            args.append("--sleep-on-idle")
         if self.hierarchical:
             args += [
                 "--enable-hierarchical-cache", "--hicache-io-backend", "direct",
