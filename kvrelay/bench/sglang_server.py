@@ -90,7 +90,7 @@ class _Mode:
         self.server = SGLangServer(
             model_dir, work / f"sglang-{mode}.log", l3=mode, extra=extra, file_dir=file_dir,
             layout=args.layout, page_size=args.page_size, dtype=args.dtype,
-            device_tokens=args.device_tokens, host_ratio=args.host_ratio,
+            device_tokens=args.device_tokens, host_ratio=args.host_ratio, sleep_on_idle=True,
         )  # fmt: skip
 
     def close(self) -> None:

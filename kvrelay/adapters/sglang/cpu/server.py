@@ -75,7 +75,7 @@ class SGLangServer:
     prefetch_policy: str = "wait_complete"
     # An idle scheduler polls its sockets instead of spinning: servers left
     # up beside others (the bench keeps one per mode) then take no CPU.
-    sleep_on_idle: bool = True
+    sleep_on_idle: bool = False
     start_timeout_s: float = 300.0
     request_timeout_s: float = 120.0
     port: int = 0
