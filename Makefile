@@ -136,7 +136,9 @@ test-fast: setup
 test-numba: setup
 	KVRELAY_NO_EXT=1 $(PY) -m pytest -q tests/cuda_ext
 
-# kvrelay as SGLang's HiCache storage backend, against the real SGLang.
+# kvrelay as SGLang's HiCache storage backend, against the real SGLang: its
+# host-pool and storage classes, and real SGLang server processes on CPU
+# (kvrelay/adapters/sglang/cpu), one at a time, about 4.5 min on 2 cores.
 test-sglang: setup sglang-deps
 	KVRELAY_SGLANG_TESTS=1 PYTHONPATH=$(CURDIR)/$(VENV_SGLANG) $(PY) -m pytest -q --durations=10 tests/adapters
 

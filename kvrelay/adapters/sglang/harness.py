@@ -6,42 +6,25 @@ processes of their own. Importing this module imports SGLang (ImportError when
 it is not installed: `make sglang-deps`).
 
 SGLang's storage and host-pool modules import `sglang.srt.configs`, which
-imports torchvision for multimodal preprocessing. The torchvision wheel on the
-package index is a CUDA build whose C++ ops cannot load beside CPU torch, and
-its Python side then registers fake kernels for two ops it never declared
-(`torchvision::nms`, `qnms`) and fails. Declaring those two schemas first lets
-the rest of torchvision import; nothing here calls them.
+imports torchvision for multimodal preprocessing: the CPU layer's
+`torchvision_op_schemas` (`kvrelay.adapters.sglang.cpu.patches`) lets the
+index's CUDA build of it import beside CPU torch.
 """
 
 from __future__ import annotations
 
-import sys
 import warnings
 
 import torch
 
+from kvrelay.adapters.sglang.cpu.patches import torchvision_op_schemas
 from kvrelay.cache import launch
-
-
-def _import_torchvision() -> None:
-    try:
-        import torchvision
-    except RuntimeError as exc:
-        if "torchvision::nms" not in str(exc):
-            raise
-        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-            del sys.modules[name]
-        schema = "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor"
-        for op in ("nms", "qnms"):
-            torch.library.define(f"torchvision::{op}", schema)
-        import torchvision  # noqa: F401
-
 
 # SGLang's import warns about CUDA-only quantizers and deprecated torch APIs;
 # the test suite turns warnings into errors, so they are silenced for the import only.
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    _import_torchvision()
+    torchvision_op_schemas()
     from sglang.srt.mem_cache.device_pool_info import (
         KVBufferLayout,
         KVBuffers,

@@ -1,0 +1,175 @@
+"""Apply the CPU stand-ins to SGLang, each only where what it replaces is missing.
+
+`apply()` runs before SGLang is imported (the launcher does it in every
+process SGLang starts) and logs one line per stand-in it applies:
+
+* `sgl_kernel`: SGLang's CPU engine imports `copy_all_layer_kv_cache_cpu`
+  (kernels/ops/kvcache/cache_move.py) and `assign_req_to_token_pool_cpu`
+  (mem_cache/allocation.py) from it at import time. When `sgl_kernel` does not
+  import, a module of that name holding the two pure-torch ops
+  (`kernels.py`) takes its place; the speculative-decoding ops SGLang's
+  scheduler imports are stubs that refuse when called, and any other name
+  asked of it fails as a missing name would.
+* HiCache's direct host<->device transfers (`transfer_kv_direct` and the
+  page_first_direct pair): its MHA/MLA host pools import them from
+  `sgl_kernel.kvcacheio` on CUDA/HIP only, so on CPU they are unbound names.
+* Host-pool pinning: pools pin through `torch.cuda.cudart()` and allocate
+  dummy pages with `pin_memory=True`; with no accelerator there is nothing to
+  pin for, so pools are built unpinned.
+* torchvision: the package index's build is CUDA-only and its C++ ops do not
+  load beside a CPU torch; the two op schemas its Python side needs are
+  declared so that SGLang's config package can import it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import logging
+import sys
+import types
+
+import torch
+
+from kvrelay.adapters.sglang.cpu import kernels
+
+log = logging.getLogger("kvrelay.sglang.cpu")
+
+ENGINE_OPS = ("copy_all_layer_kv_cache_cpu", "assign_req_to_token_pool_cpu")
+# Speculative decoding's CPU ops: SGLang's scheduler modules import them
+# whether or not a draft model is configured. They are bound to stubs that
+# refuse when called, so a server asked for speculative decoding fails loudly.
+REFUSED_OPS = frozenset(
+    {
+        "rotate_input_ids_cpu",
+        "fill_accept_out_cache_loc_cpu",
+        "fill_bonus_tokens_cpu",
+        "assign_draft_cache_locs_contiguous_cpu",
+        "assign_extend_cache_locs_cpu",
+        "build_tree_kernel_efficient_cpu",
+        "verify_tree_greedy_cpu",
+    }
+)
+DIRECT_TRANSFERS = (
+    "transfer_kv_direct",
+    "transfer_kv_per_layer_direct_pf_lf",
+    "transfer_kv_all_layer_direct_lf_pf",
+)
+HOST_POOL_MODULES = ("sglang.srt.mem_cache.pool_host.mha", "sglang.srt.mem_cache.pool_host.mla")
+
+applied: list[str] = []  # what this process stands in for, in order
+_applied_all = False
+
+
+def _note(what: str) -> None:
+    applied.append(what)
+    log.warning("kvrelay SGLang CPU layer: %s", what)
+
+
+def _stand_in_module(name: str, functions: dict) -> types.ModuleType:
+    module = types.ModuleType(name, f"kvrelay's pure-torch stand-in for {name} (CPU)")
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    module.__dict__.update(functions)
+
+    def __getattr__(attr: str):
+        if attr in REFUSED_OPS:
+            return _refusing(name, attr)
+        raise AttributeError(f"{name} is kvrelay's CPU stand-in; it has no {attr!r}")
+
+    module.__getattr__ = __getattr__
+    return module
+
+
+def _refusing(module: str, op: str):
+    def refuse(*args, **kwargs):
+        raise NotImplementedError(
+            f"{module}.{op} has no kvrelay CPU stand-in (speculative decoding is not supported)"
+        )
+
+    refuse.__name__ = op
+    return refuse
+
+
+def _broken(name: str) -> bool:
+    """True when `name` does not import (missing, or its native part fails to load)."""
+    if name in sys.modules:
+        return sys.modules[name] is None
+    try:
+        importlib.import_module(name)
+    except (ImportError, OSError, RuntimeError):
+        for key in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+            del sys.modules[key]
+        return True
+    return False
+
+
+def stand_in_engine_ops() -> None:
+    if not _broken("sgl_kernel"):
+        missing = [op for op in ENGINE_OPS if not hasattr(sys.modules["sgl_kernel"], op)]
+        if missing:
+            raise RuntimeError(f"sgl_kernel imports but lacks {missing}: not a CPU build")
+        return
+    ops = {op: getattr(kernels, op) for op in ENGINE_OPS}
+    sys.modules["sgl_kernel"] = _stand_in_module("sgl_kernel", ops)
+    _note(f"sgl_kernel does not import: pure-torch {', '.join(ENGINE_OPS)}")
+
+
+def torchvision_op_schemas() -> None:
+    """Declare `torchvision::nms` / `qnms` when torchvision's C++ ops do not load.
+
+    The index's torchvision is a CUDA build: its C++ ops fail to load beside a
+    CPU torch and its Python side then registers fake kernels for those two
+    ops, which were never declared, and fails. SGLang's config package imports
+    torchvision (multimodal preprocessing); with the two schemas declared the
+    rest of it imports. Text models never call them.
+    """
+    try:
+        import torchvision
+    except RuntimeError as exc:
+        if "torchvision::nms" not in str(exc):
+            raise
+        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[name]
+        schema = "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor"
+        for op in ("nms", "qnms"):
+            torch.library.define(f"torchvision::{op}", schema)
+        import torchvision  # noqa: F401
+
+        _note("torchvision's C++ ops do not load: nms/qnms schemas declared (never called)")
+
+
+def stand_in_host_pool() -> None:
+    """Bind the direct transfers where the host pool modules left them unbound,
+    and build host pools unpinned when no accelerator is present."""
+    from sglang.srt.mem_cache.pool_host import base
+
+    for name in HOST_POOL_MODULES:
+        module = importlib.import_module(name)
+        unbound = [op for op in DIRECT_TRANSFERS if not hasattr(module, op)]
+        for op in unbound:
+            setattr(module, op, getattr(kernels, op))
+        if unbound:
+            _note(f"{name.rsplit('.', 1)[-1]} host pool: pure-torch {', '.join(unbound)}")
+    if torch.cuda.is_available() or getattr(base.HostKVCache.__init__, "_kvrelay", False):
+        return
+    init = base.HostKVCache.__init__
+
+    def unpinned_init(self, *args, **kwargs):
+        kwargs["pin_memory"] = False
+        init(self, *args, **kwargs)
+
+    unpinned_init._kvrelay = True
+    base.HostKVCache.__init__ = unpinned_init
+    _note("no accelerator: HiCache host pools are not pinned (cudaHostRegister, pin_memory)")
+
+
+def apply() -> list[str]:
+    """Apply every stand-in this process needs; returns what was stood in for."""
+    global _applied_all
+    if _applied_all:
+        return applied
+    _applied_all = True
+    torchvision_op_schemas()
+    stand_in_engine_ops()
+    stand_in_host_pool()
+    return applied

@@ -1,0 +1,199 @@
+"""`kvrelay bench sglang-server`: real SGLang servers on an agentic workload,
+with kvrelay as their L3, with SGLang's own `file` L3, and with none, in one run.
+
+The workload is `kvrelay demo`'s (`kvrelay.demo.workload`): sessions sharing
+a system prompt whose contexts grow by a tool output and an answer a turn,
+replayed turn by turn, each session's turn after the others'. The SGLang
+server (CPU engine through `kvrelay.adapters.sglang.cpu`, HiCache with the
+`direct` io backend) gets device and host pools below the workload's working
+set, so a session's context is evicted from both before its next turn and
+only an L3 can serve it; `--restart-every N` also restarts the server every
+N turns, as a redeploy does (empty device and host pools, the L3 kept).
+
+Per mode: hit rate (prompt tokens not computed / prompt tokens), the share
+served from the L3 (`cached_tokens_details.storage`), TTFT p50 and p99 (first
+streamed token); the workload's optimum (`optimum_hit_tokens`: every page
+ever seen kept) and whether every mode generated the same tokens (greedy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvrelay.bench.stats import format_table, write_report
+from kvrelay.demo.workload import Session, WorkloadConfig, optimum_hit_tokens
+
+MODES = ("kvrelay", "file", "none")
+TOKEN = "bench-sglang-server"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="model directory (default: a tiny random Llama)")
+    parser.add_argument("--layers", type=int, default=4, help="the random model's (no --model)")
+    parser.add_argument("--hidden", type=int, default=256, help="the random model's")
+    parser.add_argument("--heads", type=int, default=4, help="the random model's")
+    parser.add_argument("--kv-heads", type=int, default=2, help="the random model's")
+    parser.add_argument("--sessions", type=int, default=6)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--system-tokens", type=int, default=2048)
+    parser.add_argument("--user-tokens", type=int, default=128)
+    parser.add_argument("--tool-tokens", type=int, default=512)
+    parser.add_argument("--answer-tokens", type=int, default=8)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--device-tokens", type=int, default=4096,
+                        help="SGLang's device KV pool (--max-total-tokens)")  # fmt: skip
+    parser.add_argument("--host-ratio", type=float, default=1.5,
+                        help="SGLang's host pool, x the device pool (--hicache-ratio)")  # fmt: skip
+    parser.add_argument("--layout", default="layer_first",
+                        choices=["layer_first", "page_first_direct"])  # fmt: skip
+    parser.add_argument("--restart-every", type=int, default=0, metavar="N",
+                        help="restart the server every N turns (0: never)")  # fmt: skip
+    parser.add_argument("--settle-s", type=float, default=3.0,
+                        help="before a restart: time for the L3 writes to land")  # fmt: skip
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help="comma separated, of " + ",".join(MODES)
+    )
+    parser.add_argument("--out", help="logs directory (default: a temporary one)")
+    parser.add_argument("--json", metavar="PATH", help="write the results here")
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+class _Mode:
+    """One mode's servers: the SGLang server and what its L3 needs."""
+
+    def __init__(self, mode: str, args, model_dir: Path, spec, work: Path) -> None:
+        from kvrelay.adapters.sglang.cpu.server import SGLangServer, kvrelay_extra
+
+        self.mode, self.cache = mode, None
+        extra, file_dir = {}, None
+        if mode == "kvrelay":
+            from kvrelay.cache.launch import CacheServerProcess
+
+            self.cache = CacheServerProcess(token=TOKEN, page_bytes=spec.page_bytes, pages=8192)
+            extra = kvrelay_extra([self.cache.address], TOKEN, model_id=spec.model_id,
+                                  weights_fingerprint=spec.weights_fingerprint)  # fmt: skip
+        elif mode == "file":
+            file_dir = work / "hicache-file"
+            shutil.rmtree(file_dir, ignore_errors=True)
+            file_dir.mkdir(parents=True)
+        self.server = SGLangServer(
+            model_dir, work / f"sglang-{mode}.log", l3=mode, extra=extra, file_dir=file_dir,
+            layout=args.layout, page_size=args.page_size, dtype=args.dtype,
+            device_tokens=args.device_tokens, host_ratio=args.host_ratio, sleep_on_idle=True,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        self.server.stop()
+        if self.cache is not None:
+            self.cache.stop()
+
+
+def _summary(requests: list, seconds: float) -> dict:
+    prompt_tokens = sum(r.prompt_tokens for _, r in requests)
+    ttfts = [r.ttft_s for _, r in requests]
+    return {
+        "hit_rate": sum(r.cached_tokens for _, r in requests) / prompt_tokens,
+        "storage_hit_rate": sum(r.storage_tokens for _, r in requests) / prompt_tokens,
+        "ttft_p50_s": statistics.median(ttfts),
+        "ttft_p99_s": _percentile(ttfts, 0.99),
+        "prompt_tokens": prompt_tokens,
+        "requests": len(requests),
+        "serving_s": seconds,
+    }
+
+
+def replay(modes: list[str], args, model_dir: Path, spec, work: Path) -> dict:
+    """Every mode's server up at once, each request sent to each mode in turn
+    (one request in flight on the machine, the first mode rotating), so that
+    the modes see the same load: on a shared 2-core host, modes run one after
+    the other met different neighbours."""
+    config = WorkloadConfig(
+        sessions=args.sessions, turns=args.turns, system_tokens=args.system_tokens,
+        user_tokens=args.user_tokens, tool_tokens=args.tool_tokens,
+        answer_tokens=args.answer_tokens,
+    )  # fmt: skip
+    served = {}
+    sessions = {m: [Session(i, config) for i in range(config.sessions)] for m in modes}
+    requests = {m: [] for m in modes}
+    seconds = dict.fromkeys(modes, 0.0)
+    try:
+        for mode in modes:
+            served[mode] = _Mode(mode, args, model_dir, spec, work)
+            served[mode].server.launch()
+        for mode in modes:
+            served[mode].server.wait_healthy()
+        for turn in range(config.turns):
+            if turn and args.restart_every and turn % args.restart_every == 0:
+                time.sleep(args.settle_s)
+                for mode in modes:
+                    served[mode].server.stop()
+                    served[mode].server.launch()
+                for mode in modes:
+                    served[mode].server.wait_healthy()
+            for i in range(config.sessions):
+                k = (turn * config.sessions + i) % len(modes)  # who goes first rotates
+                for mode in modes[k:] + modes[:k]:
+                    session = sessions[mode][i]
+                    prompt = session.prompt()
+                    started = time.monotonic()
+                    reply = served[mode].server.generate(prompt, config.answer_tokens)
+                    seconds[mode] += time.monotonic() - started
+                    requests[mode].append((prompt, reply))
+                    session.answered(reply.output_ids)
+    finally:
+        for mode in served.values():
+            mode.close()
+    return {m: _summary(requests[m], seconds[m]) | {"_requests": requests[m]} for m in modes}
+
+
+def run(args: argparse.Namespace) -> dict:
+    from kvrelay.model import write_model
+    from kvrelay.model.config import ModelConfig
+    from kvrelay.model.loader import kv_spec
+    from kvrelay.model.make_model import RandomModelSpec
+
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or set(modes) - set(MODES):
+        raise SystemExit(f"kvrelay bench sglang-server: --modes from {MODES}")
+    if min(args.sessions, args.turns, args.system_tokens, args.answer_tokens, args.page_size) < 1:
+        raise SystemExit("kvrelay bench sglang-server: sizes must be >= 1")
+    work = Path(args.out or tempfile.mkdtemp(prefix="kvrelay-bench-sglang-"))
+    work.mkdir(parents=True, exist_ok=True)
+    # The default model costs enough compute per token that recomputing a
+    # context is slower than reading its KV (GQA: 2 KV heads of 64).
+    random_model = RandomModelSpec(layers=args.layers, hidden=args.hidden, heads=args.heads,
+                                   kv_heads=args.kv_heads, seed=9)  # fmt: skip
+    model_dir = Path(args.model or write_model(work / "llama", random_model))
+    spec = kv_spec(model_dir, ModelConfig.from_dir(model_dir), args.dtype, args.page_size,
+                   key_scheme="sglang")  # fmt: skip
+    results = replay(modes, args, model_dir, spec, work)
+    first = next(iter(results.values()))["_requests"]
+    pairs = [(prompt, reply.output_ids) for prompt, reply in first]
+    optimum = sum(optimum_hit_tokens(pairs, args.page_size)) / sum(len(p) for p, _ in pairs)
+    outputs = {m: [r.output_ids for _, r in res.pop("_requests")] for m, res in results.items()}
+    outputs_equal = all(o == outputs[modes[0]] for o in outputs.values())
+    table = [[m, f"{r['hit_rate']:.3f}", f"{r['storage_hit_rate']:.3f}",
+              f"{r['ttft_p50_s'] * 1e3:.0f}", f"{r['ttft_p99_s'] * 1e3:.0f}",
+              f"{r['serving_s']:.0f}"] for m, r in results.items()]  # fmt: skip
+    print(f"{args.sessions} sessions x {args.turns} turns (system {args.system_tokens}, tool "
+          f"{args.tool_tokens} tokens), device pool {args.device_tokens} tokens, host x"
+          f"{args.host_ratio}, restart every {args.restart_every or 'never'}; optimum hit rate "
+          f"{optimum:.3f}, outputs equal across modes: {outputs_equal}")  # fmt: skip
+    headers = ["L3", "hit rate", "from L3", "TTFT p50 ms", "TTFT p99 ms", "serving s"]
+    print(format_table(headers, table))
+    result = {"optimum": optimum, "outputs_equal": outputs_equal, "modes": results,
+              "logs": str(work)}  # fmt: skip
+    write_report(args, "sglang-server", result)
+    sys.stdout.flush()
+    return result
