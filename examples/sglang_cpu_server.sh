@@ -7,7 +7,9 @@
 #   examples/sglang_cpu_server.sh MODEL_DIR [PORT]     (e.g. `kvrelay make-model ...`)
 #
 # Environment: PYTHON (default .venv/bin/python), DTYPE (bfloat16), PAGE (16),
-# LAYOUT (layer_first or page_first_direct), TOKEN (cluster token).
+# LAYOUT (layer_first or page_first_direct), TOKEN (cluster token), TOKENS
+# (the device pool in tokens, 65536: on CPU SGLang otherwise sizes it to most
+# of the host's memory and leaves none for HiCache's host pool, twice that).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:?usage: $0 MODEL_DIR [PORT]}
@@ -17,6 +19,7 @@ DTYPE=${DTYPE:-bfloat16}
 PAGE=${PAGE:-16}
 LAYOUT=${LAYOUT:-layer_first}
 TOKEN=${TOKEN:-sglang-cpu-example}
+TOKENS=${TOKENS:-65536}
 export PYTHONPATH=$PWD:$PWD/.venv-sglang${PYTHONPATH:+:$PYTHONPATH}
 KVRELAY="$PYTHON -m kvrelay.cli"
 source examples/cluster_lib.sh
@@ -39,7 +42,8 @@ echo "kvrelay cache server on $CACHE; SGLang on 127.0.0.1:$PORT (log: $LOGDIR/sg
 SGLANG_USE_CPU_ENGINE=1 setsid "$PYTHON" -m kvrelay.adapters.sglang.cpu.launch_server \
   --model-path "$MODEL" --dtype "$DTYPE" --device cpu --attention-backend torch_native \
   --disable-cuda-graph --skip-tokenizer-init --host 127.0.0.1 --port "$PORT" \
-  --page-size "$PAGE" --enable-hierarchical-cache --hicache-io-backend direct \
+  --page-size "$PAGE" --max-total-tokens "$TOKENS" --enable-hierarchical-cache \
+  --hicache-ratio 2 --hicache-io-backend direct \
   --hicache-mem-layout "$LAYOUT" --hicache-storage-backend dynamic \
   --hicache-storage-backend-extra-config "$EXTRA" > "$LOGDIR/sglang.log" 2>&1 < /dev/null &
 PIDS+=($!)
