@@ -3,27 +3,13 @@ chaos cluster), started and stopped like any other process of the run."""
 
 from __future__ import annotations
 
-import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
+from kvrelay.cache.l3.local_server import find_server_binary as server_binary
+from kvrelay.cache.l3.local_server import ping
 from kvrelay.demo.cluster import free_port
-
-
-def server_binary() -> str | None:
-    return shutil.which("valkey-server") or shutil.which("redis-server")
-
-
-def ping(port: int, timeout: float = 0.5) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-            s.settimeout(timeout)
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
 
 
 class Valkey:

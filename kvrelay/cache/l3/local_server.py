@@ -44,7 +44,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ping(port: int, timeout: float) -> bool:
+def ping(port: int, timeout: float = 0.5) -> bool:
+    """True when a Valkey/Redis server on this loopback port answers PING in time."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
             s.settimeout(timeout)
@@ -83,7 +84,7 @@ class LocalServer:
             if self.process.poll() is not None:
                 log = (self.directory / "server.log").read_text(errors="replace")
                 raise RuntimeError(f"{self.binary} exited {self.process.returncode}: {log[-2000:]}")
-            if _ping(self.port, 0.2):
+            if ping(self.port, 0.2):
                 return
             time.sleep(0.05)
         self.stop()
