@@ -2,10 +2,13 @@
 
 `python -m tests.vllm.engine_run CONFIG.json` reads {"model", "connector"
 (extra config or null), "phases": [[prompt, ...], ...], "go_file"} and, for
-each phase, generates greedily from every prompt (token ids), printing one
-JSON line per request: {"phase", "tokens", "cached"}. Between phases it
-touches `go_file + ".N"` and waits for `go_file + ".N.go"` (at most 120 s),
-so a test can act (kill a cache server) while the engine lives.
+each phase, generates greedily from every prompt, printing one JSON line per
+request: {"phase", "tokens", "cached", "kv_transfer_params"}, also appended
+to `go_file + ".results"`. A prompt is a list of token ids, or {"tokens",
+"max_tokens", "kv_transfer_params"} (a P/D request). Between phases it
+touches `go_file + ".N"` and waits for `go_file + ".N.go"` (at most 900 s),
+so a test can act (kill a cache server, run a decode engine) while the
+engine lives.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ def connector_config(extra: dict):
     )
 
 
-def wait_for(path: Path, timeout_s: float = 120.0) -> None:
+def wait_for(path: Path, timeout_s: float = 900.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not path.exists():
         if time.monotonic() > deadline:
@@ -48,17 +51,28 @@ def main() -> None:
         extra["kv_transfer_config"] = connector_config(config["connector"])
     llm = LLM(model=config["model"], dtype="bfloat16", max_model_len=4096, enforce_eager=True,
               skip_tokenizer_init=True, **extra)  # fmt: skip
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, detokenize=False)
+    results = Path(f"{config['go_file']}.results")
     for phase, prompts in enumerate(config["phases"]):
         if phase:
             marker = Path(f"{config['go_file']}.{phase}")
             marker.touch()
             wait_for(Path(f"{marker}.go"))
         for prompt in prompts:
-            out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
-            line = {"phase": phase, "tokens": list(out.outputs[0].token_ids),
-                    "cached": out.num_cached_tokens}  # fmt: skip
-            print(json.dumps(line), flush=True)
+            if isinstance(prompt, list):
+                prompt = {"tokens": prompt}
+            extra = {}
+            if prompt.get("kv_transfer_params") is not None:
+                extra["extra_args"] = {"kv_transfer_params": prompt["kv_transfer_params"]}
+            max_tokens = prompt.get("max_tokens", MAX_TOKENS)
+            params = SamplingParams(temperature=0, detokenize=False, max_tokens=max_tokens, **extra)
+            request = TokensPrompt(prompt_token_ids=prompt["tokens"])
+            out = llm.generate([request], params, use_tqdm=False)[0]
+            line = json.dumps({"phase": phase, "tokens": list(out.outputs[0].token_ids),
+                               "cached": out.num_cached_tokens,
+                               "kv_transfer_params": out.kv_transfer_params})  # fmt: skip
+            print(line, flush=True)
+            with results.open("a") as f:
+                f.write(line + "\n")
 
 
 if __name__ == "__main__":

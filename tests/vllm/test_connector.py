@@ -2,12 +2,14 @@
 
 One set of engine runs, shared by the tests (an engine start is 20-60 s):
 a baseline engine without a connector; a writer engine with the connector
-(computes, writes its pages through); then, in a fresh process, a reader
-engine with the connector that takes prompts from the tier, in two phases
-with the cache server killed between them. Before the reader starts the
-test writes two kinds of pages into the tier itself: pages kvrelay's own
-model computed (an import across engines) and, as a negative control, a
-real page of another prompt under a prompt's keys.
+(computes, writes its pages through, then prefills P/D requests and keeps
+their blocks); then, in a fresh process while the writer lives, a reader
+engine with the connector that takes prompts from the tier and decodes the
+P/D requests by pulling the writer's blocks, in two phases with the cache
+server killed between them. Before the reader starts the test writes two
+kinds of pages into the tier itself: pages kvrelay's own model computed (an
+import across engines) and, as a negative control, a real page of another
+prompt under a prompt's keys.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import asyncio
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 import time
@@ -49,6 +52,26 @@ def prompt(seed: int, pages: int) -> list[int]:
 P_REUSE, P_POISON, P_AFTER_KILL, P_VLLM_KV, P_KVRELAY_KV = (
     prompt(1, 8), prompt(2, 8), prompt(3, 4), prompt(4, 4), prompt(5, 8)
 )  # fmt: skip
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rnd = random.Random(seed)
+    return [rnd.randrange(512) for _ in range(n)]
+
+
+# P/D prompts: a partial last block, one token past a block, one short of a block;
+# one whose prefill is unreachable; two of one length whose handoffs are swapped.
+PD_PARTIAL, PD_PAST, PD_SHORT, PD_DEAD, PD_SWAPPED, PD_OTHER = (
+    tokens(21, 5 * BLOCK + 37), tokens(22, 3 * BLOCK + 1), tokens(23, 3 * BLOCK - 1),
+    tokens(24, 2 * BLOCK + 9), tokens(25, 4 * BLOCK + 5), tokens(26, 4 * BLOCK + 5),
+)  # fmt: skip
+PD_PROMPTS = [PD_PARTIAL, PD_PAST, PD_SHORT, PD_DEAD, PD_SWAPPED, PD_OTHER]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -144,33 +167,62 @@ def kvrelay_pages(model_dir: Path, tokens) -> torch.Tensor:
     return rows[:full]
 
 
+def decode_requests(prefills: list[dict]) -> list[dict]:
+    """The decode half of each P/D prompt, carrying its prefill's params; PD_DEAD's
+    name a closed port, PD_SWAPPED's are PD_OTHER's (another prompt's blocks)."""
+    params = {tuple(p): r["kv_transfer_params"] for p, r in zip(PD_PROMPTS, prefills, strict=True)}
+    dead = json.loads(json.dumps(params[tuple(PD_DEAD)]))
+    dead["kvrelay"]["agents"] = [f"127.0.0.1:{free_port()}"]
+    params[tuple(PD_DEAD)] = dead
+    params[tuple(PD_SWAPPED)] = params[tuple(PD_OTHER)]
+    for p in params.values():
+        # vLLM reports a decode's cached tokens as this prefill-side figure
+        # when present; without it, as the tokens the decode did not compute.
+        p.pop("remote_prefill_cached_tokens", None)
+    return [{"tokens": p, "kv_transfer_params": params[tuple(p)]} for p in PD_PROMPTS[:-1]]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, model_dir, spec):
     tmp = tmp_path_factory.mktemp("runs")
-    everything = [P_REUSE, P_POISON, P_AFTER_KILL, P_VLLM_KV, P_KVRELAY_KV]
+    everything = [P_REUSE, P_POISON, P_AFTER_KILL, P_VLLM_KV, P_KVRELAY_KV, *PD_PROMPTS]
     baseline = run_engine(tmp / "baseline", model_dir, None, [everything])
     server = CacheServerProcess(token=TOKEN, page_bytes=spec.page_bytes, pages=128)
+    found = {}
     try:
         extra = connector(server.address, spec)
-        writer = run_engine(tmp / "writer", model_dir, extra, [[P_REUSE, P_VLLM_KV]])
-        vllm_kv = asyncio.run(tier_pages(server.address, spec, P_VLLM_KV))
-        ours = kvrelay_pages(model_dir, P_VLLM_KV)
-        # Negative control: P_REUSE's real pages under P_POISON's keys.
-        wrong = asyncio.run(tier_pages(server.address, spec, P_REUSE))
-        asyncio.run(tier_pages(server.address, spec, P_POISON, write_rows=wrong))
-        asyncio.run(tier_pages(server.address, spec, P_KVRELAY_KV,
-                               write_rows=kvrelay_pages(model_dir, P_KVRELAY_KV)))  # fmt: skip
+        prefill_extra = dict(extra, handoff_port=free_port(), handoff_hold_s=900.0)
+        prefills = [{"tokens": p, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+                    for p in PD_PROMPTS]  # fmt: skip
 
         def kill_cache_server(phase: int) -> None:
             server.kill()
 
-        reader = run_engine(tmp / "reader", model_dir, extra,
-                            [[P_REUSE, P_POISON, P_KVRELAY_KV], [P_AFTER_KILL]],
-                            between=kill_cache_server)  # fmt: skip
+        def read_while_the_writer_holds(phase: int) -> None:
+            if phase != 2:
+                return
+            found["vllm_kv"] = asyncio.run(tier_pages(server.address, spec, P_VLLM_KV))
+            found["ours"] = kvrelay_pages(model_dir, P_VLLM_KV)
+            # Negative control: P_REUSE's real pages under P_POISON's keys.
+            wrong = asyncio.run(tier_pages(server.address, spec, P_REUSE))
+            asyncio.run(tier_pages(server.address, spec, P_POISON, write_rows=wrong))
+            asyncio.run(tier_pages(server.address, spec, P_KVRELAY_KV,
+                                   write_rows=kvrelay_pages(model_dir, P_KVRELAY_KV)))  # fmt: skip
+            lines = (tmp / "writer" / "phase.results").read_text().splitlines()
+            held = [json.loads(line) for line in lines if json.loads(line)["phase"] == 1]
+            found["reader"] = run_engine(
+                tmp / "reader", model_dir, extra,
+                [[P_REUSE, P_POISON, P_KVRELAY_KV, *decode_requests(held)], [P_AFTER_KILL]],
+                between=kill_cache_server,
+            )  # fmt: skip
+
+        writer = run_engine(tmp / "writer", model_dir, prefill_extra,
+                            [[P_REUSE, P_VLLM_KV], prefills, []],
+                            between=read_while_the_writer_holds)  # fmt: skip
     finally:
         server.stop()
     base = {tuple(p): r["tokens"] for p, r in zip(everything, baseline, strict=True)}
-    return {"base": base, "writer": writer, "reader": reader, "vllm_kv": vllm_kv, "ours": ours}
+    return {"base": base, "writer": writer, **found}
 
 
 def test_a_fresh_engine_takes_the_prompt_from_the_tier(runs):
@@ -202,7 +254,42 @@ def test_vllm_imports_pages_kvrelay_computed(runs):
 
 
 def test_a_dead_cache_server_means_recompute_not_failure(runs):
-    after = runs["reader"][3]
+    after = runs["reader"][-1]
     assert after["phase"] == 1
     assert after["cached"] == 0
     assert after["tokens"] == runs["base"][tuple(P_AFTER_KILL)]
+
+
+def pd_results(runs) -> dict:
+    decodes = runs["reader"][3:-1]
+    return {tuple(p): r for p, r in zip(PD_PROMPTS[:-1], decodes, strict=True)}
+
+
+def test_a_prefill_for_a_remote_decode_returns_handoff_params(runs):
+    prefills = [r for r in runs["writer"] if r["phase"] == 1]
+    for p, r in zip(PD_PROMPTS, prefills, strict=True):
+        assert r["tokens"] == runs["base"][tuple(p)][:1]
+        params = r["kv_transfer_params"]
+        assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+        assert params["kvrelay"]["num_tokens"] == len(p)
+        assert len(params["kvrelay"]["block_ids"]) == -(-len(p) // BLOCK)
+
+
+def test_a_pd_pair_returns_the_single_engines_tokens(runs):
+    decoded = pd_results(runs)
+    for p in (PD_PARTIAL, PD_PAST, PD_SHORT):
+        # Every prompt token but the last came from the prefill's blocks,
+        # the partial last block included (the tier holds full pages only).
+        assert decoded[tuple(p)]["cached"] == len(p) - 1
+        assert decoded[tuple(p)]["tokens"] == runs["base"][tuple(p)]
+
+
+def test_an_unreachable_prefill_means_recompute_not_failure(runs):
+    dead = pd_results(runs)[tuple(PD_DEAD)]
+    assert dead["tokens"] == runs["base"][tuple(PD_DEAD)]
+
+
+def test_pulled_blocks_are_what_the_decode_computes_with(runs):
+    swapped = pd_results(runs)[tuple(PD_SWAPPED)]
+    assert swapped["cached"] == len(PD_SWAPPED) - 1  # another prompt's blocks were pulled ...
+    assert swapped["tokens"] != runs["base"][tuple(PD_SWAPPED)]  # ... and they matter

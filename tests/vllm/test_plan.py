@@ -22,7 +22,7 @@ RECT = rank_rectangle(SPEC, ParallelConfig())
 
 def request(req_id: str, tokens: list[int]):
     return SimpleNamespace(request_id=req_id, prompt_token_ids=list(tokens),
-                           all_token_ids=list(tokens))  # fmt: skip
+                           all_token_ids=list(tokens), kv_transfer_params=None)  # fmt: skip
 
 
 def step(new=(), cached=(), scheduled=None):
@@ -104,5 +104,5 @@ def test_finished_requests_are_forgotten():
     s, _ = side()
     r = request("a", list(range(PAGE + 1)))
     s.matched_tokens(r, 0)
-    s.finished(r)
+    assert s.finished(r, ([3],)) is None  # no remote decode asked for: freed now
     assert s.requests == {}

@@ -26,10 +26,15 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     share pages with SGLang servers through kvrelay's HiCache backend. Every
     tier call returns within about `timeout_s`; a slower or failed one is a
     miss or a page not written, never a failed request.
+
+    P/D: `handoff_port` (non-zero) starts a prefill engine's handoff service,
+    rank `r` listening on `handoff_host:handoff_port + r`; a finished prefill
+    keeps its blocks for its decode at most `handoff_hold_s`. A decode engine
+    needs no port. `servers` may be empty in an engine that only hands off.
     """
 
-    servers: Annotated[tuple[Address, ...], msgspec.Meta(min_length=1)]
-    token: Annotated[str, msgspec.Meta(min_length=1)]
+    servers: tuple[Address, ...] = ()
+    token: Annotated[str, msgspec.Meta(min_length=1)] = ""
     backend: Literal["tcp", "ucx"] = "tcp"
     model_id: str = ""
     weights_fingerprint: str = ""
@@ -37,6 +42,17 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     key_scheme: Literal["kvrelay", "sglang"] = "kvrelay"
     timeout_s: Annotated[float, msgspec.Meta(gt=0, le=600)] = 5.0
     staging_pages: Positive = 64
+    handoff_host: str = "127.0.0.1"
+    handoff_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    handoff_hold_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 60.0
+
+    def handoff_agents(self, tp_size: int) -> list[str]:
+        """The handoff service of each rank, or none."""
+        if not self.handoff_port:
+            return []
+        if self.handoff_port + tp_size - 1 > 65535:
+            raise ConnectorConfigError(f"handoff_port {self.handoff_port} + {tp_size} ranks")
+        return [f"{self.handoff_host}:{self.handoff_port + r}" for r in range(tp_size)]
 
     @classmethod
     def from_extra_config(cls, extra: dict | None) -> ConnectorConfig:
@@ -55,6 +71,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if isinstance(values.get("servers"), str):  # "host:port,host:port"
             values["servers"] = [s for s in values["servers"].split(",") if s]
         try:
-            return msgspec.convert(values, cls)
+            config = msgspec.convert(values, cls)
         except msgspec.ValidationError as exc:
             raise ConnectorConfigError(f"kvrelay kv_connector_extra_config: {exc}") from exc
+        if not config.token:
+            raise ConnectorConfigError("kv_connector_extra_config needs the cluster 'token'")
+        return config

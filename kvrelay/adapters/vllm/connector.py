@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvrelay.adapters.vllm.config import ConnectorConfig
 from kvrelay.adapters.vllm.identity import engine_spec, rank_rect
-from kvrelay.adapters.vllm.scheduler import SchedulerSide, StepPlan
+from kvrelay.adapters.vllm.scheduler import HandoffSide, SchedulerSide, StepPlan
 from kvrelay.adapters.vllm.tier import RankTier, TierLoop
 from kvrelay.adapters.vllm.worker import WorkerSide
 
@@ -58,18 +58,22 @@ class KvrelayConnector(KVConnectorBase_V1):
                     self._kv_transfer_config.kv_load_failure_policy,
                 )
             rect = rank_rect(spec, vllm_config, 0)
-            self._loop = TierLoop("kvrelay-vllm-scheduler")
-            self._probe_tier = self._loop.run(RankTier(config, spec, rect).start(False), 30)
+            count_prefix = None
+            if config.servers:
+                self._loop = TierLoop("kvrelay-vllm-scheduler")
+                self._probe_tier = self._loop.run(RankTier(config, spec, rect).start(False), 30)
 
-            def count_prefix(keys: list[bytes]) -> int:
-                return self._loop.run(self._probe_tier.count_prefix(keys), config.timeout_s)
+                def count_prefix(keys: list[bytes]) -> int:
+                    return self._loop.run(self._probe_tier.count_prefix(keys), config.timeout_s)
 
-            self._scheduler = SchedulerSide(spec, rect, count_prefix)
+            tp = vllm_config.parallel_config.tensor_parallel_size
+            handoff = HandoffSide(config.handoff_agents(tp), config.handoff_hold_s)
+            self._scheduler = SchedulerSide(spec, rect, count_prefix, handoff)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            rect = rank_rect(spec, vllm_config, get_tensor_model_parallel_rank())
-            self._worker = WorkerSide(spec, rect, config)
+            rank = get_tensor_model_parallel_rank()
+            self._worker = WorkerSide(spec, rank_rect(spec, vllm_config, rank), config, rank)
 
     # -- worker side --------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict) -> None:
@@ -87,6 +91,9 @@ class KvrelayConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         if self.has_connector_metadata():
             self._worker.save(self._plan())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
+        return self._worker.finished_sending() or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors()
@@ -115,6 +122,6 @@ class KvrelayConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         return KvrelayConnectorMetadata(self._scheduler.plan(scheduler_output))
 
-    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        self._scheduler.finished(request)
-        return False, None
+    def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
+        params = self._scheduler.finished(request, block_ids)
+        return params is not None, params

@@ -6,12 +6,25 @@ sealed pages of its prompt, never its last token (whose logits vLLM must
 compute). Loads are synchronous (the worker fills the blocks before the
 step's forward), so the hit is plain prefill the engine skips; pages that
 fail to load are reported by the worker and recomputed by vLLM.
+
+P/D: a decode request whose `kv_transfer_params` name a finished prefill
+loads every prompt token but the last from the prefill's blocks (the last,
+partial block included); a finished prefill request that asked for a remote
+decode keeps its blocks, named in the params it returns, until its workers
+report them pulled or the hold expires (`handoff.py`).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
+from kvrelay.adapters.vllm.handoff_params import (
+    HandoffParams,
+    prefill_reply,
+    remote_prefill,
+    wants_remote_decode,
+)
 from kvrelay.layout import ModelKVSpec, Rectangle
 
 
@@ -25,11 +38,42 @@ class PageBatch:
 
 
 @dataclass(slots=True)
+class Pull:
+    """Blocks of a finished prefill to pull into this engine's blocks."""
+
+    req_id: str
+    agents: list[str]  # the prefill's handoff service per rank
+    remote_req_id: str
+    remote_block_ids: list[int]
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class HeldBlocks:
+    """A finished prefill's blocks, kept for its decode until `deadline` (wall clock)."""
+
+    req_id: str
+    block_ids: list[int]
+    deadline: float
+
+
+@dataclass(slots=True)
 class StepPlan:
     """What the workers do around one scheduler step (vLLM pickles it to them)."""
 
     loads: list[PageBatch] = field(default_factory=list)
     saves: list[PageBatch] = field(default_factory=list)
+    pulls: list[Pull] = field(default_factory=list)
+    holds: list[HeldBlocks] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class HandoffSide:
+    """The scheduler's P/D settings: the handoff services of this engine's
+    ranks (empty: it hands nothing off) and how long blocks wait for a decode."""
+
+    agents: list[str]
+    hold_s: float
 
 
 @dataclass(slots=True)
@@ -41,26 +85,35 @@ class Tracked:
     block_ids: list[int] = field(default_factory=list)
     tier_pages: int = 0  # leading pages the tier holds (found or written)
     load: tuple[int, int] | None = None  # pages [first, end) to load at its first step
+    pull: tuple[HandoffParams, int, int] | None = None  # a prefill's blocks [first, end)
 
 
 class SchedulerSide:
     """`count_prefix(keys)` answers how many leading pages of `keys` the tier
     holds sealed; it raises (or times out) when the tier does not answer."""
 
-    def __init__(self, spec: ModelKVSpec, rect: Rectangle, count_prefix) -> None:
+    def __init__(
+        self, spec: ModelKVSpec, rect: Rectangle, count_prefix, handoff: HandoffSide | None = None
+    ) -> None:
         self.spec, self.rect = spec, rect
         self.page_size = spec.page_size
-        self.count_prefix = count_prefix
+        self.count_prefix = count_prefix  # None: no tier
+        self.handoff = handoff
+        self.namespace = spec.namespace()
         self.requests: dict[str, Tracked] = {}
+        self.new_holds: list[HeldBlocks] = []
         self.probes = 0
         self.probe_errors = 0
 
     def matched_tokens(self, request, num_computed_tokens: int) -> int:
-        """Prompt tokens beyond `num_computed_tokens` the tier can fill now."""
+        """Prompt tokens beyond `num_computed_tokens` the tier or a prefill can fill now."""
         tokens = list(request.prompt_token_ids or [])
-        usable = (len(tokens) - 1) // self.page_size  # the last token is always computed
         tracked = self.requests.setdefault(request.request_id, Tracked(request))
-        if usable * self.page_size <= num_computed_tokens:
+        handoff = remote_prefill(request.kv_transfer_params, self.namespace)
+        if handoff is not None:
+            return self._match_handoff(tracked, handoff, len(tokens), num_computed_tokens)
+        usable = (len(tokens) - 1) // self.page_size  # the last token is always computed
+        if self.count_prefix is None or usable * self.page_size <= num_computed_tokens:
             return 0
         keys = self.spec.page_keys(tokens[: usable * self.page_size])
         self.probes += 1
@@ -76,10 +129,22 @@ class SchedulerSide:
         tracked.load = (first, hits)
         return hits * self.page_size - num_computed_tokens
 
+    def _match_handoff(self, tracked: Tracked, handoff: HandoffParams, prompt: int, computed: int):
+        """Every prompt token but the last that the prefill computed, partial block included."""
+        loadable = min(handoff.num_tokens, prompt - 1)
+        first, end = computed // self.page_size, -(-loadable // self.page_size)
+        if loadable <= computed or end > len(handoff.block_ids) or time.time() >= handoff.expires:
+            return 0
+        tracked.pull = (handoff, first, end)
+        return loadable - computed
+
     def after_alloc(self, request, num_external_tokens: int) -> None:
         tracked = self.requests.get(request.request_id)
         if tracked is not None and num_external_tokens == 0:
-            tracked.load = None
+            tracked.load = tracked.pull = None
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            params["do_remote_prefill"] = False  # pulled once; a preempted request recomputes
 
     def plan(self, scheduler_output) -> StepPlan:
         """Loads of newly scheduled requests, and writes of every page this step completes."""
@@ -95,7 +160,14 @@ class SchedulerSide:
                 keys = self.spec.page_keys(tokens)[first:end]
                 plan.loads.append(PageBatch(new.req_id, keys, tracked.block_ids[first:end]))
                 tracked.load = None
+            if tracked.pull is not None:
+                handoff, first, end = tracked.pull
+                plan.pulls.append(Pull(new.req_id, handoff.agents, handoff.request_id,
+                                       handoff.block_ids[first:end],
+                                       tracked.block_ids[first:end]))  # fmt: skip
+                tracked.pull = None
             self._plan_save(plan, new.req_id, tracked, new.num_computed_tokens, scheduler_output)
+        plan.holds, self.new_holds = self.new_holds, []
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             tracked = self.requests.get(req_id)
@@ -113,12 +185,33 @@ class SchedulerSide:
         tokens = tracked.request.all_token_ids
         done = computed + out.num_scheduled_tokens.get(req_id, 0)
         full = min(done, len(tokens), len(tracked.block_ids) * self.page_size) // self.page_size
-        if full <= tracked.tier_pages or not self.rect.writer:
+        if full <= tracked.tier_pages or not self.rect.writer or self.count_prefix is None:
             return
         keys = self.spec.page_keys(list(tokens[: full * self.page_size]))
         first = tracked.tier_pages
         plan.saves.append(PageBatch(req_id, keys[first:full], tracked.block_ids[first:full]))
         tracked.tier_pages = full
 
-    def finished(self, request) -> None:
+    def finished(self, request, block_ids) -> dict | None:
+        """Forgets the request; a prefill for a remote decode keeps its blocks
+        (the caller returns "free later") and gets the params that name them."""
         self.requests.pop(request.request_id, None)
+        if self.handoff is None or not self.handoff.agents:
+            return None
+        if not wants_remote_decode(request.kv_transfer_params) or not request.is_finished():
+            return None
+        if block_ids and isinstance(block_ids[0], list | tuple):
+            block_ids = block_ids[0]  # one KV cache group
+        if not block_ids or str(request.status.name) not in KEPT_STATUSES:
+            return None
+        deadline = time.time() + self.handoff.hold_s
+        self.new_holds.append(HeldBlocks(request.request_id, list(block_ids), deadline))
+        return prefill_reply(HandoffParams(
+            agents=self.handoff.agents, request_id=request.request_id,
+            block_ids=list(block_ids), num_tokens=request.num_computed_tokens,
+            namespace=self.namespace.hex(), expires=deadline,
+        ))  # fmt: skip
+
+
+# A prefill that ran to its end (not aborted, not refused) hands its blocks off.
+KEPT_STATUSES = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")

@@ -62,7 +62,11 @@ class RankTier:
 
     async def start(self, staging: bool) -> RankTier:
         c = self.config
-        self.agent = await create_agent(c.backend, token=c.token)
+        # The agent serves a prefill's blocks to decodes on other hosts too.
+        host = c.handoff_host if c.handoff_port else "127.0.0.1"
+        self.agent = await create_agent(c.backend, token=c.token, host=host)
+        if not c.servers:  # an engine that only hands blocks off
+            return self
         client_config = CacheClientConfig(servers=c.servers, token=c.token, timeout_s=c.timeout_s)
         self.client = CacheClient(self.agent, self.spec, self.rect, client_config)
         if staging:

@@ -11,11 +11,19 @@ has written every layer.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
 from kvrelay.adapters.vllm.blocks import BlockPages, probe_permutation
-from kvrelay.adapters.vllm.scheduler import PageBatch, StepPlan
+from kvrelay.adapters.vllm.handoff import (
+    HandoffPuller,
+    HandoffService,
+    HoldBook,
+    KvMemory,
+    layout_fingerprint,
+)
+from kvrelay.adapters.vllm.scheduler import PageBatch, Pull, StepPlan
 from kvrelay.adapters.vllm.tier import RankTier, TierLoop
 from kvrelay.layout import ModelKVSpec, Rectangle
 
@@ -45,15 +53,20 @@ def layer_order(names) -> list[str]:
 
 
 class WorkerSide:
-    def __init__(self, spec: ModelKVSpec, rect: Rectangle, tier_config) -> None:
-        self.spec, self.rect = spec, rect
+    def __init__(self, spec: ModelKVSpec, rect: Rectangle, tier_config, rank: int = 0) -> None:
+        self.spec, self.rect, self.rank = spec, rect, rank
         self.timeout_s = tier_config.timeout_s
         self.tier_config = tier_config
         self.pages: BlockPages | None = None
         self.loop: TierLoop | None = None
         self.tier: RankTier | None = None
+        self.holds = HoldBook()
+        self.service: HandoffService | None = None
+        self.puller: HandoffPuller | None = None
         self.load_errors: set[int] = set()
-        self.counters = {"loaded_pages": 0, "missed_pages": 0, "written_pages": 0, "errors": 0}
+        self.counters = {"loaded_pages": 0, "missed_pages": 0, "written_pages": 0, "errors": 0,
+                         "pulled_blocks": 0, "pull_errors": 0, "handed_off": 0}  # fmt: skip
+        self.pull_seconds: list[float] = []  # per pulled request, for benches
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if hasattr(torch.cpu, "_init_amx"):
@@ -83,15 +96,36 @@ class WorkerSide:
         self.tier = self.loop.run(
             RankTier(self.tier_config, self.spec, self.rect).start(staging=True), 30
         )
+        self._start_handoff(caches, layout_fingerprint(perm, first))
+
+    def _start_handoff(self, caches, layout: str) -> None:
+        """Registers vLLM's KV memory with the agent: a prefill serves its held
+        blocks from it, a decode pulls into it."""
+        c, agent = self.tier_config, self.tier.agent
+        memory = KvMemory(agent, caches, layout)
+        namespace = self.spec.namespace()
+        self.puller = HandoffPuller(agent, memory, namespace, c.token, c.timeout_s)
+        if c.handoff_port:
+            service = HandoffService(agent, memory, self.holds, namespace, c.token)
+            port = c.handoff_port + self.rank
+            self.service = self.loop.run(service.start(c.handoff_host, port), 30)
 
     def close(self) -> None:
         if self.loop is not None:
             try:
+                if self.service is not None:
+                    self.loop.run(self.service.close(), 10)
+                if self.puller is not None:
+                    self.loop.run(self.puller.close(), 10)
                 self.loop.run(self.tier.close(), 10)
             finally:
                 self.loop.close()
 
     def load(self, plan: StepPlan) -> None:
+        for held in plan.holds:
+            self.holds.add(held.req_id, held.block_ids, held.deadline)
+        for pull in plan.pulls:
+            self._pull(pull)
         for batch in plan.loads:
             found = self._read(batch)
             self.counters["loaded_pages"] += found
@@ -110,6 +144,35 @@ class WorkerSide:
             log.warning("kvrelay: loading %d pages failed (%s); vLLM recomputes them",
                         len(batch.keys), exc)  # fmt: skip
             return 0
+
+    def _pull(self, pull: Pull) -> None:
+        """A finished prefill's blocks into this request's blocks; on any failure
+        the blocks are reported and vLLM recomputes them."""
+        started = time.perf_counter()
+        try:
+            if len(pull.agents) <= self.rank:
+                raise ValueError(f"a prefill of {len(pull.agents)} ranks; this is rank {self.rank}")
+            coro = self.puller.pull(
+                pull.agents[self.rank], pull.remote_req_id, pull.remote_block_ids, pull.block_ids
+            )
+            self.loop.run(coro, self.timeout_s)
+        except Exception as exc:
+            self.counters["pull_errors"] += 1
+            self.load_errors.update(pull.block_ids)
+            log.warning("kvrelay: pulling %d blocks of %s failed (%s); vLLM recomputes them",
+                        len(pull.block_ids), pull.remote_req_id, exc)  # fmt: skip
+            return
+        self.pull_seconds.append(time.perf_counter() - started)
+        self.counters["pulled_blocks"] += len(pull.block_ids)
+
+    def finished_sending(self) -> set[str]:
+        """Held prefills whose decode released them, or whose hold ran out."""
+        if self.service is None:
+            return set()
+        leases = self.tier.agent.leases
+        done = self.holds.take_finished(lambda lease_id: leases.get(lease_id) is not None)
+        self.counters["handed_off"] += len(done)
+        return done
 
     def save(self, plan: StepPlan) -> None:
         for batch in plan.saves:
