@@ -31,7 +31,7 @@ UV_PIP := $(UV) pip install --quiet --python $(PY)
 EXT_SOURCES := $(wildcard kvrelay/cuda_ext/csrc/*) $(wildcard kvrelay/transfer/csrc/*)
 NVCC ?= nvcc
 
-.PHONY: setup sglang-deps vllm-deps test-vllm test test-slow test-all test-fast test-numba test-sglang test-gpu gpu-check lint cuda-check bench demo clean
+.PHONY: setup sglang-deps vllm-deps vllm-bench-deps test-vllm test test-slow test-all test-fast test-numba test-sglang test-gpu gpu-check lint cuda-check bench demo clean
 
 setup: $(VENV)/.ext-stamp
 
@@ -91,6 +91,19 @@ $(VENV_VLLM)/.stamp: requirements-vllm.txt $(VENV)/.deps-stamp
 	  install --no-compile -r requirements-vllm.txt
 	$(PYTHON) -m pip -q --disable-pip-version-check --python $(VENV_VLLM)/bin/python \
 	  uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
+# NIXL in vLLM's environment, for `kvrelay bench vllm`'s NixlConnector peer
+# (the tests do not need it). The `nixl` package that vLLM imports names both
+# CUDA flavours as dependencies; only the cu12 wheel (CPU-capable, its own
+# UCX) is installed, and the meta-package beside it without its pins.
+vllm-bench-deps: $(VENV_VLLM)/.nixl-stamp
+
+$(VENV_VLLM)/.nixl-stamp: $(VENV_VLLM)/.stamp
+	$(PYTHON) -m pip -q --disable-pip-version-check --python $(VENV_VLLM)/bin/python \
+	  install --no-compile nixl-cu12==1.5.1
+	$(PYTHON) -m pip -q --disable-pip-version-check --python $(VENV_VLLM)/bin/python \
+	  install --no-compile --no-deps nixl==1.5.1
 	touch $@
 
 lint: $(VENV)/.deps-stamp

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
-
 from kvrelay.adapters.vllm.scheduler import SchedulerSide
 from kvrelay.layout import ModelKVSpec, ParallelConfig, rank_rectangle
 
@@ -92,11 +90,19 @@ def test_no_load_when_vllm_allocates_nothing_for_it():
     assert s.plan(step(new=[("a", [1, 2, 3, 4], 0)], scheduled={"a": 1})).loads == []
 
 
-@pytest.mark.parametrize("local_pages", [2, 3])
-def test_nothing_to_ask_when_vllm_holds_the_usable_prefix(local_pages):
+def test_the_page_holding_the_last_token_gives_every_token_before_it():
+    s, _ = side(tier_pages=3)
+    r = request("a", list(range(3 * PAGE)))
+    assert s.matched_tokens(r, 2 * PAGE) == PAGE - 1  # the last token is computed
+    s.after_alloc(r, PAGE - 1)
+    plan = s.plan(step(new=[("a", [1, 2, 3], 2 * PAGE)], scheduled={"a": 1}))
+    assert [b.block_ids for b in plan.loads] == [[3]]
+
+
+def test_nothing_to_ask_when_vllm_holds_all_but_the_last_token():
     s, asked = side(tier_pages=3)
-    r = request("a", list(range(3 * PAGE)))  # 2 usable pages: the last token is computed
-    assert s.matched_tokens(r, local_pages * PAGE) == 0
+    r = request("a", list(range(3 * PAGE)))
+    assert s.matched_tokens(r, 3 * PAGE - 1) == 0
     assert asked == []
 
 

@@ -2,10 +2,11 @@
 holds, which blocks to fill from it, and which new full blocks to write.
 
 A page is one vLLM block. A request's hit is the tier's leading run of
-sealed pages of its prompt, never its last token (whose logits vLLM must
-compute). Loads are synchronous (the worker fills the blocks before the
-step's forward), so the hit is plain prefill the engine skips; pages that
-fail to load are reported by the worker and recomputed by vLLM.
+sealed pages of its prompt, up to but not including its last token (whose
+logits vLLM must compute; a page holding it still gives the tokens before
+it). Loads are synchronous (the worker fills the blocks before the step's
+forward), so the hit is plain prefill the engine skips; pages that fail to
+load are reported by the worker and recomputed by vLLM.
 
 P/D: a decode request whose `kv_transfer_params` name a finished prefill
 loads every prompt token but the last from the prefill's blocks (the last,
@@ -112,10 +113,14 @@ class SchedulerSide:
         handoff = remote_prefill(request.kv_transfer_params, self.namespace)
         if handoff is not None:
             return self._match_handoff(tracked, handoff, len(tokens), num_computed_tokens)
-        usable = (len(tokens) - 1) // self.page_size  # the last token is always computed
-        if self.count_prefix is None or usable * self.page_size <= num_computed_tokens:
+        # Full pages only; the last token is always computed (vLLM needs its
+        # logits), but a page holding it still gives every token before it.
+        full = len(tokens) // self.page_size
+        if self.count_prefix is None or min(full * self.page_size, len(tokens) - 1) <= (
+            num_computed_tokens
+        ):
             return 0
-        keys = self.spec.page_keys(tokens[: usable * self.page_size])
+        keys = self.spec.page_keys(tokens[: full * self.page_size])
         self.probes += 1
         try:
             hits = self.count_prefix(keys)
@@ -124,10 +129,11 @@ class SchedulerSide:
             hits = 0
         tracked.tier_pages = hits
         first = num_computed_tokens // self.page_size
-        if hits <= first:
+        loadable = min(hits * self.page_size, len(tokens) - 1)
+        if hits <= first or loadable <= num_computed_tokens:
             return 0
         tracked.load = (first, hits)
-        return hits * self.page_size - num_computed_tokens
+        return loadable - num_computed_tokens
 
     def _match_handoff(self, tracked: Tracked, handoff: HandoffParams, prompt: int, computed: int):
         """Every prompt token but the last that the prefill computed, partial block included."""

@@ -10,7 +10,9 @@ has written every layer.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 
 import torch
@@ -28,6 +30,9 @@ from kvrelay.adapters.vllm.tier import RankTier, TierLoop
 from kvrelay.layout import ModelKVSpec, Rectangle
 
 log = logging.getLogger("kvrelay.adapters.vllm")
+
+# A file each P/D pull appends {"request_id", "seconds", "bytes"} to (benches).
+TRANSFER_LOG = os.environ.get("KVRELAY_VLLM_TRANSFER_LOG", "")
 
 
 def cpu_cache_writer(dtype: torch.dtype, block_size: int, head_dim: int):
@@ -66,7 +71,6 @@ class WorkerSide:
         self.load_errors: set[int] = set()
         self.counters = {"loaded_pages": 0, "missed_pages": 0, "written_pages": 0, "errors": 0,
                          "pulled_blocks": 0, "pull_errors": 0, "handed_off": 0}  # fmt: skip
-        self.pull_seconds: list[float] = []  # per pulled request, for benches
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if hasattr(torch.cpu, "_init_amx"):
@@ -155,15 +159,19 @@ class WorkerSide:
             coro = self.puller.pull(
                 pull.agents[self.rank], pull.remote_req_id, pull.remote_block_ids, pull.block_ids
             )
-            self.loop.run(coro, self.timeout_s)
+            moved = self.loop.run(coro, self.timeout_s)
         except Exception as exc:
             self.counters["pull_errors"] += 1
             self.load_errors.update(pull.block_ids)
             log.warning("kvrelay: pulling %d blocks of %s failed (%s); vLLM recomputes them",
                         len(pull.block_ids), pull.remote_req_id, exc)  # fmt: skip
             return
-        self.pull_seconds.append(time.perf_counter() - started)
+        seconds = time.perf_counter() - started
         self.counters["pulled_blocks"] += len(pull.block_ids)
+        if TRANSFER_LOG:  # benches read each pull's time from here
+            with open(TRANSFER_LOG, "a") as log_file:
+                log_file.write(json.dumps({"request_id": pull.req_id, "seconds": seconds,
+                                           "bytes": moved}) + "\n")  # fmt: skip
 
     def finished_sending(self) -> set[str]:
         """Held prefills whose decode released them, or whose hold ran out."""

@@ -1,0 +1,301 @@
+"""`kvrelay bench vllm`: real vLLM engines (CPU) with `KvrelayConnector`,
+against vLLM's own `NixlConnector`, in one run.
+
+(a) P/D handoff: per connector a prefill engine and a decode engine, all four
+alive at once; each prompt (1K to 16K tokens by default) goes to a prefill
+with `max_tokens=1` and `{"do_remote_decode": true}`, then with the returned
+`kv_transfer_params` to the decode, kvrelay's pair and NIXL's in turn (the
+first alternating), so both share the host's load. Per request: the decode's
+time to first token (vLLM's own: arrival to first token, which includes the
+KV transfer) and the transfer time (kvrelay: the connector's pull; NIXL: its
+`vllm:nixl_xfer_time_seconds`).
+
+(b) Reuse: a kvrelay cache server; one engine computes every prompt cold
+(its pages go to the tier), then a fresh engine gets the same prompts: the
+share of prompt tokens it took from the tier and both TTFTs.
+
+Every decode's and the warm engine's greedy tokens must equal the cold
+engine's. The engines run in vLLM's environment (`make vllm-deps`, plus
+`nixl-cu12` for NIXL: `make vllm-bench-deps`), in processes of their own
+(`kvrelay.bench.vllm_engine`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import select
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from kvrelay.bench.stats import format_table, write_report
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "bench-vllm"
+BLOCK = 128  # vLLM's CPU block size: one kvrelay page
+CONNECTORS = ("kvrelay", "nixl")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"),
+                        help="the Python of vLLM's environment (make vllm-deps)")  # fmt: skip
+    parser.add_argument("--model", help="model directory (default: a random Llama)")
+    parser.add_argument("--layers", type=int, default=8, help="the random model's (no --model)")
+    parser.add_argument("--hidden", type=int, default=256, help="the random model's")
+    parser.add_argument("--heads", type=int, default=4, help="the random model's")
+    parser.add_argument("--kv-heads", type=int, default=4, help="the random model's")
+    parser.add_argument("--sizes", default="1024,2048,4096,8192,16384",
+                        help="prompt lengths in tokens, comma separated")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=3, help="P/D requests per size")
+    parser.add_argument("--decode-tokens", type=int, default=8)
+    parser.add_argument("--backend", default="ucx", choices=["ucx", "tcp"],
+                        help="kvrelay's transfer backend")  # fmt: skip
+    parser.add_argument("--connectors", default=",".join(CONNECTORS),
+                        help="P/D connectors to compare, of " + ",".join(CONNECTORS))  # fmt: skip
+    parser.add_argument("--engine-timeout-s", type=float, default=600.0)
+    parser.add_argument("--out", help="logs directory (default: a temporary one)")
+    parser.add_argument("--json", metavar="PATH", help="write the results here")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Engine:
+    """One `vllm_engine` process: a request per stdin line, a reply per stdout line."""
+
+    def __init__(self, name: str, args, model_dir: Path, work: Path, transfer, env=None) -> None:
+        self.name, self.timeout_s = name, args.engine_timeout_s
+        longest = max(int(s) for s in args.sizes.split(","))
+        config = {"model": str(model_dir), "max_model_len": longest + args.decode_tokens + BLOCK,
+                  "kv_transfer_config": transfer}  # fmt: skip
+        self.log = work / f"{name}.log"
+        self._pending = b""
+        full_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+                        PYTHONPATH=str(ROOT), **(env or {}))  # fmt: skip
+        with self.log.open("w") as err:
+            self.process = subprocess.Popen(
+                [args.vllm_python, "-m", "kvrelay.bench.vllm_engine", json.dumps(config)],
+                cwd=ROOT, env=full_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=err, text=True,
+            )  # fmt: skip
+        self._read()  # {"ready": true}
+
+    def _read(self) -> dict:
+        """The next JSON line on the engine's stdout (other lines are vLLM's).
+        Read from the descriptor, not the buffered file: a line left in the
+        file's buffer would never wake `select` again."""
+        deadline = time.monotonic() + self.timeout_s
+        fd = self.process.stdout.fileno()
+        while time.monotonic() < deadline:
+            while b"\n" in self._pending:
+                line, self._pending = self._pending.split(b"\n", 1)
+                if line.startswith(b"{"):
+                    return json.loads(line)
+            ready, _, _ = select.select([fd], [], [], 1.0)
+            if ready:
+                chunk = os.read(fd, 1 << 20)
+                if not chunk:
+                    break
+                self._pending += chunk
+            elif self.process.poll() is not None:
+                break
+        self.close()
+        raise RuntimeError(f"engine {self.name} stopped: {self.log.read_text()[-3000:]}")
+
+    def ask(self, tokens: list[int], max_tokens: int, params: dict | None = None) -> dict:
+        ask = {"tokens": tokens, "max_tokens": max_tokens, "kv_transfer_params": params}
+        self.process.stdin.write(json.dumps(ask) + "\n")
+        self.process.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+
+def kvrelay_transfer(role: str, extra: dict) -> dict:
+    return {"kv_connector": "KvrelayConnector", "kv_role": role,
+            "kv_connector_module_path": "kvrelay.adapters.vllm.connector",
+            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}  # fmt: skip
+
+
+def nixl_transfer() -> dict:
+    return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
+            "kv_connector_extra_config": {"backends": ["UCX"]}}  # fmt: skip
+
+
+def pd_pair(name: str, args, model_dir: Path, work: Path) -> tuple[Engine, Engine]:
+    if name == "nixl":
+        # NIXL's own UCX: without InfiniBand modules excluded its processes
+        # crash at exit on a host that has none.
+        env = {"UCX_MODULES": "^ib"}
+        pair = [Engine(f"nixl-{role}", args, model_dir, work, nixl_transfer(),
+                       env | {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
+                for role in ("prefill", "decode")]  # fmt: skip
+        return pair[0], pair[1]
+    extra = {"token": TOKEN, "backend": args.backend}
+    producer = kvrelay_transfer("kv_producer", extra | {"handoff_port": free_port()})
+    prefill = Engine("kvrelay-prefill", args, model_dir, work, producer)
+    log = {"KVRELAY_VLLM_TRANSFER_LOG": str(work / "kvrelay-transfers.jsonl")}
+    consumer = kvrelay_transfer("kv_consumer", extra)
+    return prefill, Engine("kvrelay-decode", args, model_dir, work, consumer, log)
+
+
+def prompts(sizes: list[int], rounds: int) -> list[list[int]]:
+    rnd = random.Random(7)
+    return [[rnd.randrange(512) for _ in range(n)] for _ in range(rounds) for n in sizes]
+
+
+def median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def run_pd(args, names, model_dir, work, asks) -> dict:
+    pairs = {name: pd_pair(name, args, model_dir, work) for name in names}
+    out = {name: [] for name in names}
+    try:
+        for i, tokens in enumerate(asks):
+            order = names if i % 2 == 0 else names[::-1]
+            for name in order:
+                prefill, decode = pairs[name]
+                held = prefill.ask(tokens, 1, {"do_remote_decode": True})
+                params = dict(held["kv_transfer_params"] or {})
+                params.pop("remote_prefill_cached_tokens", None)  # report the decode's own
+                reply = decode.ask(tokens, args.decode_tokens, params)
+                out[name].append(reply | {"size": len(tokens), "first": held["tokens"][:1]})
+    finally:
+        for pair in pairs.values():
+            for engine in pair:
+                engine.close()
+    return out
+
+
+def run_reuse(args, model_dir, work, asks, spec) -> tuple[list[dict], list[dict]]:
+    from kvrelay.cache.launch import CacheServerProcess
+
+    pages = sum(-(-len(t) // BLOCK) for t in asks) + 16
+    server = CacheServerProcess(token=TOKEN, page_bytes=spec.page_bytes, pages=pages,
+                                backend=args.backend)  # fmt: skip
+    try:
+        extra = {"token": TOKEN, "backend": args.backend, "servers": [server.address],
+                 "timeout_s": 60.0}  # fmt: skip
+        cold_engine = Engine(
+            "reuse-cold", args, model_dir, work, kvrelay_transfer("kv_both", extra)
+        )
+        try:
+            cold = [cold_engine.ask(t, args.decode_tokens) | {"size": len(t)} for t in asks]
+        finally:
+            cold_engine.close()
+        warm_engine = Engine(
+            "reuse-warm", args, model_dir, work, kvrelay_transfer("kv_both", extra)
+        )
+        try:
+            warm = [warm_engine.ask(t, args.decode_tokens) | {"size": len(t)} for t in asks]
+        finally:
+            warm_engine.close()
+    finally:
+        server.stop()
+    return cold, warm
+
+
+def run(args: argparse.Namespace) -> dict:
+    from kvrelay.model import write_model
+    from kvrelay.model.config import ModelConfig
+    from kvrelay.model.loader import kv_spec
+    from kvrelay.model.make_model import RandomModelSpec
+
+    names = [n for n in args.connectors.split(",") if n]
+    if not names or set(names) - set(CONNECTORS):
+        raise SystemExit(f"kvrelay bench vllm: --connectors from {CONNECTORS}")
+    if not Path(args.vllm_python).exists():
+        raise SystemExit(f"kvrelay bench vllm: no {args.vllm_python} (make vllm-bench-deps)")
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    if not sizes or min(sizes) < 2 or args.rounds < 1 or args.decode_tokens < 1:
+        raise SystemExit("kvrelay bench vllm: sizes >= 2 tokens, rounds and decode tokens >= 1")
+    work = Path(args.out or tempfile.mkdtemp(prefix="kvrelay-bench-vllm-"))
+    work.mkdir(parents=True, exist_ok=True)
+    random_model = RandomModelSpec(layers=args.layers, hidden=args.hidden, heads=args.heads,
+                                   kv_heads=args.kv_heads, vocab=512, seed=11,
+                                   max_positions=max(sizes) + 1024)  # fmt: skip
+    model_dir = Path(args.model or write_model(work / "llama", random_model))
+    spec = kv_spec(model_dir, ModelConfig.from_dir(model_dir), "bfloat16", BLOCK)
+    asks = prompts(sizes, args.rounds)
+    cold, warm = run_reuse(args, model_dir, work, asks[: len(sizes)], spec)
+    pd = run_pd(args, names, model_dir, work, asks)
+    return report(args, names, sizes, asks, cold, warm, pd)
+
+
+def report(args, names, sizes, asks, cold, warm, pd) -> dict:
+    reference = {tuple(t): r["tokens"] for t, r in zip(asks, cold * args.rounds, strict=False)}
+    equal = all(w["tokens"] == c["tokens"] for w, c in zip(warm, cold, strict=True))
+    for name in names:
+        for tokens, reply in zip(asks, pd[name], strict=True):
+            equal &= reply["tokens"] == reference[tuple(tokens)]
+            equal &= reply["first"] == reference[tuple(tokens)][:1]
+    result = {"outputs_equal": equal, "pd": {}, "reuse": {}}
+    rows = []
+    for name in names:
+        replies = pd[name]
+        result["pd"][name] = {
+            "ttft_p50_s": median(r["ttft_s"] for r in replies),
+            "transfer_p50_s": median(r["transfer_s"] for r in replies),
+            "loaded_fraction": sum(r["cached"] for r in replies) / sum(r["size"] for r in replies),
+            "per_size": {
+                str(n): {
+                    "ttft_p50_s": median(r["ttft_s"] for r in replies if r["size"] == n),
+                    "transfer_p50_s": median(r["transfer_s"] for r in replies if r["size"] == n),
+                }
+                for n in sizes
+            },
+        }
+        for n in sizes:
+            size = result["pd"][name]["per_size"][str(n)]
+            rows.append([name, n, _ms(size["ttft_p50_s"]), _ms(size["transfer_p50_s"])])
+        rows.append([name, "all", _ms(result["pd"][name]["ttft_p50_s"]),
+                     _ms(result["pd"][name]["transfer_p50_s"])])  # fmt: skip
+    hit = sum(w["cached"] for w in warm) / sum(w["size"] for w in warm)
+    result["reuse"] = {
+        "hit_fraction": hit,
+        "ttft_cold_p50_s": median(c["ttft_s"] for c in cold),
+        "ttft_hit_p50_s": median(w["ttft_s"] for w in warm),
+        "per_size": {
+            str(c["size"]): {
+                "ttft_cold_s": c["ttft_s"],
+                "ttft_hit_s": w["ttft_s"],
+                "hit_fraction": w["cached"] / w["size"],
+            }
+            for c, w in zip(cold, warm, strict=True)
+        },
+    }
+    print("P/D handoff: decode-side TTFT and KV transfer, medians in ms")
+    print(format_table(["connector", "prompt tokens", "TTFT", "transfer"], rows))
+    print("\nReuse through the tier (a fresh engine after a cold one)")
+    reuse_rows = [
+        [s, f"{v['hit_fraction']:.3f}", _ms(v["ttft_cold_s"]), _ms(v["ttft_hit_s"])]
+        for s, v in result["reuse"]["per_size"].items()
+    ]
+    print(
+        format_table(["prompt tokens", "hit fraction", "TTFT cold ms", "TTFT hit ms"], reuse_rows)
+    )
+    print(f"\noutputs equal: {equal}; reuse hit fraction {hit:.3f}")
+    write_report(args, "vllm", result)
+    return result
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
