@@ -37,6 +37,11 @@ def _log_seconds(path: str, since: int) -> float | None:
         return sum(json.loads(line)["seconds"] for line in log if line.strip())
 
 
+def _gap(metrics, start: str, end: str) -> float | None:
+    a, b = getattr(metrics, start, 0.0), getattr(metrics, end, 0.0)
+    return b - a if a and b else None
+
+
 def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -73,6 +78,9 @@ def main() -> None:
             "tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens,
             "ttft_s": ttft, "wall_s": wall, "kv_transfer_params": out.kv_transfer_params,
             "transfer_s": _log_seconds(transfer_log, log_before) or (nixl or None),
+            # engine core clock: queued -> scheduled -> first token
+            "queued_to_scheduled_s": _gap(metrics, "queued_ts", "scheduled_ts"),
+            "scheduled_to_first_token_s": _gap(metrics, "scheduled_ts", "first_token_ts"),
         }  # fmt: skip
         print(json.dumps(reply), flush=True)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +32,8 @@ from kvrelay.adapters.vllm.blocks import BlockLayoutError
 from kvrelay.rpc.handoff_ops import HandoffGrant, HandoffPull, HandoffWelcome
 from kvrelay.transfer.errors import LeaseExpired
 from kvrelay.transfer.handle import BlockHandle
+
+log = logging.getLogger("kvrelay.adapters.vllm")
 
 # A decode may ask before the prefill's workers heard of the hold (the
 # scheduler tells them in its next step, milliseconds after the reply).
@@ -211,16 +214,22 @@ class HandoffPuller:
         self.agent, self.memory = agent, memory
         self.namespace, self.token, self.timeout_s = namespace, token, timeout_s
         self._conns: dict[str, tuple[rpc.Connection, HandoffWelcome]] = {}
+        self._releases: set[asyncio.Task] = set()
 
     async def close(self) -> None:
+        if self._releases:
+            await asyncio.wait(self._releases, timeout=self.timeout_s)
         for conn, _ in self._conns.values():
             conn.close()
         self._conns.clear()
 
     async def pull(
         self, address: str, request_id: str, remote_blocks: Sequence[int], local_blocks
-    ) -> int:
-        """Moves the blocks; bytes moved. Raises on any failure (the caller recomputes)."""
+    ) -> dict:
+        """Moves the blocks; raises on any failure (the caller recomputes). The
+        lease's release goes on in the background: the blocks are in. Returns
+        the bytes moved and the seconds of the grant and of the read."""
+        started = time.perf_counter()
         conn, welcome = await self._connect(address)
         try:
             grant = await rpc.call(
@@ -230,6 +239,7 @@ class HandoffPuller:
         except (rpc.RpcError, OSError):
             self._drop(address)
             raise
+        granted = time.perf_counter()
         handle = BlockHandle.from_bytes(grant.handle)
         remote_runs, local_offsets = paired_runs(welcome, self.memory, remote_blocks, local_blocks)
         await self.agent.read(
@@ -238,8 +248,17 @@ class HandoffPuller:
         )  # fmt: skip
         if time.time() >= handle.lease_expiry - LEASE_MARGIN_S:
             raise LeaseExpired(f"request {request_id}'s lease ended during the pull")
-        await self.agent.release_remote(handle, self.timeout_s)
-        return sum(n for _, n in remote_runs)
+        task = asyncio.get_running_loop().create_task(self._release(handle))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+        return {"bytes": sum(n for _, n in remote_runs), "grant_s": granted - started,
+                "read_s": time.perf_counter() - granted}  # fmt: skip
+
+    async def _release(self, handle: BlockHandle) -> None:
+        try:
+            await self.agent.release_remote(handle, self.timeout_s)
+        except Exception as exc:  # the prefill frees the blocks at the hold's end
+            log.info("kvrelay: releasing lease %d failed (%s)", handle.lease_id, exc)
 
     async def _connect(self, address: str) -> tuple[rpc.Connection, HandoffWelcome]:
         known = self._conns.get(address)

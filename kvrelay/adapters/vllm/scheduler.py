@@ -47,6 +47,7 @@ class Pull:
     remote_req_id: str
     remote_block_ids: list[int]
     block_ids: list[int]
+    computed_tokens: int = 0  # tokens the step computes for the request (for logs)
 
 
 @dataclass(slots=True)
@@ -168,9 +169,10 @@ class SchedulerSide:
                 tracked.load = None
             if tracked.pull is not None:
                 handoff, first, end = tracked.pull
+                computed = scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
                 plan.pulls.append(Pull(new.req_id, handoff.agents, handoff.request_id,
                                        handoff.block_ids[first:end],
-                                       tracked.block_ids[first:end]))  # fmt: skip
+                                       tracked.block_ids[first:end], computed))  # fmt: skip
                 tracked.pull = None
             self._plan_save(plan, new.req_id, tracked, new.num_computed_tokens, scheduler_output)
         plan.holds, self.new_holds = self.new_holds, []

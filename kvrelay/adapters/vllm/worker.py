@@ -170,8 +170,9 @@ class WorkerSide:
         self.counters["pulled_blocks"] += len(pull.block_ids)
         if TRANSFER_LOG:  # benches read each pull's time from here
             with open(TRANSFER_LOG, "a") as log_file:
-                log_file.write(json.dumps({"request_id": pull.req_id, "seconds": seconds,
-                                           "bytes": moved}) + "\n")  # fmt: skip
+                record = {"request_id": pull.req_id, "seconds": seconds,
+                          "computed_tokens": pull.computed_tokens} | moved  # fmt: skip
+                log_file.write(json.dumps(record) + "\n")
 
     def finished_sending(self) -> set[str]:
         """Held prefills whose decode released them, or whose hold ran out."""
