@@ -253,58 +253,44 @@ def run(args: argparse.Namespace) -> dict:
     return report(args, names, sizes, asks, cold, warm, pd)
 
 
-def report(args, names, sizes, asks, cold, warm, pd) -> dict:
-    # Every prompt's generations: the cold engine's (first round's prompts),
-    # the warm one's, each decode's, each prefill's first token.
+REQUEST_FIELDS = ("size", "ttft_s", "transfer_s", "cached", "queued_to_scheduled_s",
+                  "scheduled_to_first_token_s")  # fmt: skip
+
+
+def compare_outputs(names, asks, cold, warm, pd) -> tuple[bool, list[int]]:
+    """Whether every generation of each prompt agrees: the cold engine's (first
+    round's prompts), the warm one's, each decode's, each prefill's first
+    token; and the lengths of the prompts where they do not."""
     outputs: dict[tuple, list[list[int]]] = {}
     for tokens, reply in zip(asks[: len(cold)] * 2, cold + warm, strict=True):
         outputs.setdefault(tuple(tokens), []).append(reply["tokens"])
     for name in names:
         for tokens, reply in zip(asks, pd[name], strict=True):
             outputs.setdefault(tuple(tokens), []).append(reply["tokens"])
-    equal = all(all(o == seen[0] for o in seen) for seen in outputs.values())
-    for name in names:
-        for tokens, reply in zip(asks, pd[name], strict=True):
-            equal &= reply["first"] == outputs[tuple(tokens)][0][:1]
+            outputs[tuple(tokens)].append(reply["first"] + reply["tokens"][1:])
     differing = [len(t) for t, seen in outputs.items() if any(o != seen[0] for o in seen)]
-    result = {"outputs_equal": equal, "differing_prompt_lengths": differing, "pd": {}, "reuse": {}}
-    rows = []
-    for name in names:
-        replies = pd[name]
-        result["pd"][name] = {
-            "ttft_p50_s": median(r["ttft_s"] for r in replies),
-            "transfer_p50_s": median(r["transfer_s"] for r in replies),
-            "loaded_fraction": sum(r["cached"] for r in replies) / sum(r["size"] for r in replies),
-            "requests": [
-                {
-                    k: r[k]
-                    for k in (
-                        "size",
-                        "ttft_s",
-                        "transfer_s",
-                        "cached",
-                        "queued_to_scheduled_s",
-                        "scheduled_to_first_token_s",
-                    )
-                }
-                for r in replies
-            ],
-            "per_size": {
-                str(n): {
-                    "ttft_p50_s": median(r["ttft_s"] for r in replies if r["size"] == n),
-                    "transfer_p50_s": median(r["transfer_s"] for r in replies if r["size"] == n),
-                }
-                for n in sizes
-            },
-        }
-        for n in sizes:
-            size = result["pd"][name]["per_size"][str(n)]
-            rows.append([name, n, _ms(size["ttft_p50_s"]), _ms(size["transfer_p50_s"])])
-        rows.append([name, "all", _ms(result["pd"][name]["ttft_p50_s"]),
-                     _ms(result["pd"][name]["transfer_p50_s"])])  # fmt: skip
-    hit = sum(w["cached"] for w in warm) / sum(w["size"] for w in warm)
-    result["reuse"] = {
-        "hit_fraction": hit,
+    return not differing, differing
+
+
+def pd_summary(replies: list[dict], sizes: list[int]) -> dict:
+    def p50(field: str, size: int | None = None):
+        return median(r[field] for r in replies if size is None or r["size"] == size)
+
+    return {
+        "ttft_p50_s": p50("ttft_s"),
+        "transfer_p50_s": p50("transfer_s"),
+        "loaded_fraction": sum(r["cached"] for r in replies) / sum(r["size"] for r in replies),
+        "requests": [{k: r[k] for k in REQUEST_FIELDS} for r in replies],
+        "per_size": {
+            str(n): {"ttft_p50_s": p50("ttft_s", n), "transfer_p50_s": p50("transfer_s", n)}
+            for n in sizes
+        },
+    }
+
+
+def reuse_summary(cold: list[dict], warm: list[dict]) -> dict:
+    return {
+        "hit_fraction": sum(w["cached"] for w in warm) / sum(w["size"] for w in warm),
         "ttft_cold_p50_s": median(c["ttft_s"] for c in cold),
         "ttft_hit_p50_s": median(w["ttft_s"] for w in warm),
         "per_size": {
@@ -316,17 +302,29 @@ def report(args, names, sizes, asks, cold, warm, pd) -> dict:
             for c, w in zip(cold, warm, strict=True)
         },
     }
+
+
+def report(args, names, sizes, asks, cold, warm, pd) -> dict:
+    equal, differing = compare_outputs(names, asks, cold, warm, pd)
+    result = {"outputs_equal": equal, "differing_prompt_lengths": differing,
+              "pd": {name: pd_summary(pd[name], sizes) for name in names},
+              "reuse": reuse_summary(cold, warm)}  # fmt: skip
+    rows = []
+    for name in names:
+        summary = result["pd"][name]
+        for n, size in [*summary["per_size"].items(), ("all", summary)]:
+            rows.append([name, n, _ms(size["ttft_p50_s"]), _ms(size["transfer_p50_s"])])
+    reuse = result["reuse"]
+    reuse_rows = [
+        [s, f"{v['hit_fraction']:.3f}", _ms(v["ttft_cold_s"]), _ms(v["ttft_hit_s"])]
+        for s, v in reuse["per_size"].items()
+    ]
     print("P/D handoff: decode-side TTFT and KV transfer, medians in ms")
     print(format_table(["connector", "prompt tokens", "TTFT", "transfer"], rows))
     print("\nReuse through the tier (a fresh engine after a cold one)")
-    reuse_rows = [
-        [s, f"{v['hit_fraction']:.3f}", _ms(v["ttft_cold_s"]), _ms(v["ttft_hit_s"])]
-        for s, v in result["reuse"]["per_size"].items()
-    ]
-    print(
-        format_table(["prompt tokens", "hit fraction", "TTFT cold ms", "TTFT hit ms"], reuse_rows)
-    )
-    print(f"\noutputs equal: {equal}; reuse hit fraction {hit:.3f}")
+    print(format_table(["prompt tokens", "hit fraction", "TTFT cold ms", "TTFT hit ms"],
+                       reuse_rows))  # fmt: skip
+    print(f"\noutputs equal: {equal}; reuse hit fraction {reuse['hit_fraction']:.3f}")
     write_report(args, "vllm", result)
     return result
 

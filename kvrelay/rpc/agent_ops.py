@@ -26,6 +26,9 @@ class ArenaInfo(msgspec.Struct, array_like=True, frozen=True):
     size: U64
     rkey: bytes = b""
     shm: str = ""  # same-host fast path: memfd path readers may map ("" = none)
+    # Same-host fast path for host memory that is not a memfd (a caller's
+    # registered tensor): the owner's pid, for process_vm_readv (0 = none).
+    pid: U64 = 0
 
 
 class AgentWelcome(Message, tag="agent"):

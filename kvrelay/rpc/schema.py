@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 from msgspec import inspect as mi
 
-from kvrelay.rpc import agent_ops, cache_ops, messages, worker_ops
+from kvrelay.rpc import agent_ops, cache_ops, handoff_ops, messages, worker_ops
 
 BEGIN = "<!-- BEGIN GENERATED from kvrelay.rpc (python -m kvrelay.rpc.schema) -->"
 END = "<!-- END GENERATED -->"
@@ -23,6 +23,7 @@ SECTIONS = (
     ("Control <-> workers", worker_ops, None),
     ("Clients <-> cache servers", cache_ops, None),
     ("Transfer agent <-> agent", agent_ops, None),
+    ("vLLM decode <-> vLLM prefill (P/D handoff)", handoff_ops, None),
 )
 
 

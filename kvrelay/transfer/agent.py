@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import uuid
 from collections.abc import Sequence
 
@@ -146,11 +147,14 @@ class Agent:
 
     def arena_table(self, scope: rpc.Scope = rpc.EVERY_NAMESPACE) -> list[ArenaInfo]:
         """The arenas as peers see them; a tenant-scoped peer gets no rkey and no
-        memory to map, only what its leases let it move through the owner."""
+        memory to map or read by pid, only what its leases let it move through
+        the owner."""
         every = scope.every_namespace
+        pid = os.getpid()
         return [
             ArenaInfo(a.arena_id, a.address, a.size, a.rkey if every else b"",
-                      a.shm_path if every else "")
+                      a.shm_path if every else "",
+                      pid if every and not a.shm_path and not a.is_cuda else 0)
             for a in self.arenas.values()
         ]  # fmt: skip
 
@@ -218,7 +222,7 @@ class Agent:
             # Both sides' bounds, checked before any byte moves.
             # (numpy-free: from a cold cache every numpy call costs tens of us)
             rows, nbytes = plan_rows(handle.runs_buffer, local_offsets, info.size, local.size)
-            if peer.same_host and info.shm and not local.is_cuda:
+            if peer.same_host and (info.shm or info.pid) and not local.is_cuda:
                 plan = self.copy_plan or fast_copy_plan(self.config.fast_copy)
                 triples = rows_array(rows)
                 await copy_shared(

@@ -5,7 +5,8 @@ reader copies the runs in one call per batch, the way this host's
 calibration (`calibrate.py`) found fastest for the batch's shape: out of the
 owner's memfd mapped here through /proc/<pid>/fd/<fd> (once per arena; the
 host analogue of CUDA IPC), or by the kernel with process_vm_readv (writev)
-from the owner's pid, which needs no mapping.
+from the owner's pid, which needs no mapping. A registered host tensor that
+is not a memfd (an engine's own KV cache) is always copied the second way.
 """
 
 from __future__ import annotations
@@ -71,8 +72,10 @@ def copy_job(peer, info: ArenaInfo, local, triples, read, nbytes: int, plan: Cop
     """The batch's copy as a no-argument callable, chosen by `plan`."""
     chosen = plan.choose(nbytes, len(triples))
     threads = max(1, min(chosen.threads, nbytes // _BYTES_PER_COPY_THREAD))
-    pid = owner_pid(info.shm)
-    if chosen.method == "readv" and pid is not None:
+    pid = owner_pid(info.shm) if info.shm else (info.pid or None)
+    # Memory that is not a memfd (a registered tensor) cannot be mapped here:
+    # the kernel copies it from the owner's pid.
+    if (chosen.method == "readv" or not info.shm) and pid is not None:
         # rows (local, remote, length); the owner's arena starts at info.base there.
         rows = np.ascontiguousarray(triples[:, [1, 0, 2]])
         choice = CopyChoice("readv", threads)
