@@ -123,7 +123,9 @@ class Agent:
         GPU tensors go only to a backend that moves device memory (ucx)."""
         if tensor.is_cuda and not self.transport.device_memory:
             raise ValueError(f"the {self.transport.name} backend moves host memory only")
-        return self._register(Arena.wrap(next(self._arena_ids), tensor))
+        arena = Arena.wrap(next(self._arena_ids), tensor)
+        arena.kernel_copy = self.config.fast_path and not tensor.is_cuda
+        return self._register(arena)
 
     def _register(self, arena: Arena) -> Arena:
         try:
@@ -154,7 +156,7 @@ class Agent:
         return [
             ArenaInfo(a.arena_id, a.address, a.size, a.rkey if every else b"",
                       a.shm_path if every else "",
-                      pid if every and not a.shm_path and not a.is_cuda else 0)
+                      pid if every and a.kernel_copy else 0)
             for a in self.arenas.values()
         ]  # fmt: skip
 

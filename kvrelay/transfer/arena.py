@@ -87,6 +87,9 @@ class Arena:
     tensor: torch.Tensor
     shm_path: str = ""  # where a same-host reader maps it; "" when not shared
     rkey: bytes = b""  # packed by the backend at registration
+    # A caller's host tensor that same-host peers copy with process_vm_readv
+    # (it cannot be mapped); private arenas keep every read with their owner.
+    kernel_copy: bool = False
     _fd: int = -1
     _owns_mapping: bool = False
     closed: bool = False

@@ -69,7 +69,14 @@ def start_peer(monkeypatch):
             monkeypatch.setenv("UCX_TLS", tls)
         else:
             monkeypatch.delenv("UCX_TLS", raising=False)
-        peer = PeerProcess(backend, size, runs_list, env, fast_path=fast is not None, **options)
+        peer = PeerProcess(
+            backend,
+            size,
+            runs_list,
+            env,
+            fast_path=options.pop("fast_path", fast is not None),
+            **options,
+        )
         peers.append(peer)
         return peer
 

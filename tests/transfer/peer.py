@@ -36,6 +36,8 @@ async def _serve(pipe, backend, size, runs_list, options) -> None:
     if options.get("device"):  # a GPU arena (ucx), registered from a CUDA tensor
         gpu = torch.zeros(size, dtype=torch.uint8, device=options["device"])
         arena = agent.register_tensor(gpu)
+    elif options.get("registered"):  # a caller's host tensor, not a memfd
+        arena = agent.register_tensor(torch.zeros(size, dtype=torch.uint8))
     else:
         arena = agent.allocate_arena(size)
     arena.tensor.copy_(pattern(size, options.get("seed", 0)))

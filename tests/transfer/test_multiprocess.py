@@ -6,6 +6,7 @@ import random
 import time
 
 import pytest
+import torch
 
 from kvrelay.transfer import BlockHandle, PeerError, create_agent
 from tests.transfer.conftest import MODES, mode_agent_kwargs, pull_until_owner_killed
@@ -167,3 +168,23 @@ async def test_a_pull_from_a_killed_owner_fails_at_once_and_writes_nothing(start
         assert agent.stats()["peers"] == 0
     finally:
         await agent.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", ["tcp", "ucx"])
+async def test_a_registered_host_tensor_is_copied_by_the_kernel_from_its_owner(start_peer, backend):
+    """An engine's own KV memory (a registered tensor, not a memfd) is read on
+    one host with process_vm_readv from the owner's pid, whatever the backend."""
+    runs = [[(0, SIZE // 2), (SIZE // 2 + 64, 4096)]]
+    peer = start_peer("tcp" if backend == "tcp" else "fastpath-readv", SIZE, runs,
+                      registered=True, fast_path=True)  # fmt: skip
+    handle = BlockHandle.from_bytes(peer.handles[0])
+    async with await create_agent(backend, token=TOKEN) as agent:
+        local = agent.allocate_arena(SIZE)
+        await agent.read(handle, local, [0, SIZE // 2], namespace=NAMESPACE, timeout=10)
+        info = agent._peers[handle.agent].arenas[handle.arena_id]
+        assert info.pid == peer.pid and not info.shm
+        expected = pattern(SIZE, 0)
+        assert torch.equal(local.tensor[: SIZE // 2], expected[: SIZE // 2])
+        assert torch.equal(local.tensor[SIZE // 2 : SIZE // 2 + 4096],
+                           expected[SIZE // 2 + 64 : SIZE // 2 + 64 + 4096])  # fmt: skip
