@@ -268,15 +268,26 @@ class PrefixLIRSPolicy(EvictionPolicy):
         pages and older than the oldest LIR page (none while no page is LIR)."""
         if not self._lirs:
             return
-        self._split()
-        tail = self._tail
-        extra = len(self._top) + len(tail) - len(self._resident)
+        top, tail = self._top, self._tail
+        extra = len(top) + len(tail) - len(self._resident)
         ghosts = 0
-        while extra > 0 and tail:
+        while extra > 0 and tail:  # the tail is the oldest part
             if tail.popitem(last=False)[1] == _GHOST:
                 ghosts += 1
             extra -= 1
+        if extra > 0 and top[next(iter(top))] != _LIR:
+            popitem = top.popitem
+            while extra > 0:
+                key, code = popitem(last=False)
+                if code == _LIR:  # the oldest LIR page: it stays at the bottom
+                    top[key] = code
+                    top.move_to_end(key, last=False)
+                    break
+                if code == _GHOST:
+                    ghosts += 1
+                extra -= 1
         self._ghosts -= ghosts
+        self._split()
 
     def _drop_ghosts(self) -> None:
         """The older half of the ghosts leave S, in one pass over it."""
