@@ -280,6 +280,54 @@ def test_pages_read_once_leave_in_arrival_order():
     assert [v.key for v in index.evict(6)] == [key(i) for i in range(6)]
 
 
+def test_a_one_off_tail_leaves_before_a_shared_prompt_read_by_every_request():
+    # A prompt read by three requests, then a one-off request that reads it and
+    # writes two pages of its own: they are the newest, yet they go first.
+    for name, first_out in ((DEFAULT_POLICY, "tail"), ("lru", "prompt")):
+        index = PageIndex(16, policy=make_policy(name))
+        (prompt,) = chains(index, 4)
+        for _ in range(3):
+            assert index.lookup(prompt).hits == 4
+        tail = [key(100), key(101)]
+        assert index.lookup(prompt + tail).hits == 4
+        index.insert(tail[0], 100, sealed=True, parent=prompt[-1])
+        index.insert(tail[1], 101, sealed=True, parent=tail[0])
+        gone = [v.key for v in index.evict(2)]
+        assert gone == (tail[::-1] if first_out == "tail" else prompt[:2]), name
+
+
+def test_a_returning_parent_is_kept_for_the_child_that_stayed():
+    # A parent that had to go while its child was pinned, and comes back (the
+    # same key is the same prefix), stays while that child does.
+    index = PageIndex(16, policy=make_policy(DEFAULT_POLICY))
+    parent, child, lone = key(0), key(1), key(2)
+    index.insert(parent, 0, sealed=True)
+    index.insert(child, 1, sealed=True, parent=parent)
+    lease = index.pin([child], lease_s=60)
+    assert [v.key for v in index.evict(1)] == [parent]  # nothing else could go
+    index.insert(parent, 0, sealed=True)
+    index.release(lease.lease_id)
+    index.insert(lone, 2, sealed=True)
+    order = [v.key for v in index.evict(3)]
+    assert order.index(child) < order.index(parent)
+
+
+def test_the_default_policy_state_stays_bounded():
+    # S keeps ghosts of evicted pages: at most a fixed multiple of the resident pages.
+    policy = make_policy(DEFAULT_POLICY)
+    index = PageIndex(16, policy=policy)
+    rng = random.Random(7)
+    for _ in range(20000):
+        k = key(rng.randrange(5000))
+        if not index.lookup([k]).hits:
+            if len(index) >= 50:
+                index.evict(1)
+            index.insert(k, 0, sealed=True)
+    entries = len(policy._top) + len(policy._tail)
+    assert entries <= (2 + policy.ghost_factor) * len(index) + 1
+    assert len(policy._children) <= len(index)
+
+
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="eviction policy"):
         make_policy("fifo")

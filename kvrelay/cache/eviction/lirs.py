@@ -22,11 +22,18 @@ Prefix-awareness: a HIR page with a resident child (a later page of its
 chain) is parked out of `Q` until its last child leaves, then queues at the
 head: the child just went as the coldest page. Parked pages are victims
 only when nothing else can go. Held pages (pinned, being written) are
-never in `Q` nor parked, so they are never victims.
+never in `Q` nor parked, so they are never victims. Chains are counted by
+key: a page's key names its whole prefix, so a parent that leaves and comes
+back while a child stays is that child's parent again.
 
 Every operation is O(1) amortised: an entry enters `S` once per read and
 leaves once, and ghosts are bounded to eight per resident page (the older
-half dropped in one pass when over).
+half dropped in one pass when over). `S` is kept in two ordered dicts: its
+entries from the oldest LIR page up, and below them those older ones it
+keeps for its reach; so the oldest LIR page is the first of the upper part
+and LIR pages need no order of their own: a read of a LIR page costs one
+lookup and one move, as in LRU. The state is plain dicts of keys and small
+ints, no object per page for the cyclic collector to scan.
 """
 
 from __future__ import annotations
@@ -36,20 +43,8 @@ from collections.abc import Hashable, Iterator, Sequence
 
 from kvrelay.cache.eviction.base import EvictionPolicy
 
-
-class _Page:
-    __slots__ = ("children", "gone", "held", "key", "lir", "parent")
-
-    def __init__(self, key: Hashable, lir: bool, parent: _Page | None) -> None:
-        self.key = key
-        self.lir = lir
-        self.parent = parent
-        self.children = 0
-        self.held = True
-        self.gone = False
-
-
-_GHOST = _Page(None, False, None)  # S's entry for an evicted page
+# What `S` holds for a key.
+_GHOST, _HIR, _LIR = 0, 1, 2
 
 
 class PrefixLIRSPolicy(EvictionPolicy):
@@ -61,11 +56,17 @@ class PrefixLIRSPolicy(EvictionPolicy):
     ghost_factor = 8  # ghosts in S per resident page
 
     def __init__(self) -> None:
-        self._resident: dict[Hashable, _Page] = {}
-        self._stack: OrderedDict[Hashable, _Page] = OrderedDict()  # S, oldest first
-        self._lir: OrderedDict[Hashable, _Page] = OrderedDict()  # LIR pages, oldest first
-        self._queue: OrderedDict[Hashable, _Page] = OrderedDict()  # Q: evictable HIR leaves
-        self._parked: OrderedDict[Hashable, _Page] = OrderedDict()  # evictable HIR inner pages
+        # Resident page -> the resident parent it was admitted under (or None).
+        self._resident: dict[Hashable, Hashable | None] = {}
+        self._held: set[Hashable] = set()  # resident pages that must not be victims
+        # S, oldest first, in two parts: `_top` from the oldest LIR page up
+        # (once `_split` has run), `_tail` the older entries.
+        self._top: OrderedDict[Hashable, int] = OrderedDict()
+        self._tail: OrderedDict[Hashable, int] = OrderedDict()
+        self._lirs = 0  # LIR pages
+        self._queue: OrderedDict[Hashable, None] = OrderedDict()  # Q: evictable HIR leaves
+        self._parked: OrderedDict[Hashable, None] = OrderedDict()  # evictable HIR inner pages
+        self._children: dict[Hashable, int] = {}  # key -> resident pages admitted under it
         self._ghosts = 0
 
     # -- the interface -------------------------------------------------------------
@@ -74,99 +75,115 @@ class PrefixLIRSPolicy(EvictionPolicy):
         resident = self._resident
         if key in resident:
             return
-        up = resident.get(parent) if parent is not None else None
-        stack = self._stack
-        reread = stack.pop(key, None) is not None  # a ghost still in S
-        page = _Page(key, reread, up)
-        resident[key] = page
-        stack[key] = page
-        if up is not None:
-            up.children += 1
-            if up.key in self._queue:
-                del self._queue[up.key]
-                self._parked[up.key] = up
-        if reread:
+        if parent is not None:
+            if parent in resident:
+                children = self._children
+                children[parent] = children.get(parent, 0) + 1
+                queue = self._queue
+                if parent in queue:
+                    del queue[parent]
+                    self._parked[parent] = None
+            else:
+                parent = None
+        resident[key] = parent
+        self._held.add(key)
+        top = self._top
+        code = top.pop(key, None)
+        if code is None and self._tail:
+            code = self._tail.pop(key, None)
+        if code is not None:  # a ghost still in S: a short reuse
             self._ghosts -= 1
-            self._lir[key] = page
-            self._cap_lir()
-        elif self._ghosts > self.ghost_factor * len(resident):
-            self._drop_ghosts()
+            top[key] = _LIR
+            self._lirs += 1
+            if self._lirs > (1 - self.hir_share) * len(resident):
+                self._demote_oldest()
+        else:
+            top[key] = _HIR
+            if self._ghosts > self.ghost_factor * len(resident):
+                self._drop_ghosts()
 
     def make_evictable(self, key: Hashable) -> None:
-        page = self._resident.get(key)
-        if page is not None and page.held:
-            page.held = False
-            if not page.lir:
-                self._place(page, head=False)
+        held = self._held
+        if key in held:
+            held.discard(key)
+            if self._top.get(key) != _LIR:
+                if key in self._children:
+                    self._parked[key] = None
+                else:
+                    self._queue[key] = None
 
     def hold(self, key: Hashable) -> None:
-        page = self._resident.get(key)
-        if page is not None and not page.held:
-            page.held = True
-            self._queue.pop(key, None)
-            self._parked.pop(key, None)
+        held = self._held
+        if key not in held and key in self._resident:
+            held.add(key)
+            if self._queue.pop(key, 0) is not None:
+                self._parked.pop(key, None)
 
     def touch(self, key: Hashable) -> None:
         self.touch_many((key,))
 
     def touch_many(self, keys: Sequence[Hashable]) -> None:
-        resident, lir, stack = self._resident, self._lir, self._stack
-        lir_move, stack_move = lir.move_to_end, stack.move_to_end
-        oldest = next(iter(lir), None)
+        top = self._top
+        state, move = top.get, top.move_to_end
+        if self._lirs:
+            self._split()
+        oldest = next(iter(top), None)
+        shorten = False
         for key in keys:
-            page = resident.get(key)
-            if page is None:
-                continue
-            if page.lir:
-                lir_move(key)
-                stack_move(key)
-                if key == oldest:  # S reached back to this page: shorten it
-                    self._prune()
-                    oldest = next(iter(lir), None)
-                continue
-            if key in stack:  # a HIR page re-read while in S: it turns LIR
-                stack_move(key)
-                self._queue.pop(key, None)
-                self._parked.pop(key, None)
-                page.lir = True
-                lir[key] = page
-                self._cap_lir()
-                oldest = next(iter(lir), None)
+            code = state(key)
+            if code == _LIR:
+                move(key)
+                if key == oldest:  # S reached back to this page: shorten it, once
+                    shorten = True
             else:
-                stack[key] = page
-                if key in self._queue:
-                    self._queue.move_to_end(key)
+                self._read_hir(key, code)
+        if shorten:
+            self._prune()
 
     def forget(self, key: Hashable) -> None:
-        page = self._resident.pop(key, None)
-        if page is None:
+        if key not in self._resident:
             return
+        self._held.discard(key)
         self._queue.pop(key, None)
         self._parked.pop(key, None)
-        self._stack.pop(key, None)
-        if page.lir:
-            del self._lir[key]
-        self._gone(page)
+        if self._top.pop(key, None) == _LIR:
+            self._lirs -= 1
+        self._tail.pop(key, None)
+        parent = self._resident.pop(key)
+        if parent is not None:
+            self._orphan(parent)
 
     def victim(self) -> Hashable | None:
-        while not self._queue and self._lir:
+        queue = self._queue
+        while not queue and self._lirs:
             self._demote_oldest()
-        if self._queue:
-            _, page = self._queue.popitem(last=False)
+        if queue:
+            key = queue.popitem(last=False)[0]
         elif self._parked:  # nothing else can go
-            _, page = self._parked.popitem(last=False)
+            key = self._parked.popitem(last=False)[0]
         else:
             return None
-        key = page.key
-        del self._resident[key]
-        if key in self._stack:
-            self._stack[key] = _GHOST  # keeps its place in S
+        top = self._top
+        if key in top:
+            top[key] = _GHOST  # keeps its place in S
             self._ghosts += 1
-        self._gone(page)
+        elif key in self._tail:
+            self._tail[key] = _GHOST
+            self._ghosts += 1
+        parent = self._resident.pop(key)
+        if parent is not None:
+            children = self._children
+            count = children[parent] - 1
+            if count:
+                children[parent] = count
+            else:
+                del children[parent]
+                self._unpark(parent)
         return key
 
     def evictable(self) -> Iterator[Hashable]:
-        return iter([k for k, p in self._resident.items() if not p.held])
+        held = self._held
+        return iter([k for k in self._resident if k not in held])
 
     def __len__(self) -> int:
         return len(self._resident)
@@ -176,62 +193,107 @@ class PrefixLIRSPolicy(EvictionPolicy):
 
     # -- internals -----------------------------------------------------------------
 
-    def _place(self, page: _Page, head: bool) -> None:
-        """An evictable HIR page: queued if a leaf, parked if inner."""
-        if page.held:
+    def _read_hir(self, key: Hashable, code: int | None) -> None:
+        """A page not LIR was read (`code`: its entry in `_top`, if any). A
+        resident HIR page in S turns LIR; one out of S enters it and goes to
+        the tail of Q."""
+        if key not in self._resident:
             return
-        if page.children:
-            self._parked[page.key] = page
+        top = self._top
+        if code is None:
+            code = self._tail.pop(key, None)
+        if code is None:
+            top[key] = _HIR
+            if key in self._queue:
+                self._queue.move_to_end(key)
             return
-        self._queue[page.key] = page
-        if head:
-            self._queue.move_to_end(page.key, last=False)
-
-    def _gone(self, page: _Page) -> None:
-        page.gone = True
-        up = page.parent
-        if up is None or up.gone:
-            return
-        up.children -= 1
-        if up.children == 0 and up.key in self._parked:
-            del self._parked[up.key]
-            self._place(up, head=True)
-
-    def _cap_lir(self) -> None:
-        if len(self._lir) > (1 - self.hir_share) * len(self._resident):
+        top[key] = _LIR
+        top.move_to_end(key)
+        if self._queue.pop(key, 0) is not None:
+            self._parked.pop(key, None)
+        self._lirs += 1
+        if self._lirs > (1 - self.hir_share) * len(self._resident):
             self._demote_oldest()
+
+    def _place(self, key: Hashable) -> None:
+        """An evictable HIR page: queued at the tail if a leaf, parked if inner."""
+        if key in self._children:
+            self._parked[key] = None
+        else:
+            self._queue[key] = None
+
+    def _orphan(self, parent: Hashable) -> None:
+        """A child of `parent` is gone: if it was the last resident one, the
+        parent leaves the parked pages for the head of Q."""
+        children = self._children
+        count = children[parent] - 1
+        if count:
+            children[parent] = count
+            return
+        del children[parent]
+        self._unpark(parent)
+
+    def _unpark(self, parent: Hashable) -> None:
+        """`parent` has no resident child left: from the parked pages to the head of Q."""
+        if self._parked.pop(parent, 0) is None:
+            self._queue[parent] = None
+            self._queue.move_to_end(parent, last=False)
+
+    def _split(self) -> None:
+        """Move S's entries below the oldest LIR page from `_top` to `_tail` (S's
+        order is unchanged), so that `_top` starts at the oldest LIR page."""
+        top = self._top
+        if not top or top[next(iter(top))] == _LIR:
+            return
+        tail, popitem = self._tail, top.popitem
+        while top:
+            key, code = popitem(last=False)
+            if code == _LIR:
+                top[key] = code
+                top.move_to_end(key, last=False)
+                return
+            tail[key] = code
 
     def _demote_oldest(self) -> None:
         """The LIR page read longest ago turns HIR and leaves S."""
-        key, page = self._lir.popitem(last=False)
-        page.lir = False
-        del self._stack[key]
-        self._place(page, head=False)
+        self._split()
+        key = self._top.popitem(last=False)[0]
+        self._lirs -= 1
+        if key not in self._held:
+            self._place(key)
         self._prune()
 
     def _prune(self) -> None:
         """Drop the oldest non-LIR entries of S while S is longer than the resident
         pages and older than the oldest LIR page (none while no page is LIR)."""
-        if not self._lir:
+        if not self._lirs:
             return
-        stack = self._stack
-        extra = len(stack) - len(self._resident)
+        top, tail = self._top, self._tail
+        extra = len(top) + len(tail) - len(self._resident)
         ghosts = 0
-        while extra > 0:
-            key, page = stack.popitem(last=False)
-            if page.lir:  # the oldest LIR page: it stays at the bottom
-                stack[key] = page
-                stack.move_to_end(key, last=False)
-                break
-            extra -= 1
-            if page is _GHOST:
+        while extra > 0 and tail:  # the tail is the oldest part
+            if tail.popitem(last=False)[1] == _GHOST:
                 ghosts += 1
+            extra -= 1
+        if extra > 0 and top[next(iter(top))] != _LIR:
+            popitem = top.popitem
+            while extra > 0:
+                key, code = popitem(last=False)
+                if code == _LIR:  # the oldest LIR page: it stays at the bottom
+                    top[key] = code
+                    top.move_to_end(key, last=False)
+                    break
+                if code == _GHOST:
+                    ghosts += 1
+                extra -= 1
         self._ghosts -= ghosts
+        self._split()
 
     def _drop_ghosts(self) -> None:
         """The older half of the ghosts leave S, in one pass over it."""
         keep = self.ghost_factor * len(self._resident) // 2
-        old = [k for k, p in self._stack.items() if p is _GHOST]
-        for key in old[: max(0, len(old) - keep)]:
-            del self._stack[key]
+        parts = (self._tail, self._top)
+        old = [(k, part) for part in parts for k, code in part.items() if code == _GHOST]
+        for key, part in old[: max(0, len(old) - keep)]:
+            del part[key]
         self._ghosts = min(len(old), keep)
