@@ -81,9 +81,10 @@ class RankTier:
         ]
         if self.mover.zero_copy:
             self._pool_arena = self.agent.register_tensor(self.mover.pool.kv_buffer)
+        staging_rows = c.staging_rows(self.rect_bytes)
         for name in ("read", "write"):
-            arena = self.agent.allocate_arena(c.staging_pages * self.rect_bytes)
-            rows = arena.tensor.view(c.staging_pages, self.rect_bytes)
+            arena = self.agent.allocate_arena(staging_rows * self.rect_bytes)
+            rows = arena.tensor.view(staging_rows, self.rect_bytes)
             self._staging[name] = (arena, rows, asyncio.Lock())
         return self
 
