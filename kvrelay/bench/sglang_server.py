@@ -64,12 +64,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="empty the servers' device and host caches every N turns, "
                         "the L3 kept (0: never)")  # fmt: skip
     parser.add_argument("--restart-every", type=int, default=0, metavar="N",
-                        help="restart the servers every N turns, as a redeploy does (0: never)")  # fmt: skip
+                        help="restart the servers every N turns, as a redeploy does "
+                        "(0: never)")  # fmt: skip
     parser.add_argument("--settle-s", type=float, default=3.0,
-                        help="before a flush or restart: time for the L3 writes to land")  # fmt: skip
+                        help="before a flush or restart: time for the L3 writes "
+                        "to land")  # fmt: skip
     parser.add_argument("--gap-s", type=float, default=0.5,
                         help="idle time before each request, for the previous one's L3 "
-                        "writes (no mode's background work is timed in another's request)")  # fmt: skip
+                        "writes (no mode's background work is timed in another "
+                        "mode's request)")  # fmt: skip
     parser.add_argument(
         "--modes", default=",".join(MODES), help="comma separated, of " + ",".join(MODES)
     )
@@ -103,7 +106,8 @@ class _Mode:
         self.server = SGLangServer(
             model_dir, work / f"sglang-{mode}.log", l3=mode, extra=extra, file_dir=file_dir,
             layout=args.layout, page_size=args.page_size, dtype=args.dtype,
-            device_tokens=args.device_tokens, host_ratio=args.host_ratio, sleep_on_idle=True, threads=args.threads,
+            device_tokens=args.device_tokens, host_ratio=args.host_ratio, sleep_on_idle=True,
+            threads=args.threads,
         )  # fmt: skip
 
     def close(self) -> None:

@@ -137,8 +137,11 @@ def test_kernel_io_backend_moves_mla_rows_through_sglangs_host_pool(layout, monk
         buffer.copy_(torch.randn(buffer.shape).to(buffer.dtype))
     dev, host = _slots([1, 3]), _slots([5, 0])
     pool.backup_from_device_all_layer(None, host, dev, "kernel")
-    rows = (lambda l, h: pool.kv_buffer[l, h]) if layout == "layer_first" else (
-        lambda l, h: pool.kv_buffer[h, l])  # fmt: skip
+
+    def rows(layer: int, slot: int) -> torch.Tensor:
+        first = layout == "layer_first"
+        return pool.kv_buffer[layer, slot] if first else pool.kv_buffer[slot, layer]
+
     for layer in range(LAYERS):
         for d, h in zip(dev.tolist(), host.tolist(), strict=True):
             assert torch.equal(rows(layer, h), device[layer][d])

@@ -164,7 +164,8 @@ def stand_in_host_pool() -> None:
         module = importlib.import_module(name)
         # Only the names the module's own kvcacheio import would have bound.
         source = inspect.getsource(module)
-        wanted = [op for op in DIRECT_TRANSFERS + KERNEL_TRANSFERS if re.search(rf"\b{op}\b", source)]
+        ops = DIRECT_TRANSFERS + KERNEL_TRANSFERS
+        wanted = [op for op in ops if re.search(rf"\b{op}\b", source)]
         unbound = [op for op in wanted if not hasattr(module, op)]
         for op in unbound:
             setattr(module, op, getattr(kernels, op))
