@@ -6,10 +6,12 @@ a system prompt whose contexts grow by a tool output and an answer a turn,
 replayed turn by turn, each session's turn after the others'. The SGLang
 server (CPU engine through `kvrelay.adapters.sglang.cpu`, HiCache with the
 `direct` io backend) gets device and host pools below the workload's working
-set, and every turn (`--flush-every 1`) the servers' device and host caches
-are emptied (`/flush_cache`; the L3 keeps its pages), so that a returning
-turn's context comes from the L3 or is computed: the L3 decides both the hit
-rate and the time to first token. `--restart-every N` restarts the servers
+set, and before every returning request (`--flush request`; `turn`: before
+every turn) the server's device and host caches are emptied
+(`/flush_cache`; the L3 keeps its pages), as when other sessions' traffic
+has evicted a session's context: every returning request's context comes
+from the L3 or is computed, so the L3 decides both the hit rate and the time
+to first token. `--restart-every N` restarts the servers
 every N turns instead, as a redeploy does (the same empty pools, at the cost
 of a server start per mode). Before each request the machine idles
 `--gap-s`, so that no mode's background L3 writes are timed in another
@@ -60,9 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=["layer_first", "page_first_direct"])  # fmt: skip
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per SGLang server (OMP_NUM_THREADS)")  # fmt: skip
-    parser.add_argument("--flush-every", type=int, default=1, metavar="N",
-                        help="empty the servers' device and host caches every N turns, "
-                        "the L3 kept (0: never)")  # fmt: skip
+    parser.add_argument("--flush", default="request", choices=["request", "turn", "never"],
+                        help="empty the servers' device and host caches (the L3 kept) "
+                        "before every request, every turn, or never")  # fmt: skip
     parser.add_argument("--restart-every", type=int, default=0, metavar="N",
                         help="restart the servers every N turns, as a redeploy does "
                         "(0: never)")  # fmt: skip
@@ -153,7 +155,7 @@ def replay(modes: list[str], args, model_dir: Path, spec, work: Path) -> dict:
             served[mode].server.wait_healthy()
         for turn in range(config.turns):
             restart = turn and args.restart_every and turn % args.restart_every == 0
-            flush = turn and args.flush_every and turn % args.flush_every == 0
+            flush = turn and args.flush == "turn"
             if restart or flush:
                 time.sleep(args.settle_s)
             if restart:
@@ -170,6 +172,8 @@ def replay(modes: list[str], args, model_dir: Path, spec, work: Path) -> dict:
                 for mode in modes[k:] + modes[:k]:
                     session = sessions[mode][i]
                     prompt = session.prompt()
+                    if turn and args.flush == "request":
+                        served[mode].server.flush()
                     time.sleep(args.gap_s)
                     started = time.monotonic()
                     reply = served[mode].server.generate(prompt, config.answer_tokens)
@@ -214,8 +218,8 @@ def run(args: argparse.Namespace) -> dict:
               f"{r['serving_s']:.0f}"] for m, r in results.items()]  # fmt: skip
     print(f"{args.sessions} sessions x {args.turns} turns (system {args.system_tokens}, tool "
           f"{args.tool_tokens} tokens), device pool {args.device_tokens} tokens, host x"
-          f"{args.host_ratio}, caches flushed every {args.flush_every or 'never'} and servers "
-          f"restarted every {args.restart_every or 'never'} turns; optimum hit rate "
+          f"{args.host_ratio}, caches flushed every {args.flush}, servers restarted every "
+          f"{args.restart_every or 'never'} turns; optimum hit rate "
           f"{optimum:.3f}, outputs equal across modes: {outputs_equal}")  # fmt: skip
     headers = ["L3", "hit rate", "from L3", "TTFT p50 ms", "TTFT p99 ms", "serving s"]
     print(format_table(headers, table))

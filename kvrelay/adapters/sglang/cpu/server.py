@@ -106,6 +106,8 @@ class SGLangServer:
         if self.sleep_on_idle:
             args.append("--sleep-on-idle")
         if self.hierarchical:
+            if self.layout not in IO_BACKENDS:
+                raise ValueError(f"host layout {self.layout!r}: one of {sorted(IO_BACKENDS)}")
             args += [
                 "--enable-hierarchical-cache", "--hicache-io-backend", IO_BACKENDS[self.layout],
                 "--hicache-mem-layout", self.layout, "--hicache-ratio", str(self.host_ratio),
