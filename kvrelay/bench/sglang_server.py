@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, default=8, help="the random model's")
     parser.add_argument("--kv-heads", type=int, default=2, help="the random model's")
     parser.add_argument("--sessions", type=int, default=4)
-    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--system-tokens", type=int, default=2048)
     parser.add_argument("--user-tokens", type=int, default=128)
     parser.add_argument("--tool-tokens", type=int, default=512)
