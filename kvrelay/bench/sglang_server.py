@@ -6,9 +6,16 @@ a system prompt whose contexts grow by a tool output and an answer a turn,
 replayed turn by turn, each session's turn after the others'. The SGLang
 server (CPU engine through `kvrelay.adapters.sglang.cpu`, HiCache with the
 `direct` io backend) gets device and host pools below the workload's working
-set, so a session's context is evicted from both before its next turn and
-only an L3 can serve it; `--restart-every N` also restarts the server every
-N turns, as a redeploy does (empty device and host pools, the L3 kept).
+set, and before every returning request (`--flush request`; `turn`: before
+every turn) the server's device and host caches are emptied
+(`/flush_cache`; the L3 keeps its pages), as when other sessions' traffic
+has evicted a session's context: every returning request's context comes
+from the L3 or is computed, so the L3 decides both the hit rate and the time
+to first token. `--restart-every N` restarts the servers
+every N turns instead, as a redeploy does (the same empty pools, at the cost
+of a server start per mode). Before each request the machine idles
+`--gap-s`, so that no mode's background L3 writes are timed in another
+mode's request.
 
 Per mode: hit rate (prompt tokens not computed / prompt tokens), the share
 served from the L3 (`cached_tokens_details.storage`), TTFT p50 and p99 (first
@@ -34,13 +41,13 @@ TOKEN = "bench-sglang-server"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="model directory (default: a tiny random Llama)")
-    parser.add_argument("--layers", type=int, default=4, help="the random model's (no --model)")
-    parser.add_argument("--hidden", type=int, default=256, help="the random model's")
-    parser.add_argument("--heads", type=int, default=4, help="the random model's")
+    parser.add_argument("--model", help="model directory (default: a random Llama)")
+    parser.add_argument("--layers", type=int, default=8, help="the random model's (no --model)")
+    parser.add_argument("--hidden", type=int, default=1024, help="the random model's")
+    parser.add_argument("--heads", type=int, default=8, help="the random model's")
     parser.add_argument("--kv-heads", type=int, default=2, help="the random model's")
-    parser.add_argument("--sessions", type=int, default=6)
-    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--sessions", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--system-tokens", type=int, default=2048)
     parser.add_argument("--user-tokens", type=int, default=128)
     parser.add_argument("--tool-tokens", type=int, default=512)
@@ -53,10 +60,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="SGLang's host pool, x the device pool (--hicache-ratio)")  # fmt: skip
     parser.add_argument("--layout", default="layer_first",
                         choices=["layer_first", "page_first_direct"])  # fmt: skip
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per SGLang server (OMP_NUM_THREADS)")  # fmt: skip
+    parser.add_argument("--flush", default="request", choices=["request", "turn", "never"],
+                        help="empty the servers' device and host caches (the L3 kept) "
+                        "before every request, every turn, or never")  # fmt: skip
     parser.add_argument("--restart-every", type=int, default=0, metavar="N",
-                        help="restart the server every N turns (0: never)")  # fmt: skip
+                        help="restart the servers every N turns, as a redeploy does "
+                        "(0: never)")  # fmt: skip
     parser.add_argument("--settle-s", type=float, default=3.0,
-                        help="before a restart: time for the L3 writes to land")  # fmt: skip
+                        help="before a flush or restart: time for the L3 writes "
+                        "to land")  # fmt: skip
+    parser.add_argument("--gap-s", type=float, default=0.5,
+                        help="idle time before each request, for the previous one's L3 "
+                        "writes (no mode's background work is timed in another "
+                        "mode's request)")  # fmt: skip
     parser.add_argument(
         "--modes", default=",".join(MODES), help="comma separated, of " + ",".join(MODES)
     )
@@ -91,6 +109,7 @@ class _Mode:
             model_dir, work / f"sglang-{mode}.log", l3=mode, extra=extra, file_dir=file_dir,
             layout=args.layout, page_size=args.page_size, dtype=args.dtype,
             device_tokens=args.device_tokens, host_ratio=args.host_ratio, sleep_on_idle=True,
+            threads=args.threads,
         )  # fmt: skip
 
     def close(self) -> None:
@@ -107,6 +126,7 @@ def _summary(requests: list, seconds: float) -> dict:
         "storage_hit_rate": sum(r.storage_tokens for _, r in requests) / prompt_tokens,
         "ttft_p50_s": statistics.median(ttfts),
         "ttft_p99_s": _percentile(ttfts, 0.99),
+        "ttfts_s": ttfts,
         "prompt_tokens": prompt_tokens,
         "requests": len(requests),
         "serving_s": seconds,
@@ -134,18 +154,27 @@ def replay(modes: list[str], args, model_dir: Path, spec, work: Path) -> dict:
         for mode in modes:
             served[mode].server.wait_healthy()
         for turn in range(config.turns):
-            if turn and args.restart_every and turn % args.restart_every == 0:
+            restart = turn and args.restart_every and turn % args.restart_every == 0
+            flush = turn and args.flush == "turn"
+            if restart or flush:
                 time.sleep(args.settle_s)
+            if restart:
                 for mode in modes:
                     served[mode].server.stop()
                     served[mode].server.launch()
                 for mode in modes:
                     served[mode].server.wait_healthy()
+            elif flush:
+                for mode in modes:
+                    served[mode].server.flush()
             for i in range(config.sessions):
                 k = (turn * config.sessions + i) % len(modes)  # who goes first rotates
                 for mode in modes[k:] + modes[:k]:
                     session = sessions[mode][i]
                     prompt = session.prompt()
+                    if turn and args.flush == "request":
+                        served[mode].server.flush()
+                    time.sleep(args.gap_s)
                     started = time.monotonic()
                     reply = served[mode].server.generate(prompt, config.answer_tokens)
                     seconds[mode] += time.monotonic() - started
@@ -170,8 +199,9 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit("kvrelay bench sglang-server: sizes must be >= 1")
     work = Path(args.out or tempfile.mkdtemp(prefix="kvrelay-bench-sglang-"))
     work.mkdir(parents=True, exist_ok=True)
-    # The default model costs enough compute per token that recomputing a
-    # context is slower than reading its KV (GQA: 2 KV heads of 64).
+    # The default model costs enough compute per token (about 0.15 GFLOP)
+    # that a returning turn's prefill is most of its time to first token, so
+    # the prefill an L3 saves shows in TTFT (GQA: 2 KV heads of 128).
     random_model = RandomModelSpec(layers=args.layers, hidden=args.hidden, heads=args.heads,
                                    kv_heads=args.kv_heads, seed=9)  # fmt: skip
     model_dir = Path(args.model or write_model(work / "llama", random_model))
@@ -188,7 +218,8 @@ def run(args: argparse.Namespace) -> dict:
               f"{r['serving_s']:.0f}"] for m, r in results.items()]  # fmt: skip
     print(f"{args.sessions} sessions x {args.turns} turns (system {args.system_tokens}, tool "
           f"{args.tool_tokens} tokens), device pool {args.device_tokens} tokens, host x"
-          f"{args.host_ratio}, restart every {args.restart_every or 'never'}; optimum hit rate "
+          f"{args.host_ratio}, caches flushed every {args.flush}, servers restarted every "
+          f"{args.restart_every or 'never'} turns; optimum hit rate "
           f"{optimum:.3f}, outputs equal across modes: {outputs_equal}")  # fmt: skip
     headers = ["L3", "hit rate", "from L3", "TTFT p50 ms", "TTFT p99 ms", "serving s"]
     print(format_table(headers, table))

@@ -136,6 +136,10 @@ def test_mha_tp2_pages_read_by_tp1_tp4_and_pp2(cache_servers, opened):
     stats = readers[0][0].get_stats()
     assert stats.kvrelay["hit_pages"] == PAGES and stats.prefetch_pgs == [PAGES]
     assert stats.kvrelay["bytes_read"] == PAGES * MHA_PAGE_BYTES
+    # The staged reader's pages came with its lookup (batch_exists); the
+    # zero-copy one's straight into its pool on the get.
+    assert stats.kvrelay["read_ahead_pages"] == PAGES
+    assert readers[5][0].get_stats().kvrelay["read_ahead_pages"] == 0
 
 
 @pytest.mark.parametrize("cache_servers", [MLA_PAGE_BYTES], indirect=True)
@@ -182,7 +186,7 @@ async def test_plain_interface_kvrelay_client_and_killed_server(cache_servers, o
     assert backend.batch_set(keys, flats) is True
     reader, rpool, *_ = _rank(opened, cache_servers, "page_head", mla=False)
     got = reader.batch_get(keys, [rpool.get_dummy_flat_data_page() for _ in keys])
-    assert all(g is not None for g in got) and reader.exists(keys[0])
+    assert all(g is not None for g in got) and backend.exists(keys[0])
     rindices = _host_indices(rpool, PAGES)
     for i, flat in enumerate(got):
         rpool.set_from_flat_data_page(int(rindices[i * PAGE]), flat)

@@ -3,13 +3,14 @@ patches as a process applies them (SGLang imported after `apply()`)."""
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from kvrelay.adapters.sglang.cpu import kernels
+from kvrelay.adapters.sglang.cpu import kernels, patches
 
 PAGE, LAYERS, HEADS, DIM = 4, 3, 2, 5
 
@@ -78,6 +79,94 @@ def test_page_first_direct_transfers_both_ways():
     assert torch.equal(back_v[target], device_v[1][dev])
 
 
+def _host_slot(pool, layout: str, kv: int, layer: int, slot: int) -> torch.Tensor:
+    """Plain indexing of one token's heads in a host pool, per layout."""
+    page, token = divmod(slot, pool.page_size)
+    return {
+        "layer_first": lambda: pool.kv_buffer[kv, layer, slot],
+        "page_first": lambda: pool.kv_buffer[kv, slot, layer],
+        "page_head": lambda: pool.kv_buffer[kv, page, :, token, layer],
+    }[layout]()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_head"])
+def test_kernel_io_backend_backs_up_and_loads_through_sglangs_host_pool(layout, monkeypatch):
+    """SGLang's own MHA host pool drives the stand-ins (`kernel` io backend)."""
+    from tests.adapters import sglang_env as env  # first: it readies SGLang's import
+
+    mha = importlib.import_module("sglang.srt.mem_cache.pool_host.mha")
+
+    for op in patches.KERNEL_TRANSFERS:
+        monkeypatch.setattr(mha, op, getattr(kernels, op), raising=False)
+    pool = env.mha_pool(layout, heads=HEADS, layers=LAYERS, start_layer=0, page_size=PAGE,
+                        head_dim=8, dtype=torch.bfloat16, device_tokens=8 * PAGE)  # fmt: skip
+    device_k, device_v = pool.device_k_buffers, pool.device_v_buffers
+    for buffer in (*device_k, *device_v):
+        buffer.copy_(torch.randn(buffer.shape).to(buffer.dtype))
+    dev, host = _slots([2, 5, 6]), _slots([9, 1, 4])
+    pool.backup_from_device_all_layer(None, host, dev, "kernel")
+    for layer in range(LAYERS):
+        for kv, device in ((0, device_k), (1, device_v)):
+            for d, h in zip(dev.tolist(), host.tolist(), strict=True):
+                assert torch.equal(_host_slot(pool, layout, kv, layer, h), device[layer][d])
+    assert not _host_slot(pool, layout, 0, 0, _slots([0])[1].item()).any()  # untouched
+    target = _slots([0, 7, 3])
+    for buffer in (*device_k, *device_v):
+        buffer.zero_()
+    for layer in range(LAYERS):
+        pool.load_to_device_per_layer(None, host, target, layer, "kernel")
+    for layer in range(LAYERS):
+        for kv, device in ((0, device_k), (1, device_v)):
+            for d, h in zip(target.tolist(), host.tolist(), strict=True):
+                assert torch.equal(device[layer][d], _host_slot(pool, layout, kv, layer, h))
+    assert not device_k[0][_slots([1])].any()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_kernel_io_backend_moves_mla_rows_through_sglangs_host_pool(layout, monkeypatch):
+    from tests.adapters import sglang_env as env  # first: it readies SGLang's import
+
+    mla = importlib.import_module("sglang.srt.mem_cache.pool_host.mla")
+
+    for op in patches.KERNEL_TRANSFERS:
+        monkeypatch.setattr(mla, op, getattr(kernels, op), raising=False)
+    pool = env.mla_pool(layout, layers=LAYERS, start_layer=0, page_size=PAGE, width=16,
+                        dtype=torch.bfloat16)  # fmt: skip
+    device = pool.device_kv_buffers  # one [slot, 1, width] buffer per layer
+    for buffer in device:
+        buffer.copy_(torch.randn(buffer.shape).to(buffer.dtype))
+    dev, host = _slots([1, 3]), _slots([5, 0])
+    pool.backup_from_device_all_layer(None, host, dev, "kernel")
+
+    def rows(layer: int, slot: int) -> torch.Tensor:
+        first = layout == "layer_first"
+        return pool.kv_buffer[layer, slot] if first else pool.kv_buffer[slot, layer]
+
+    for layer in range(LAYERS):
+        for d, h in zip(dev.tolist(), host.tolist(), strict=True):
+            assert torch.equal(rows(layer, h), device[layer][d])
+    for buffer in device:
+        buffer.zero_()
+    target = _slots([2, 0])
+    for layer in range(LAYERS):
+        pool.load_to_device_per_layer(None, host, target, layer, "kernel")
+        assert torch.equal(device[layer][target], torch.stack([rows(layer, h) for h in host]))
+
+
+def test_kernel_ops_skip_negative_rows_and_refuse_bad_sizes():
+    src, dst = torch.randn(6, 4), torch.zeros(6, 4)
+    kernels.transfer_kv_per_layer(src, dst, src, dst.clone(), torch.tensor([1, -1, 2]),
+                                  torch.tensor([0, 3, -1]), 16)  # fmt: skip
+    assert torch.equal(dst[0], src[1]) and not dst[1:].any()
+    with pytest.raises(ValueError, match="not whole rows"):
+        kernels.transfer_kv_per_layer_ph_lf(src, dst, src, dst, torch.tensor([0]),
+                                            torch.tensor([0]), 0, 15, 30, 2, 2)  # fmt: skip
+    with pytest.raises(ValueError, match="address table"):
+        table = torch.tensor([src.data_ptr()], dtype=torch.uint64)
+        kernels.transfer_kv_all_layer(table, table, table, table, torch.tensor([0]),
+                                      torch.tensor([1]), 16, 2)  # fmt: skip
+
+
 def test_a_process_gets_the_stand_ins_and_sglang_imports_them():
     """In a fresh process (SGLang's CPU engine on), as the launcher applies it."""
     code = (
@@ -91,6 +180,7 @@ def test_a_process_gets_the_stand_ins_and_sglang_imports_them():
         "assert allocation.assign_req_to_token_pool_cpu is kernels.assign_req_to_token_pool_cpu\n"
         "assert cache_move.copy_all_layer_kv_cache_cpu is kernels.copy_all_layer_kv_cache_cpu\n"
         "assert mha.transfer_kv_direct is kernels.transfer_kv_direct\n"
+        "assert mha.transfer_kv_all_layer_lf_ph is kernels.transfer_kv_all_layer_lf_ph\n"
         "import sgl_kernel\n"
         "try:\n"
         "    sgl_kernel.verify_tree_greedy_cpu()\n"
@@ -112,4 +202,5 @@ def test_a_process_gets_the_stand_ins_and_sglang_imports_them():
     log = done.stderr
     assert "pure-torch copy_all_layer_kv_cache_cpu, assign_req_to_token_pool_cpu" in log
     assert "mha host pool: pure-torch transfer_kv_direct" in log
+    assert "transfer_kv_per_layer_ph_lf" in log and "transfer_kv_all_layer_mla_lf_pf" in log
     assert "HiCache host pools are not pinned" in log

@@ -120,13 +120,13 @@ def tier(model, tmp_path_factory):
     tier.server.stop()
 
 
-def sglang_server(model, tier, tmp_path_factory, layout) -> SGLangServer:
+def sglang_server(model, tier, tmp_path_factory, layout, tp=1) -> SGLangServer:
     model_dir, spec = model
     identity = {"model_id": spec.model_id, "weights_fingerprint": spec.weights_fingerprint}
     extra = kvrelay_extra([tier.listen], TOKEN, timeout_s=3.0, **identity)
-    log = tmp_path_factory.mktemp("logs") / f"sglang-{layout}.log"
+    log = tmp_path_factory.mktemp("logs") / f"sglang-{layout}-tp{tp}.log"
     return SGLangServer(model_dir, log, extra=extra, layout=layout, page_size=PAGE,
-                        dtype=DTYPE).start()  # fmt: skip
+                        dtype=DTYPE, tp=tp).start()  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +170,24 @@ def kvrelay_kv(model_dir, prompt, dtype: str, pages: int) -> torch.Tensor:
     return arena[:pages].view(getattr(torch, dtype)).float().view(shape)
 
 
+def assert_kv_within_rounding(model, prompt, pages: torch.Tensor, found: int) -> None:
+    """Pages an SGLang server wrote against kvrelay's KV computed cold from the
+    same weights, position by position. Two engines in bfloat16 round at
+    different points, and the second layer sees the first's rounding; the
+    measure of "equal to the dtype's rounding" is kvrelay's own bfloat16 KV's
+    distance from its float32 KV, per layer, which SGLang's must not exceed
+    by more than half again."""
+    model_dir, spec = model
+    truth = kvrelay_kv(model_dir, prompt, "float32", found)
+    own = kvrelay_kv(model_dir, prompt, DTYPE, found)
+    got = pages.view(torch.bfloat16).float().view(own.shape)
+    for layer in range(spec.num_layers):
+        theirs = (got[:, :, layer] - truth[:, :, layer]).abs()
+        ours = (own[:, :, layer] - truth[:, :, layer]).abs()
+        assert theirs.mean() <= 1.5 * ours.mean(), (layer, theirs.mean(), ours.mean())
+        assert theirs.max() <= 1.5 * ours.max(), (layer, theirs.max(), ours.max())
+
+
 def kvrelay_workers(model_dir, control, cache_address):
     common = ["--model", model_dir, "--control", control.url, "--token", TOKEN,
               "--backend", "tcp", "--num-pages", 256, "--page-size", PAGE, "--dtype", DTYPE,
@@ -180,24 +198,12 @@ def kvrelay_workers(model_dir, control, cache_address):
 
 
 def test_pages_are_shared_with_kvrelay_workers_both_ways(model, sglang, tier):
-    model_dir, spec = model
+    model_dir = model[0]
     prompt = prompt_tokens(PROMPT, seed=101)  # the previous test's: SGLang wrote its pages
     found, sglang_pages = tier.read(prompt)
     assert found == full_pages(prompt)
-    # SGLang's KV against kvrelay's computed cold from the same weights,
-    # position by position. Two engines in bfloat16 round at different
-    # points, and the second layer sees the first's rounding; the measure of
-    # "equal to the dtype's rounding" is kvrelay's own bfloat16 KV's distance
-    # from its float32 KV, per layer, which SGLang's must not exceed by more
-    # than half again.
-    truth = kvrelay_kv(model_dir, prompt, "float32", found)
-    own = kvrelay_kv(model_dir, prompt, DTYPE, found)
-    got = sglang_pages.view(torch.bfloat16).float().view(own.shape)
-    for layer in range(spec.num_layers):
-        theirs = (got[:, :, layer] - truth[:, :, layer]).abs()
-        ours = (own[:, :, layer] - truth[:, :, layer]).abs()
-        assert theirs.mean() <= 1.5 * ours.mean(), (layer, theirs.mean(), ours.mean())
-        assert theirs.max() <= 1.5 * ours.max(), (layer, theirs.max(), ours.max())
+    # SGLang's KV against kvrelay's computed cold from the same weights.
+    assert_kv_within_rounding(model, prompt, sglang_pages, found)
 
     control = fc.FakeControl()
     workers = []
@@ -255,15 +261,58 @@ def test_cache_server_faults_are_misses_and_corrupt_pages_are_never_served(sglan
     seen["p2"] = cold.output_ids
 
 
-def test_a_fresh_server_in_another_host_layout_reads_the_pages(model, tier, sglang,
-                                                              tmp_path_factory):  # fmt: skip
-    sglang.stop()  # one SGLang server at a time
+def test_servers_of_other_host_layouts_and_tp2_share_the_pages(model, tier, sglang,
+                                                                tmp_path_factory):  # fmt: skip
+    """One server at a time (2 cores), each reading what a server of another
+    shape wrote: layer_first (the module's server) -> page_first_direct
+    (direct io) and page_first (kernel io) read its pages; page_first writes
+    a new prompt's, which a TP=2 server reads; the TP=2 server writes
+    another's, which a page_head server (kernel io) reads. Outputs are
+    compared between servers of one TP size (TP=2 sums its row-parallel
+    matmuls in another order); the KV TP=2 wrote is checked position by
+    position."""
+    sglang.stop()
     assert "p2" in seen, "needs the pages and output of the previous test"
-    server = sglang_server(model, tier, tmp_path_factory, "page_first_direct")
+    p2 = prompt_tokens(PROMPT, seed=202)
+    p3, p4 = prompt_tokens(PROMPT, seed=404), prompt_tokens(PROMPT, seed=505)
+
+    def serve(layout, tp=1):
+        return sglang_server(model, tier, tmp_path_factory, layout, tp=tp)
+
+    for layout in ("page_first_direct", "page_first"):
+        server = serve(layout)
+        try:
+            reply = server.generate(p2, NEW)
+            assert_from_storage(reply, p2)
+            assert reply.output_ids == seen["p2"], layout
+            if layout == "page_first":
+                cold = server.generate(p3, NEW)
+                assert cold.cached_tokens == 0
+                tier.wait_pages(p3, full_pages(p3))
+                seen["p3"] = cold.output_ids
+        finally:
+            server.stop()
+
+    server = serve("layer_first", tp=2)
     try:
-        fresh = prompt_tokens(PROMPT, seed=202)
-        reply = server.generate(fresh, NEW)
-        assert_from_storage(reply, fresh)
-        assert reply.output_ids == seen["p2"]
+        reply = server.generate(p3, NEW)
+        assert_from_storage(reply, p3)  # each rank read its head of TP=1's pages
+        assert len(reply.output_ids) == NEW
+        cold = server.generate(p4, NEW)
+        assert cold.cached_tokens == 0
+        tier.wait_pages(p4, full_pages(p4))  # sealed: both ranks wrote their heads
+    finally:
+        server.stop()
+    found, pages = tier.read(p4)
+    assert found == full_pages(p4)
+    assert_kv_within_rounding(model, p4, pages, found)
+
+    server = serve("page_head")
+    try:
+        reply = server.generate(p4, NEW)
+        assert_from_storage(reply, p4)
+        reply = server.generate(p3, NEW)
+        assert_from_storage(reply, p3)
+        assert reply.output_ids == seen["p3"]
     finally:
         server.stop()

@@ -15,6 +15,11 @@ SGLANG_KEYS = frozenset(
 Positive = Annotated[int, msgspec.Meta(gt=0)]
 Address = Annotated[str, msgspec.Meta(pattern=r":[0-9]+$")]  # "host:port"
 
+# SGLang's cache controller asks for at most this many pages per storage call
+# (hicache_storage.STORAGE_BATCH_SIZE).
+SGLANG_BATCH_PAGES = 128
+STAGING_BYTES_CAP = 256 << 20
+
 
 class AdapterConfigError(ValueError):
     """An extra config the adapter cannot run with (missing, mistyped or unknown keys)."""
@@ -30,6 +35,10 @@ class AdapterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     `num_layers` / `num_kv_heads` are the model's global counts, needed when a
     rank sees only part of them (PP, or TP beyond the KV heads) and otherwise
     taken from the pool. Every call returns within about `timeout_s`.
+    `staging_pages` sizes each staging arena (reads, writes) in pages; unset,
+    it holds one SGLang storage batch (`SGLANG_BATCH_PAGES`) so that a batch
+    moves in one round of server calls, fewer when that exceeds
+    `STAGING_BYTES_CAP`.
     """
 
     servers: Annotated[tuple[Address, ...], msgspec.Meta(min_length=1)]
@@ -41,7 +50,13 @@ class AdapterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_layers: Positive | None = None
     num_kv_heads: Positive | None = None
     timeout_s: Annotated[float, msgspec.Meta(gt=0, le=600)] = 5.0
-    staging_pages: Positive = 64
+    staging_pages: Positive | None = None
+
+    def staging_rows(self, rect_bytes: int) -> int:
+        """Pages per staging arena for rectangles of `rect_bytes`."""
+        if self.staging_pages is not None:
+            return self.staging_pages
+        return max(1, min(SGLANG_BATCH_PAGES, STAGING_BYTES_CAP // rect_bytes))
 
     @classmethod
     def from_extra_config(cls, extra: dict | None) -> AdapterConfig:

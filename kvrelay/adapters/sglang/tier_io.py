@@ -21,6 +21,7 @@ import torch
 
 from kvrelay.adapters.sglang.config import AdapterConfig
 from kvrelay.adapters.sglang.pool_io import PoolMover
+from kvrelay.adapters.sglang.read_ahead import ReadAhead
 from kvrelay.cache.client import CacheClient, CacheClientConfig
 from kvrelay.layout import ModelKVSpec, Rectangle
 from kvrelay.transfer import create_agent
@@ -39,6 +40,7 @@ class AdapterStats:
     bytes_read: int = 0  # rectangle bytes brought into the host pool
     bytes_written: int = 0  # rectangle bytes pushed to the tier
     exists_calls: int = 0
+    read_ahead_pages: int = 0  # of hit_pages, pulled by the lookup (batch_exists) before
     errors: int = 0  # server calls answered as misses or failed writes
     timeouts: int = 0  # adapter calls cut at their time bound
 
@@ -68,6 +70,8 @@ class RankTier:
         self.clients: list[tuple[CacheClient, int]] = []
         self._pool_arena = None
         self._staging: dict[str, tuple[object, torch.Tensor, asyncio.Lock]] = {}
+        self.ahead: ReadAhead | None = None
+        self._ahead_lock = asyncio.Lock()
 
     async def start(self) -> RankTier:
         c = self.config
@@ -81,10 +85,15 @@ class RankTier:
         ]
         if self.mover.zero_copy:
             self._pool_arena = self.agent.register_tensor(self.mover.pool.kv_buffer)
+        staging_rows = c.staging_rows(self.rect_bytes)
         for name in ("read", "write"):
-            arena = self.agent.allocate_arena(c.staging_pages * self.rect_bytes)
-            rows = arena.tensor.view(c.staging_pages, self.rect_bytes)
+            arena = self.agent.allocate_arena(staging_rows * self.rect_bytes)
+            rows = arena.tensor.view(staging_rows, self.rect_bytes)
             self._staging[name] = (arena, rows, asyncio.Lock())
+        if not self.mover.zero_copy:  # a zero-copy pool takes pages straight in
+            ahead_rows = 2 * staging_rows  # a prefetch's lookups, two batches deep
+            arena = self.agent.allocate_arena(ahead_rows * self.rect_bytes)
+            self.ahead = ReadAhead(arena, self.rect_bytes, ahead_rows)
         return self
 
     async def close(self) -> None:
@@ -102,10 +111,18 @@ class RankTier:
 
     # -- lookups ----------------------------------------------------------------
     async def exists(self, keys: Sequence[bytes]) -> int:
-        """Sealed prefix: a page counts once every rectangle of it is in."""
+        """Sealed prefix: a page counts once every rectangle of it is in. With a
+        read-ahead arena the prefix's rectangles are pulled into it as well."""
         self.stats.exists_calls += 1
         before = self._errors()
-        prefix = await self.clients[0][0].count_prefix(keys)
+        if self.ahead is None or len(keys) > self.ahead.capacity:
+            prefix = await self.clients[0][0].count_prefix(keys)
+        else:
+            async with self._ahead_lock:
+                start = self.ahead.block(len(keys))
+                bases = self.ahead.bases(start, len(keys))
+                prefix = await self._lookup(keys, self.ahead.arena, bases)
+                self.ahead.hold(keys[:prefix], start)
         self.stats.errors += self._errors() - before
         return prefix
 
@@ -126,11 +143,20 @@ class RankTier:
                 keys, self._pool_arena, self.mover.zero_copy_offsets(pages)
             )
         page = self.mover.page_size
+        held = self.ahead.prefix(keys) if self.ahead is not None else None
+        ahead = 0 if held is None else len(held)
+        if ahead:  # no await before the copy: the rows cannot be reused under it
+            self.mover.scatter(held, host_indices[: ahead * page], ahead)
+            self.stats.read_ahead_pages += ahead
+            self.stats.bytes_read += ahead * self.rect_bytes
+        if ahead == len(keys):
+            return ahead
+        rest = host_indices[ahead * page :]
 
         def scatter(rows: torch.Tensor, start: int, n: int) -> None:
-            self.mover.scatter(rows, host_indices[start * page : (start + n) * page], n)
+            self.mover.scatter(rows, rest[start * page : (start + n) * page], n)
 
-        return await self.read_staged(keys, scatter)
+        return ahead + await self.read_staged(keys[ahead:], scatter)
 
     async def read_staged(
         self, keys: Sequence[bytes], consume: Callable[[torch.Tensor, int, int], None]
@@ -203,5 +229,7 @@ class RankTier:
         return not failed
 
     async def clear(self) -> None:
-        """Drop this model namespace's pages from every server."""
+        """Drop this model namespace's pages from every server (and from the read-ahead)."""
+        if self.ahead is not None:
+            self.ahead.forget()
         await self.clients[0][0].admin_flush(self.spec.namespace())

@@ -10,9 +10,12 @@ process SGLang starts) and logs one line per stand-in it applies:
   (`kernels.py`) takes its place; the speculative-decoding ops SGLang's
   scheduler imports are stubs that refuse when called, and any other name
   asked of it fails as a missing name would.
-* HiCache's direct host<->device transfers (`transfer_kv_direct` and the
-  page_first_direct pair): its MHA/MLA host pools import them from
-  `sgl_kernel.kvcacheio` on CUDA/HIP only, so on CPU they are unbound names.
+* HiCache's host<->device transfers, those of the `direct` io backend
+  (`transfer_kv_direct` and the page_first_direct pair) and those of the
+  `kernel` io backend (per-layer loads and all-layer backups for the
+  layer_first, page_first and page_head host layouts, MHA and MLA): its host
+  pools import them from `sgl_kernel.kvcacheio` on CUDA/HIP only, so on CPU
+  they are unbound names.
 * Host-pool pinning: pools pin through `torch.cuda.cudart()` and allocate
   dummy pages with `pin_memory=True`; with no accelerator there is nothing to
   pin for, so pools are built unpinned.
@@ -25,7 +28,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.machinery
+import inspect
 import logging
+import re
 import sys
 import types
 
@@ -54,6 +59,18 @@ DIRECT_TRANSFERS = (
     "transfer_kv_direct",
     "transfer_kv_per_layer_direct_pf_lf",
     "transfer_kv_all_layer_direct_lf_pf",
+)
+KERNEL_TRANSFERS = (
+    "transfer_kv_per_layer",
+    "transfer_kv_per_layer_pf_lf",
+    "transfer_kv_per_layer_ph_lf",
+    "transfer_kv_all_layer",
+    "transfer_kv_all_layer_lf_pf",
+    "transfer_kv_all_layer_lf_ph",
+    "transfer_kv_per_layer_mla",
+    "transfer_kv_per_layer_mla_pf_lf",
+    "transfer_kv_all_layer_mla",
+    "transfer_kv_all_layer_mla_lf_pf",
 )
 HOST_POOL_MODULES = ("sglang.srt.mem_cache.pool_host.mha", "sglang.srt.mem_cache.pool_host.mla")
 
@@ -145,7 +162,11 @@ def stand_in_host_pool() -> None:
 
     for name in HOST_POOL_MODULES:
         module = importlib.import_module(name)
-        unbound = [op for op in DIRECT_TRANSFERS if not hasattr(module, op)]
+        # Only the names the module's own kvcacheio import would have bound.
+        source = inspect.getsource(module)
+        ops = DIRECT_TRANSFERS + KERNEL_TRANSFERS
+        wanted = [op for op in ops if re.search(rf"\b{op}\b", source)]
+        unbound = [op for op in wanted if not hasattr(module, op)]
         for op in unbound:
             setattr(module, op, getattr(kernels, op))
         if unbound:

@@ -24,9 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 L3_KINDS = ("kvrelay", "file", "none")
-# The host layouts SGLang's `direct` HiCache transfers support (and the CPU
-# layer stands in for): per-layer token slots, and whole pages of all layers.
-DIRECT_LAYOUTS = ("layer_first", "page_first_direct")
+# HiCache's io backend per host layout (both stood in for by the CPU layer):
+# `direct` moves per-layer token slots and whole pages of all layers, the
+# `kernel` backend token rows of page_first and page_head pools.
+IO_BACKENDS = {
+    "layer_first": "direct",
+    "page_first_direct": "direct",
+    "page_first": "kernel",
+    "page_head": "kernel",
+}
 
 
 def free_port() -> int:
@@ -70,6 +76,12 @@ class SGLangServer:
     device_tokens: int = 8192  # --max-total-tokens
     host_ratio: float = 2.0  # host pool = ratio x device pool
     hierarchical: bool = True
+    tp: int = 1  # tensor parallel ranks (gloo on CPU), one core each
+    # torch's intra-op threads per rank (OMP_NUM_THREADS); None: torch's
+    # default, every core. On a shared host one thread keeps a rank's time
+    # steady: OpenMP threads that wait on each other at every op stall
+    # whenever a neighbour holds one of their cores.
+    threads: int | None = None
     # Requests wait for their L3 prefetch to finish: the hit is what the L3
     # holds, not what it delivers before a deadline (SGLang's default).
     prefetch_policy: str = "wait_complete"
@@ -89,13 +101,15 @@ class SGLangServer:
             "--attention-backend", "torch_native", "--disable-cuda-graph",
             "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(self.port),
             "--max-total-tokens", str(self.device_tokens), "--page-size", str(self.page_size),
-            "--log-level", "info",
+            "--log-level", "info", "--tp-size", str(self.tp),
         ]  # fmt: skip
         if self.sleep_on_idle:
             args.append("--sleep-on-idle")
         if self.hierarchical:
+            if self.layout not in IO_BACKENDS:
+                raise ValueError(f"host layout {self.layout!r}: one of {sorted(IO_BACKENDS)}")
             args += [
-                "--enable-hierarchical-cache", "--hicache-io-backend", "direct",
+                "--enable-hierarchical-cache", "--hicache-io-backend", IO_BACKENDS[self.layout],
                 "--hicache-mem-layout", self.layout, "--hicache-ratio", str(self.host_ratio),
                 "--hicache-size", "0",
             ]  # fmt: skip
@@ -118,6 +132,13 @@ class SGLangServer:
         then import and load side by side)."""
         self.port = self.port or free_port()
         env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
+        if self.threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        if self.tp > 1:  # SGLang binds each rank's threads to its cores ("0|1")
+            cores = os.cpu_count() or 1
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
+                str(rank % cores) for rank in range(self.tp)
+            )
         if self.l3 == "file":
             if self.file_dir is None:
                 raise ValueError("the file L3 needs file_dir")
