@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -127,7 +128,14 @@ def test_prefill_on_one_host_decode_on_another(model_dirs, tmp_path, two_hosts):
         assert cached["local"] + cached["tier"] >= len(prompt) // PAGE * PAGE
         s = stats_on_a(two_hosts, url)
         assert s["errors"] == 0 and s["completed"] == 2
-        moved = next(n for n in s["nodes"] if n["role"] == "decode")["counters"]
+        # A worker's counters reach control with its heartbeats (1 s apart).
+        deadline = time.monotonic() + 15
+        while True:
+            moved = next(n for n in s["nodes"] if n["role"] == "decode")["counters"]
+            if moved.get("bytes_from_prefill", 0) > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+            s = stats_on_a(two_hosts, url)
         assert moved.get("bytes_from_prefill", 0) > 0
     finally:
         cluster.stop()
