@@ -42,6 +42,3 @@ class HandoffGrant(Message, tag="handoff_grant"):
     lease that ends when the reader releases it or the hold expires."""
 
     handle: bytes
-
-
-HandoffRequest = HandoffPull

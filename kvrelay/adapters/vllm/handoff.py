@@ -31,7 +31,7 @@ from kvrelay import rpc
 from kvrelay.adapters.vllm.blocks import BlockLayoutError
 from kvrelay.rpc.handoff_ops import HandoffGrant, HandoffPull, HandoffWelcome
 from kvrelay.transfer.errors import LeaseExpired
-from kvrelay.transfer.handle import BlockHandle
+from kvrelay.transfer.handle import BlockHandle, coalesce
 
 log = logging.getLogger("kvrelay.adapters.vllm")
 
@@ -102,15 +102,12 @@ def paired_runs(
         local.layer_offsets
     ):
         raise BlockLayoutError("the prefill's blocks are not shaped like the decode's")
-    pairs: list[list[int]] = []
-    for rb, lb in zip(remote_blocks, local_blocks, strict=True):
-        for ro, lo in zip(remote.layer_offsets, local.layer_offsets, strict=True):
-            r, lc = ro + rb * remote.block_stride, lo + lb * local.block_stride
-            last = pairs[-1] if pairs else None
-            if last and last[0] + last[2] == r and last[1] + last[2] == lc:
-                last[2] += remote.block_bytes
-            else:
-                pairs.append([r, lc, remote.block_bytes])
+    size = remote.block_bytes
+    pairs = coalesce([
+        (ro + rb * remote.block_stride, lo + lb * local.block_stride, size)
+        for rb, lb in zip(remote_blocks, local_blocks, strict=True)
+        for ro, lo in zip(remote.layer_offsets, local.layer_offsets, strict=True)
+    ])  # fmt: skip
     return [(r, n) for r, _, n in pairs], [lc for _, lc, _ in pairs]
 
 
