@@ -1,14 +1,15 @@
 """`kvrelay bench vllm`: real vLLM engines (CPU) with `KvrelayConnector`,
 against vLLM's own `NixlConnector`, in one run.
 
-(a) P/D handoff: per connector a prefill engine and a decode engine, all four
-alive at once; each prompt (1K to 16K tokens by default) goes to a prefill
-with `max_tokens=1` and `{"do_remote_decode": true}`, then with the returned
-`kv_transfer_params` to the decode, kvrelay's pair and NIXL's in turn (the
-first alternating), so both share the host's load. Per request: the decode's
-time to first token (vLLM's own: arrival to first token, which includes the
-KV transfer) and the transfer time (kvrelay: the connector's pull; NIXL: its
-`vllm:nixl_xfer_time_seconds`).
+(a) P/D handoff: per connector a prefill engine and a decode engine, one
+pair running at a time (an idle pair's own polling must not slow the
+other's); each prompt (1K to 16K tokens by default) goes to the prefill with
+`max_tokens=1` and `{"do_remote_decode": true}`, then with the returned
+`kv_transfer_params` to the decode. Per request: the decode's time to first
+token (vLLM's own: arrival to first token, which includes the KV transfer)
+and the transfer time (kvrelay: the connector's pull; NIXL: its
+`vllm:nixl_xfer_time_seconds`); per pair, the CPU its two engines use while
+idle.
 
 (b) Reuse: a kvrelay cache server; one engine computes every prompt cold
 (its pages go to the tier), then a fresh engine gets the same prompts: the
@@ -176,28 +177,56 @@ def warm_up(args, sizes: list[int]) -> list[int]:
     return [rnd.randrange(512) for _ in range(min(sizes))]
 
 
-def run_pd(args, names, model_dir, work, asks, sizes) -> dict:
-    pairs = {name: pd_pair(name, args, model_dir, work) for name in names}
-    out = {name: [] for name in names}
-    try:
-        for pair in pairs.values():
-            for engine in pair:
+def run_pd(args, names, model_dir, work, asks, sizes) -> tuple[dict, dict]:
+    """Each connector's pair alone (the other's engines are not running: an
+    idle NIXL engine keeps a thread polling, about half a core, which would
+    slow the other pair's copy and forward on a small host). Returns the
+    replies and each pair's idle CPU (cores, measured between requests)."""
+    out, idle = {}, {}
+    for name in names:
+        prefill, decode = pd_pair(name, args, model_dir, work)
+        out[name] = []
+        try:
+            for engine in (prefill, decode):
                 engine.ready()
-        for i, tokens in enumerate([warm_up(args, sizes), *asks]):
-            order = names if i % 2 == 0 else names[::-1]
-            for name in order:
-                prefill, decode = pairs[name]
+            for i, tokens in enumerate([warm_up(args, sizes), *asks]):
                 held = prefill.ask(tokens, 1, {"do_remote_decode": True})
                 params = dict(held["kv_transfer_params"] or {})
                 params.pop("remote_prefill_cached_tokens", None)  # report the decode's own
                 reply = decode.ask(tokens, args.decode_tokens, params)
                 if i:
                     out[name].append(reply | {"size": len(tokens), "first": held["tokens"][:1]})
-    finally:
-        for pair in pairs.values():
-            for engine in pair:
+                else:
+                    time.sleep(1.0)  # the handoff's release settles, then the pair idles
+                    idle[name] = idle_cores([prefill.process.pid, decode.process.pid])
+        finally:
+            for engine in (prefill, decode):
                 engine.close()
-    return out
+    return out, idle
+
+
+def _cpu_seconds(pids) -> float:
+    """CPU time of the processes and all their descendants (Linux /proc)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total, todo = 0.0, list(pids)
+    while todo:
+        pid = todo.pop()
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / ticks
+            with open(f"/proc/{pid}/task/{pid}/children") as children:
+                todo.extend(int(c) for c in children.read().split())
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+def idle_cores(pids, seconds: float = 3.0) -> float:
+    """Cores the idle processes (and their children) keep busy."""
+    before = _cpu_seconds(pids)
+    time.sleep(seconds)
+    return (_cpu_seconds(pids) - before) / seconds
 
 
 def run_reuse(args, model_dir, work, asks, spec, sizes) -> tuple[list[dict], list[dict]]:
@@ -205,7 +234,7 @@ def run_reuse(args, model_dir, work, asks, spec, sizes) -> tuple[list[dict], lis
     a second engine, started beside it but asked only afterwards, takes them."""
     from kvrelay.cache.launch import CacheServerProcess
 
-    pages = sum(-(-len(t) // BLOCK) for t in asks) + 16
+    pages = sum(-(-len(t) // BLOCK) for t in [*asks, warm_up(args, sizes)]) + 16
     server = CacheServerProcess(token=TOKEN, page_bytes=spec.page_bytes, pages=pages,
                                 backend=args.backend)  # fmt: skip
     extra = {"token": TOKEN, "backend": args.backend, "servers": [server.address],
@@ -249,8 +278,8 @@ def run(args: argparse.Namespace) -> dict:
     spec = kv_spec(model_dir, ModelConfig.from_dir(model_dir), "bfloat16", BLOCK)
     asks = prompts(sizes, args.rounds)
     cold, warm = run_reuse(args, model_dir, work, asks[: len(sizes)], spec, sizes)
-    pd = run_pd(args, names, model_dir, work, asks, sizes)
-    return report(args, names, sizes, asks, cold, warm, pd)
+    pd, idle = run_pd(args, names, model_dir, work, asks, sizes)
+    return report(args, names, sizes, asks, cold, warm, pd, idle)
 
 
 REQUEST_FIELDS = ("size", "ttft_s", "transfer_s", "cached", "queued_to_scheduled_s",
@@ -304,10 +333,11 @@ def reuse_summary(cold: list[dict], warm: list[dict]) -> dict:
     }
 
 
-def report(args, names, sizes, asks, cold, warm, pd) -> dict:
+def report(args, names, sizes, asks, cold, warm, pd, idle) -> dict:
     equal, differing = compare_outputs(names, asks, cold, warm, pd)
     result = {"outputs_equal": equal, "differing_prompt_lengths": differing,
-              "pd": {name: pd_summary(pd[name], sizes) for name in names},
+              "pd": {name: pd_summary(pd[name], sizes) | {"idle_cores": idle.get(name)}
+                     for name in names},
               "reuse": reuse_summary(cold, warm)}  # fmt: skip
     rows = []
     for name in names:
@@ -321,6 +351,8 @@ def report(args, names, sizes, asks, cold, warm, pd) -> dict:
     ]
     print("P/D handoff: decode-side TTFT and KV transfer, medians in ms")
     print(format_table(["connector", "prompt tokens", "TTFT", "transfer"], rows))
+    for name in names:
+        print(f"{name}: its idle pair keeps {result['pd'][name]['idle_cores']:.2f} cores busy")
     print("\nReuse through the tier (a fresh engine after a cold one)")
     print(format_table(["prompt tokens", "hit fraction", "TTFT cold ms", "TTFT hit ms"],
                        reuse_rows))  # fmt: skip

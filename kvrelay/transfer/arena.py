@@ -65,6 +65,32 @@ def private_tensor(size: int) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(mapping, dtype=np.uint8))
 
 
+_HUGE_PAGE = 2 << 20
+_MADV_COLLAPSE = 25  # Linux 6.1
+
+
+def collapse_to_huge_pages(tensor: torch.Tensor) -> int:
+    """Moves a host tensor's storage onto transparent huge pages now
+    (MADV_HUGEPAGE, then MADV_COLLAPSE over its whole 2 MiB pages); returns
+    the bytes collapsed, 0 where the kernel refuses (older than 6.1, THP off).
+
+    For memory registered after someone else allocated it (an engine's KV
+    cache): `private_tensor`'s reasons hold for it too, and process_vm_readv
+    pins a huge page in one step where it walks 512 small ones."""
+    if tensor.is_cuda:
+        return 0
+    storage = tensor.untyped_storage()
+    start = -(-storage.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+    end = (storage.data_ptr() + storage.nbytes()) // _HUGE_PAGE * _HUGE_PAGE
+    if end <= start:
+        return 0
+    if _libc.madvise(start, end - start, mmap.MADV_HUGEPAGE) != 0:
+        return 0
+    if _libc.madvise(start, end - start, _MADV_COLLAPSE) != 0:
+        return 0  # advised only: khugepaged collapses it later
+    return end - start
+
+
 def unmap(address: int, size: int) -> None:
     if _libc.munmap(address, size) != 0:
         err = ctypes.get_errno()

@@ -31,6 +31,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rank `r` listening on `handoff_host:handoff_port + r`; a finished prefill
     keeps its blocks for its decode at most `handoff_hold_s`. A decode engine
     needs no port. `servers` may be empty in an engine that only hands off.
+    `huge_pages` moves vLLM's CPU KV cache onto transparent huge pages when
+    the connector registers it (the kernel copies between engines pin and
+    walk pages; on 4 KiB pages that walk is a large part of a pull).
     """
 
     servers: tuple[Address, ...] = ()
@@ -45,6 +48,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     handoff_host: str = "127.0.0.1"
     handoff_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
     handoff_hold_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 60.0
+    huge_pages: bool = True
 
     def handoff_agents(self, tp_size: int) -> list[str]:
         """The handoff service of each rank, or none."""

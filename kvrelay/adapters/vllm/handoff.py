@@ -30,6 +30,7 @@ import torch
 from kvrelay import rpc
 from kvrelay.adapters.vllm.blocks import BlockLayoutError
 from kvrelay.rpc.handoff_ops import HandoffGrant, HandoffPull, HandoffWelcome
+from kvrelay.transfer.arena import collapse_to_huge_pages
 from kvrelay.transfer.errors import LeaseExpired
 from kvrelay.transfer.handle import BlockHandle, coalesce
 
@@ -57,7 +58,9 @@ class KvMemory:
     layer `l` is the `block_bytes` at `layer_offsets[l] + b * block_stride`.
     """
 
-    def __init__(self, agent, caches: Sequence[torch.Tensor], layout: str) -> None:
+    def __init__(
+        self, agent, caches: Sequence[torch.Tensor], layout: str, huge_pages: bool = False
+    ) -> None:
         storage = caches[0].untyped_storage()
         if any(c.untyped_storage().data_ptr() != storage.data_ptr() for c in caches):
             raise BlockLayoutError("vLLM's layer caches are not views of one allocation")
@@ -68,6 +71,7 @@ class KvMemory:
         if any(tuple(c.stride()[1:]) != inner or c.stride(0) != first.stride(0) for c in caches):
             raise BlockLayoutError("a layer's block is not one contiguous run")
         whole = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+        self.huge_page_bytes = collapse_to_huge_pages(whole) if huge_pages else 0
         self.arena = agent.register_tensor(whole)
         base = storage.data_ptr()
         self.layout = layout

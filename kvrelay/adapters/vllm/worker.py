@@ -106,7 +106,9 @@ class WorkerSide:
         """Registers vLLM's KV memory with the agent: a prefill serves its held
         blocks from it, a decode pulls into it."""
         c, agent = self.tier_config, self.tier.agent
-        memory = KvMemory(agent, caches, layout)
+        memory = KvMemory(agent, caches, layout, c.huge_pages)
+        log.info("kvrelay: vLLM's KV cache registered, %d MiB of it on huge pages",
+                 memory.huge_page_bytes >> 20)  # fmt: skip
         namespace = self.spec.namespace()
         self.puller = HandoffPuller(agent, memory, namespace, c.token, c.timeout_s)
         if c.handoff_port:
