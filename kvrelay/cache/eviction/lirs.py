@@ -64,43 +64,58 @@ class PrefixLIRSPolicy(EvictionPolicy):
         self._top: OrderedDict[Hashable, int] = OrderedDict()
         self._tail: OrderedDict[Hashable, int] = OrderedDict()
         self._lirs = 0  # LIR pages
-        self._queue: OrderedDict[Hashable, None] = OrderedDict()  # Q: evictable HIR leaves
-        self._parked: OrderedDict[Hashable, None] = OrderedDict()  # evictable HIR inner pages
+        # Q, the evictable HIR leaves, in two parts: `_front`, the pages queued
+        # at its head (a plain dict used as a stack: the last one in is the
+        # head), then `_queue`, the rest in order.
+        self._front: dict[Hashable, None] = {}
+        self._queue: OrderedDict[Hashable, None] = OrderedDict()
+        self._parked: dict[Hashable, None] = {}  # evictable HIR inner pages, oldest first
         self._children: dict[Hashable, int] = {}  # key -> resident pages admitted under it
         self._ghosts = 0
+        self._ghost_limit = self.ghost_factor
+        self._lir_share = 1 - self.hir_share
 
     # -- the interface -------------------------------------------------------------
 
-    def admit(self, key: Hashable, parent: Hashable | None = None) -> None:
+    def admit(self, key: Hashable, parent: Hashable | None = None, evictable: bool = False) -> None:
         resident = self._resident
         if key in resident:
+            if evictable:
+                self.make_evictable(key)
             return
         if parent is not None:
             if parent in resident:
                 children = self._children
                 children[parent] = children.get(parent, 0) + 1
-                queue = self._queue
-                if parent in queue:
-                    del queue[parent]
+                if self._queue.pop(parent, 0) is None or self._front.pop(parent, 0) is None:
                     self._parked[parent] = None
             else:
                 parent = None
         resident[key] = parent
-        self._held.add(key)
         top = self._top
         code = top.pop(key, None)
-        if code is None and self._tail:
+        if code is None:
             code = self._tail.pop(key, None)
-        if code is not None:  # a ghost still in S: a short reuse
-            self._ghosts -= 1
-            top[key] = _LIR
-            self._lirs += 1
-            if self._lirs > (1 - self.hir_share) * len(resident):
-                self._demote_oldest()
-        else:
+        if code is None:
             top[key] = _HIR
-            if self._ghosts > self.ghost_factor * len(resident):
+            if self._ghosts > self._ghost_limit * len(resident):
                 self._drop_ghosts()
+            if not evictable:
+                self._held.add(key)
+            elif key in self._children:
+                self._parked[key] = None
+            else:
+                self._queue[key] = None
+            return
+        # A ghost still in S: a short reuse.
+        self._held.add(key)
+        self._ghosts -= 1
+        top[key] = _LIR
+        self._lirs += 1
+        if self._lirs > self._lir_share * len(resident):
+            self._demote_oldest()
+        if evictable:
+            self.make_evictable(key)
 
     def make_evictable(self, key: Hashable) -> None:
         held = self._held
@@ -116,7 +131,7 @@ class PrefixLIRSPolicy(EvictionPolicy):
         held = self._held
         if key not in held and key in self._resident:
             held.add(key)
-            if self._queue.pop(key, 0) is not None:
+            if self._queue.pop(key, 0) is not None and self._front.pop(key, 0) is not None:
                 self._parked.pop(key, None)
 
     def touch(self, key: Hashable) -> None:
@@ -124,10 +139,11 @@ class PrefixLIRSPolicy(EvictionPolicy):
 
     def touch_many(self, keys: Sequence[Hashable]) -> None:
         top = self._top
-        state, move = top.get, top.move_to_end
-        if self._lirs:
-            self._split()
         oldest = next(iter(top), None)
+        if self._lirs and top[oldest] != _LIR:
+            self._split()
+            oldest = next(iter(top))
+        state, move = top.get, top.move_to_end
         shorten = False
         for key in keys:
             code = state(key)
@@ -145,6 +161,7 @@ class PrefixLIRSPolicy(EvictionPolicy):
             return
         self._held.discard(key)
         self._queue.pop(key, None)
+        self._front.pop(key, None)
         self._parked.pop(key, None)
         if self._top.pop(key, None) == _LIR:
             self._lirs -= 1
@@ -154,22 +171,30 @@ class PrefixLIRSPolicy(EvictionPolicy):
             self._orphan(parent)
 
     def victim(self) -> Hashable | None:
-        queue = self._queue
-        while not queue and self._lirs:
-            self._demote_oldest()
-        if queue:
+        front, queue = self._front, self._queue
+        if front:
+            key = front.popitem()[0]
+        elif queue:
             key = queue.popitem(last=False)[0]
-        elif self._parked:  # nothing else can go
-            key = self._parked.popitem(last=False)[0]
         else:
-            return None
+            while not queue and self._lirs:
+                self._demote_oldest()  # places pages at Q's tail, never its head
+            if queue:
+                key = queue.popitem(last=False)[0]
+            elif self._parked:  # nothing else can go
+                key = next(iter(self._parked))
+                del self._parked[key]
+            else:
+                return None
         top = self._top
         if key in top:
             top[key] = _GHOST  # keeps its place in S
             self._ghosts += 1
-        elif key in self._tail:
-            self._tail[key] = _GHOST
-            self._ghosts += 1
+        else:
+            tail = self._tail
+            if key in tail:
+                tail[key] = _GHOST
+                self._ghosts += 1
         parent = self._resident.pop(key)
         if parent is not None:
             children = self._children
@@ -178,7 +203,9 @@ class PrefixLIRSPolicy(EvictionPolicy):
                 children[parent] = count
             else:
                 del children[parent]
-                self._unpark(parent)
+                # `parent` has no resident child left: from the parked pages to the head of Q.
+                if self._parked.pop(parent, 0) is None:
+                    front[parent] = None
         return key
 
     def evictable(self) -> Iterator[Hashable]:
@@ -204,15 +231,18 @@ class PrefixLIRSPolicy(EvictionPolicy):
             code = self._tail.pop(key, None)
         if code is None:
             top[key] = _HIR
-            if key in self._queue:
-                self._queue.move_to_end(key)
+            queue = self._queue
+            if key in queue:
+                queue.move_to_end(key)
+            elif self._front.pop(key, 0) is None:  # from Q's head to its tail
+                queue[key] = None
             return
         top[key] = _LIR
         top.move_to_end(key)
-        if self._queue.pop(key, 0) is not None:
+        if self._queue.pop(key, 0) is not None and self._front.pop(key, 0) is not None:
             self._parked.pop(key, None)
         self._lirs += 1
-        if self._lirs > (1 - self.hir_share) * len(self._resident):
+        if self._lirs > self._lir_share * len(self._resident):
             self._demote_oldest()
 
     def _place(self, key: Hashable) -> None:
@@ -236,8 +266,7 @@ class PrefixLIRSPolicy(EvictionPolicy):
     def _unpark(self, parent: Hashable) -> None:
         """`parent` has no resident child left: from the parked pages to the head of Q."""
         if self._parked.pop(parent, 0) is None:
-            self._queue[parent] = None
-            self._queue.move_to_end(parent, last=False)
+            self._front[parent] = None
 
     def _split(self) -> None:
         """Move S's entries below the oldest LIR page from `_top` to `_tail` (S's
