@@ -144,12 +144,27 @@ class PrefixLIRSPolicy(EvictionPolicy):
             self._split()
             oldest = next(iter(top))
         state, move = top.get, top.move_to_end
-        shorten = False
-        for key in keys:
+        start = 0
+        if len(keys) < len(top):
+            # LIR pages first, as in LRU: one lookup and one move each. Some
+            # entry of `_top` is not among the keys, so S's oldest LIR page was
+            # read if and only if it is no longer first.
+            for key in keys:
+                if state(key) == _LIR:
+                    move(key)
+                else:
+                    start = keys.index(key)
+                    break
+            else:
+                if next(iter(top)) is not oldest:
+                    self._prune()  # S reached back to that page: shorten it
+                return
+        shorten = start > 0 and next(iter(top)) is not oldest
+        for key in keys[start:]:
             code = state(key)
             if code == _LIR:
                 move(key)
-                if key == oldest:  # S reached back to this page: shorten it, once
+                if key == oldest:
                     shorten = True
             else:
                 self._read_hir(key, code)
@@ -272,51 +287,59 @@ class PrefixLIRSPolicy(EvictionPolicy):
         """Move S's entries below the oldest LIR page from `_top` to `_tail` (S's
         order is unchanged), so that `_top` starts at the oldest LIR page."""
         top = self._top
-        if not top or top[next(iter(top))] == _LIR:
-            return
-        tail, popitem = self._tail, top.popitem
-        while top:
-            key, code = popitem(last=False)
+        below = []
+        for key, code in top.items():
             if code == _LIR:
-                top[key] = code
-                top.move_to_end(key, last=False)
-                return
-            tail[key] = code
+                break
+            below.append(key)
+        tail = self._tail
+        for key in below:
+            tail[key] = top.pop(key)
 
     def _demote_oldest(self) -> None:
-        """The LIR page read longest ago turns HIR and leaves S."""
-        self._split()
-        key = self._top.popitem(last=False)[0]
+        """The LIR page read longest ago turns HIR and leaves S; S is pruned."""
+        top, tail = self._top, self._tail
+        popitem = top.popitem
+        key, code = popitem(last=False)
+        while code != _LIR:  # entries below it go to the tail, in order
+            tail[key] = code
+            key, code = popitem(last=False)
         self._lirs -= 1
         if key not in self._held:
-            self._place(key)
+            if key in self._children:
+                self._parked[key] = None
+            else:
+                self._queue[key] = None
         self._prune()
 
     def _prune(self) -> None:
         """Drop the oldest non-LIR entries of S while S is longer than the resident
-        pages and older than the oldest LIR page (none while no page is LIR)."""
+        pages and older than the oldest LIR page (none while no page is LIR); then
+        `_top` starts at the oldest LIR page."""
         if not self._lirs:
             return
         top, tail = self._top, self._tail
         extra = len(top) + len(tail) - len(self._resident)
         ghosts = 0
-        while extra > 0 and tail:  # the tail is the oldest part
-            if tail.popitem(last=False)[1] == _GHOST:
-                ghosts += 1
-            extra -= 1
-        if extra > 0 and top[next(iter(top))] != _LIR:
-            popitem = top.popitem
-            while extra > 0:
-                key, code = popitem(last=False)
-                if code == _LIR:  # the oldest LIR page: it stays at the bottom
-                    top[key] = code
-                    top.move_to_end(key, last=False)
-                    break
-                if code == _GHOST:
+        if extra > 0 and tail:  # the tail is the oldest part
+            popitem = tail.popitem
+            while extra > 0 and tail:
+                if popitem(last=False)[1] == _GHOST:
                     ghosts += 1
                 extra -= 1
+        below = []  # `_top`'s entries below its oldest LIR page
+        for key, code in top.items():
+            if code == _LIR:
+                break
+            below.append(key)
+        if below:
+            pop = top.pop
+            for key in below[:extra] if extra > 0 else ():
+                if pop(key) == _GHOST:
+                    ghosts += 1
+            for key in below[max(extra, 0) :]:
+                tail[key] = pop(key)
         self._ghosts -= ghosts
-        self._split()
 
     def _drop_ghosts(self) -> None:
         """The older half of the ghosts leave S, in one pass over it."""
