@@ -327,12 +327,12 @@ class PrefixLIRSPolicy(EvictionPolicy):
                 if popitem(last=False)[1] == _GHOST:
                     ghosts += 1
                 extra -= 1
-        below = []  # `_top`'s entries below its oldest LIR page
-        for key, code in top.items():
-            if code == _LIR:
-                break
-            below.append(key)
-        if below:
+        if top[next(iter(top))] != _LIR:
+            below = []  # `_top`'s entries below its oldest LIR page
+            for key, code in top.items():
+                if code == _LIR:
+                    break
+                below.append(key)
             pop = top.pop
             for key in below[:extra] if extra > 0 else ():
                 if pop(key) == _GHOST:
