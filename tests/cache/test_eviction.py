@@ -11,6 +11,7 @@ import pytest
 
 from kvrelay.cache.eviction import DEFAULT_POLICY, POLICIES, make_policy
 from kvrelay.cache.eviction.belady import belady_hits, next_uses
+from kvrelay.cache.eviction.lirs import _LIR, PrefixLIRSPolicy
 from kvrelay.cache.index import PageIndex
 from kvrelay.cache.tier import TierConfig
 from tests.cache.test_tier import make_tier
@@ -175,6 +176,43 @@ def test_an_expired_lease_frees_its_pages(name):
     assert len(index.evict(3)) == 3
 
 
+def random_ops(rng: random.Random, steps: int, universe: int):
+    """Calls on a policy, as (method, args): pages admitted under parents (held,
+    or evictable at once), released, held, read in batches, forgotten, evicted."""
+    for _ in range(steps):
+        action, k = rng.random(), rng.randrange(universe)
+        if action < 0.3:
+            parent = rng.choice([None, rng.randrange(universe)])
+            yield "admit", (k, parent, rng.random() < 0.7)
+        elif action < 0.45:
+            yield "make_evictable", (k,)
+        elif action < 0.52:
+            yield "hold", (k,)
+        elif action < 0.72:
+            size = rng.choice([1, 2, 5, universe // 2])
+            yield "touch_many", ([rng.randrange(universe) for _ in range(size)],)
+        elif action < 0.76:
+            yield "forget", (k,)
+        else:
+            yield "victim", ()
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_admitting_a_page_evictable_is_admitting_then_releasing_it(name):
+    for seed in range(20):
+        fused, split = make_policy(name), make_policy(name)
+        for method, args in random_ops(random.Random(seed), 1500, 30 + 50 * (seed % 2)):
+            if method == "admit":
+                fused.admit(*args)
+                split.admit(*args[:2])
+                if args[2]:
+                    split.make_evictable(args[0])
+                continue
+            assert getattr(fused, method)(*args) == getattr(split, method)(*args), (name, seed)
+            assert len(fused) == len(split)
+        assert sorted(fused.evictable()) == sorted(split.evictable())
+
+
 # -- the prefix rule -----------------------------------------------------------------
 
 
@@ -310,6 +348,51 @@ def test_a_returning_parent_is_kept_for_the_child_that_stayed():
     index.insert(lone, 2, sealed=True)
     order = [v.key for v in index.evict(3)]
     assert order.index(child) < order.index(parent)
+
+
+class SpelledOutReads(PrefixLIRSPolicy):
+    """prefix-lirs with its reads as the plain loop: every key looked up in S,
+    and S shortened after the batch if its oldest LIR page was among them."""
+
+    def touch_many(self, keys):
+        top = self._top
+        if self._lirs:
+            self._split()
+        oldest = next(iter(top), None)
+        shorten = False
+        for k in keys:
+            code = top.get(k)
+            if code == _LIR:
+                top.move_to_end(k)
+                shorten = shorten or k == oldest
+            else:
+                self._read_hir(k, code)
+        if shorten:
+            self._prune()
+
+
+def test_lirs_batched_reads_match_the_loop_spelled_out():
+    # Batches shorter and longer than S, LIR pages only or mixed with others.
+    for seed in range(40):
+        fast, plain = PrefixLIRSPolicy(), SpelledOutReads()
+        for method, args in random_ops(random.Random(seed), 2000, 20 + 100 * (seed % 3)):
+            assert getattr(fast, method)(*args) == getattr(plain, method)(*args), seed
+            assert list(fast._top.items()) == list(plain._top.items()), seed
+            assert list(fast._tail.items()) == list(plain._tail.items()), seed
+
+
+def test_lirs_queues_a_parent_at_the_head_when_its_last_child_leaves():
+    # Chains of one-off pages leave tail first, each parent right after its
+    # child; a pinned parent waits and then queues at Q's tail.
+    index = PageIndex(16, policy=make_policy(DEFAULT_POLICY))
+    a, b = chains(index, 3, 3)
+    assert [v.key for v in index.evict(3)] == a[::-1]
+    lease = index.pin([b[1]], lease_s=60)
+    lone = key(50)
+    index.insert(lone, 50, sealed=True)
+    assert [v.key for v in index.evict(2)] == [b[2], lone]  # b[1] is pinned
+    index.release(lease.lease_id)
+    assert [v.key for v in index.evict(2)] == [b[1], b[0]]
 
 
 def test_the_default_policy_state_stays_bounded():
