@@ -32,8 +32,14 @@ half dropped in one pass when over). `S` is kept in two ordered dicts: its
 entries from the oldest LIR page up, and below them those older ones it
 keeps for its reach; so the oldest LIR page is the first of the upper part
 and LIR pages need no order of their own: a read of a LIR page costs one
-lookup and one move, as in LRU. The state is plain dicts of keys and small
-ints, no object per page for the cyclic collector to scan.
+lookup and one move, as in LRU (a batch of them is one loop of those; S's
+oldest LIR page was among them if it is no longer first). An ordered dict
+pays for a node whenever a key enters it, so what needs no order in both
+directions is a plain dict, ordered by insertion: the parked pages, and the
+pages queued at the head of `Q` (a stack: the page whose child just left
+goes next, and a chain leaves tail first), in front of the rest of `Q`. The
+state is plain dicts of keys and small ints, no object per page for the
+cyclic collector to scan.
 """
 
 from __future__ import annotations
