@@ -98,11 +98,12 @@ class PrefixLIRSPolicy(EvictionPolicy):
             else:
                 parent = None
         resident[key] = parent
-        top = self._top
-        code = top.pop(key, None)
-        if code is None:
-            code = self._tail.pop(key, None)
-        if code is None:
+        top, tail = self._top, self._tail
+        if key in top:  # a ghost: key-only entries are all S holds of non-resident pages
+            del top[key]
+        elif key in tail:
+            del tail[key]
+        else:
             top[key] = _HIR
             if self._ghosts > self._ghost_limit * len(resident):
                 self._drop_ghosts()
@@ -113,15 +114,15 @@ class PrefixLIRSPolicy(EvictionPolicy):
             else:
                 self._queue[key] = None
             return
-        # A ghost still in S: a short reuse.
-        self._held.add(key)
+        # A ghost still in S: a short reuse. (Should the demotion below be
+        # this page's own, it is queued as any evictable HIR page.)
+        if not evictable:
+            self._held.add(key)
         self._ghosts -= 1
         top[key] = _LIR
         self._lirs += 1
         if self._lirs > self._lir_share * len(resident):
             self._demote_oldest()
-        if evictable:
-            self.make_evictable(key)
 
     def make_evictable(self, key: Hashable) -> None:
         held = self._held
