@@ -99,7 +99,7 @@ class PrefixLIRSPolicy(EvictionPolicy):
                 parent = None
         resident[key] = parent
         top, tail = self._top, self._tail
-        if key in top:  # a ghost: key-only entries are all S holds of non-resident pages
+        if key in top:  # in S while not resident: a ghost
             del top[key]
         elif key in tail:
             del tail[key]
