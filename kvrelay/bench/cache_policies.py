@@ -76,16 +76,20 @@ def _summary(samples: list[tuple[float, float]]) -> dict:
 
 def index_cost(key_lists, capacity: int, names: Sequence[str], rounds: int) -> dict:
     """ns per page looked up and per page inserted under each policy (median of
-    `rounds`, with min and max), and each one's ratio to the first name's.
+    `rounds`, with min and max), and each one's ratio to the first name's: the
+    ratio of the medians, and the spread of the rounds' own ratios
+    (`*_ratio_min`, `*_ratio_max`: each round against the first name's pass of
+    the same round).
 
     Measured with Python's cyclic collector running, as in a cache server
     (its pauses land on whichever operation allocates, and a policy that
     keeps an object per page gives it more to scan), and again with it
-    paused (`gc_off`): the policy's own work.
+    paused (`gc_off`): the policy's own work. Every other round runs the
+    policies in the reverse order, so that neither goes first throughout.
     """
     samples = {(n, c): [] for n in names for c in (True, False)}
-    for _ in range(rounds):
-        for name in names:
+    for number in range(rounds):
+        for name in names if number % 2 == 0 else names[::-1]:
             for collector in (True, False):
                 gc.collect()
                 if not collector:
@@ -101,12 +105,16 @@ def index_cost(key_lists, capacity: int, names: Sequence[str], rounds: int) -> d
     for name in names:
         out[name] = _summary(samples[name, True])
         out[name]["gc_off"] = _summary(samples[name, False])
-    for group in (lambda n: out[n], lambda n: out[n]["gc_off"]):
-        base = group(names[0])
+    for collector, group in ((True, lambda n: out[n]), (False, lambda n: out[n]["gc_off"])):
+        base, base_rounds = group(names[0]), samples[names[0], collector]
         for name in names:
             mine = group(name)
             mine["lookup_ratio"] = mine["ns_per_lookup"] / base["ns_per_lookup"]
             mine["insert_ratio"] = mine["ns_per_insert"] / base["ns_per_insert"]
+            for i, op in enumerate(("lookup", "insert")):
+                mine_rounds = samples[name, collector]
+                paired = [m[i] / b[i] for m, b in zip(mine_rounds, base_rounds, strict=True)]
+                mine[f"{op}_ratio_min"], mine[f"{op}_ratio_max"] = min(paired), max(paired)
     return out
 
 

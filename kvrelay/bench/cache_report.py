@@ -92,7 +92,7 @@ def policy_rows(payload: dict, group: str) -> tuple[list[str], list[list]]:
 
 def cost_rows(cost: dict) -> tuple[list[str], list[list]]:
     headers = ["policy", "collector", "ns/page looked up", "(min-max)", "ns/insert",
-               "(min-max)", "lookup x", "insert x"]  # fmt: skip
+               "(min-max)", "lookup x", "(rounds)", "insert x", "(rounds)"]  # fmt: skip
     rows = []
     for name, on in cost.items():
         if not isinstance(on, dict):
@@ -103,7 +103,10 @@ def cost_rows(cost: dict) -> tuple[list[str], list[list]]:
                 f"{c['ns_per_lookup_min']:.0f}-{c['ns_per_lookup_max']:.0f}",
                 f"{c['ns_per_insert']:.0f}",
                 f"{c['ns_per_insert_min']:.0f}-{c['ns_per_insert_max']:.0f}",
-                f"{c['lookup_ratio']:.2f}", f"{c['insert_ratio']:.2f}",
+                f"{c['lookup_ratio']:.2f}",
+                f"{c['lookup_ratio_min']:.2f}-{c['lookup_ratio_max']:.2f}",
+                f"{c['insert_ratio']:.2f}",
+                f"{c['insert_ratio_min']:.2f}-{c['insert_ratio_max']:.2f}",
             ])  # fmt: skip
     return headers, rows
 

@@ -158,10 +158,10 @@ class PageIndex:
             raise CacheIndexError(f"page {key.hex()[:16]} is already indexed")
         entry = PageEntry(key, slot, self.page_bytes, namespace=namespace)
         self._entries[key] = entry
-        self.policy.admit(key, parent)
-        if sealed:
+        if sealed:  # unpinned: evictable at once
             entry.filled = [(0, self.page_bytes)]
-            self._seal(entry)
+            entry.sealed = True
+        self.policy.admit(key, parent, sealed)
         return entry
 
     def record_runs(self, key: bytes, runs: Iterable[tuple[int, int]]) -> bool:

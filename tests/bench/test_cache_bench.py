@@ -146,6 +146,8 @@ def test_bench_cache_reports_every_policy_and_belady(tmp_path, capsys):
     cost = payload["index_cost"]
     assert cost["baseline"] == "lru" and cost["lru"]["lookup_ratio"] == 1.0
     assert cost[default]["ns_per_lookup"] > 0 and cost[default]["gc_off"]["ns_per_insert"] > 0
+    assert cost["lru"]["insert_ratio_min"] == cost["lru"]["insert_ratio_max"] == 1.0
+    assert cost[default]["lookup_ratio_min"] <= cost[default]["lookup_ratio_max"]
     printed = capsys.readouterr().out
     assert "belady" in printed and "ns/page looked up" in printed
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

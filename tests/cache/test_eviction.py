@@ -175,6 +175,43 @@ def test_an_expired_lease_frees_its_pages(name):
     assert len(index.evict(3)) == 3
 
 
+def random_ops(rng: random.Random, steps: int, universe: int):
+    """Calls on a policy, as (method, args): pages admitted under parents (held,
+    or evictable at once), released, held, read in batches, forgotten, evicted."""
+    for _ in range(steps):
+        action, k = rng.random(), rng.randrange(universe)
+        if action < 0.3:
+            parent = rng.choice([None, rng.randrange(universe)])
+            yield "admit", (k, parent, rng.random() < 0.7)
+        elif action < 0.45:
+            yield "make_evictable", (k,)
+        elif action < 0.52:
+            yield "hold", (k,)
+        elif action < 0.72:
+            size = rng.choice([1, 2, 5, universe // 2])
+            yield "touch_many", ([rng.randrange(universe) for _ in range(size)],)
+        elif action < 0.76:
+            yield "forget", (k,)
+        else:
+            yield "victim", ()
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_admitting_a_page_evictable_is_admitting_then_releasing_it(name):
+    for seed in range(20):
+        fused, split = make_policy(name), make_policy(name)
+        for method, args in random_ops(random.Random(seed), 1500, 30 + 50 * (seed % 2)):
+            if method == "admit":
+                fused.admit(*args)
+                split.admit(*args[:2])
+                if args[2]:
+                    split.make_evictable(args[0])
+                continue
+            assert getattr(fused, method)(*args) == getattr(split, method)(*args), (name, seed)
+            assert len(fused) == len(split)
+        assert sorted(fused.evictable()) == sorted(split.evictable())
+
+
 # -- the prefix rule -----------------------------------------------------------------
 
 
@@ -249,83 +286,6 @@ async def test_the_tier_names_parents_from_reservations_and_lookups(tmp_path):
         await agent.close()
 
     await main()
-
-
-# -- LIRS ----------------------------------------------------------------------------
-
-
-def loop_hits(name: str, pages: int, capacity: int, rounds: int) -> int:
-    index = PageIndex(16, policy=make_policy(name))
-    hits = 0
-    for _ in range(rounds):
-        for i in range(pages):
-            if index.lookup([key(i)]).hits:
-                hits += 1
-                continue
-            if len(index) >= capacity:
-                index.evict(1)
-            index.insert(key(i), i, sealed=True)
-    return hits
-
-
-def test_lirs_keeps_part_of_a_loop_larger_than_the_cache():
-    assert loop_hits("lru", 10, 8, 20) == 0
-    assert loop_hits(DEFAULT_POLICY, 10, 8, 20) >= 19 * 4
-
-
-def test_pages_read_once_leave_in_arrival_order():
-    index = PageIndex(16, policy=make_policy(DEFAULT_POLICY))
-    for i in range(6):
-        index.insert(key(i), i, sealed=True)
-    assert [v.key for v in index.evict(6)] == [key(i) for i in range(6)]
-
-
-def test_a_one_off_tail_leaves_before_a_shared_prompt_read_by_every_request():
-    # A prompt read by three requests, then a one-off request that reads it and
-    # writes two pages of its own: they are the newest, yet they go first.
-    for name, first_out in ((DEFAULT_POLICY, "tail"), ("lru", "prompt")):
-        index = PageIndex(16, policy=make_policy(name))
-        (prompt,) = chains(index, 4)
-        for _ in range(3):
-            assert index.lookup(prompt).hits == 4
-        tail = [key(100), key(101)]
-        assert index.lookup(prompt + tail).hits == 4
-        index.insert(tail[0], 100, sealed=True, parent=prompt[-1])
-        index.insert(tail[1], 101, sealed=True, parent=tail[0])
-        gone = [v.key for v in index.evict(2)]
-        assert gone == (tail[::-1] if first_out == "tail" else prompt[:2]), name
-
-
-def test_a_returning_parent_is_kept_for_the_child_that_stayed():
-    # A parent that had to go while its child was pinned, and comes back (the
-    # same key is the same prefix), stays while that child does.
-    index = PageIndex(16, policy=make_policy(DEFAULT_POLICY))
-    parent, child, lone = key(0), key(1), key(2)
-    index.insert(parent, 0, sealed=True)
-    index.insert(child, 1, sealed=True, parent=parent)
-    lease = index.pin([child], lease_s=60)
-    assert [v.key for v in index.evict(1)] == [parent]  # nothing else could go
-    index.insert(parent, 0, sealed=True)
-    index.release(lease.lease_id)
-    index.insert(lone, 2, sealed=True)
-    order = [v.key for v in index.evict(3)]
-    assert order.index(child) < order.index(parent)
-
-
-def test_the_default_policy_state_stays_bounded():
-    # S keeps ghosts of evicted pages: at most a fixed multiple of the resident pages.
-    policy = make_policy(DEFAULT_POLICY)
-    index = PageIndex(16, policy=policy)
-    rng = random.Random(7)
-    for _ in range(20000):
-        k = key(rng.randrange(5000))
-        if not index.lookup([k]).hits:
-            if len(index) >= 50:
-                index.evict(1)
-            index.insert(k, 0, sealed=True)
-    entries = len(policy._top) + len(policy._tail)
-    assert entries <= (2 + policy.ghost_factor) * len(index) + 1
-    assert len(policy._children) <= len(index)
 
 
 def test_unknown_policy_is_refused():

@@ -3,10 +3,11 @@
 A policy orders the pages its owner holds and names the next victim; it
 never frees anything itself. The owner tells it what happens to each page:
 
-- `admit(key, parent)`: the page is resident, held (not evictable) until
-  `make_evictable`; `parent` is the key of the page before it in its chain
-  that the owner holds, when known, so a prefix-aware policy can keep a page
-  while a later page of its chain stays;
+- `admit(key, parent, evictable)`: the page is resident, held (not evictable)
+  until `make_evictable`, or evictable at once with `evictable` (a sealed,
+  unpinned page: one call instead of two); `parent` is the key of the page
+  before it in its chain that the owner holds, when known, so a
+  prefix-aware policy can keep a page while a later page of its chain stays;
 - `make_evictable(key)` / `hold(key)`: the page may (sealed and unpinned) or
   may not (pinned by a lease, being written) be a victim;
 - `touch(key)` / `touch_many(keys)`: the page(s) were read (hits);
@@ -28,8 +29,9 @@ class EvictionPolicy(abc.ABC):
     name: ClassVar[str]
 
     @abc.abstractmethod
-    def admit(self, key: Hashable, parent: Hashable | None = None) -> None:
-        """A page became resident, not yet evictable; `parent` as in the module doc."""
+    def admit(self, key: Hashable, parent: Hashable | None = None, evictable: bool = False) -> None:
+        """A page became resident; `parent` as in the module doc. Held until
+        `make_evictable`, or `evictable` at once (the same as calling it next)."""
 
     @abc.abstractmethod
     def make_evictable(self, key: Hashable) -> None:

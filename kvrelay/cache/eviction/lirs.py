@@ -32,8 +32,14 @@ half dropped in one pass when over). `S` is kept in two ordered dicts: its
 entries from the oldest LIR page up, and below them those older ones it
 keeps for its reach; so the oldest LIR page is the first of the upper part
 and LIR pages need no order of their own: a read of a LIR page costs one
-lookup and one move, as in LRU. The state is plain dicts of keys and small
-ints, no object per page for the cyclic collector to scan.
+lookup and one move, as in LRU (a batch of them is one loop of those; S's
+oldest LIR page was among them if it is no longer first). An ordered dict
+pays for a node whenever a key enters it, so what needs no order in both
+directions is a plain dict, ordered by insertion: the parked pages, and the
+pages queued at the head of `Q` (a stack: the page whose child just left
+goes next, and a chain leaves tail first), in front of the rest of `Q`. The
+state is plain dicts of keys and small ints, no object per page for the
+cyclic collector to scan.
 """
 
 from __future__ import annotations
@@ -64,43 +70,59 @@ class PrefixLIRSPolicy(EvictionPolicy):
         self._top: OrderedDict[Hashable, int] = OrderedDict()
         self._tail: OrderedDict[Hashable, int] = OrderedDict()
         self._lirs = 0  # LIR pages
-        self._queue: OrderedDict[Hashable, None] = OrderedDict()  # Q: evictable HIR leaves
-        self._parked: OrderedDict[Hashable, None] = OrderedDict()  # evictable HIR inner pages
+        # Q, the evictable HIR leaves, in two parts: `_front`, the pages queued
+        # at its head (a plain dict used as a stack: the last one in is the
+        # head), then `_queue`, the rest in order.
+        self._front: dict[Hashable, None] = {}
+        self._queue: OrderedDict[Hashable, None] = OrderedDict()
+        self._parked: dict[Hashable, None] = {}  # evictable HIR inner pages, oldest first
         self._children: dict[Hashable, int] = {}  # key -> resident pages admitted under it
         self._ghosts = 0
+        self._ghost_limit = self.ghost_factor
+        self._lir_share = 1 - self.hir_share
 
     # -- the interface -------------------------------------------------------------
 
-    def admit(self, key: Hashable, parent: Hashable | None = None) -> None:
+    def admit(self, key: Hashable, parent: Hashable | None = None, evictable: bool = False) -> None:
         resident = self._resident
         if key in resident:
+            if evictable:
+                self.make_evictable(key)
             return
         if parent is not None:
             if parent in resident:
                 children = self._children
                 children[parent] = children.get(parent, 0) + 1
-                queue = self._queue
-                if parent in queue:
-                    del queue[parent]
+                if self._queue.pop(parent, 0) is None or self._front.pop(parent, 0) is None:
                     self._parked[parent] = None
             else:
                 parent = None
         resident[key] = parent
-        self._held.add(key)
-        top = self._top
-        code = top.pop(key, None)
-        if code is None and self._tail:
-            code = self._tail.pop(key, None)
-        if code is not None:  # a ghost still in S: a short reuse
-            self._ghosts -= 1
-            top[key] = _LIR
-            self._lirs += 1
-            if self._lirs > (1 - self.hir_share) * len(resident):
-                self._demote_oldest()
+        top, tail = self._top, self._tail
+        if key in top:  # in S while not resident: a ghost
+            del top[key]
+        elif key in tail:
+            del tail[key]
         else:
             top[key] = _HIR
-            if self._ghosts > self.ghost_factor * len(resident):
+            if self._ghosts > self._ghost_limit * len(resident):
                 self._drop_ghosts()
+            if not evictable:
+                self._held.add(key)
+            elif key in self._children:
+                self._parked[key] = None
+            else:
+                self._queue[key] = None
+            return
+        # A ghost still in S: a short reuse. (Should the demotion below be
+        # this page's own, it is queued as any evictable HIR page.)
+        if not evictable:
+            self._held.add(key)
+        self._ghosts -= 1
+        top[key] = _LIR
+        self._lirs += 1
+        if self._lirs > self._lir_share * len(resident):
+            self._demote_oldest()
 
     def make_evictable(self, key: Hashable) -> None:
         held = self._held
@@ -116,7 +138,7 @@ class PrefixLIRSPolicy(EvictionPolicy):
         held = self._held
         if key not in held and key in self._resident:
             held.add(key)
-            if self._queue.pop(key, 0) is not None:
+            if self._queue.pop(key, 0) is not None and self._front.pop(key, 0) is not None:
                 self._parked.pop(key, None)
 
     def touch(self, key: Hashable) -> None:
@@ -124,16 +146,32 @@ class PrefixLIRSPolicy(EvictionPolicy):
 
     def touch_many(self, keys: Sequence[Hashable]) -> None:
         top = self._top
-        state, move = top.get, top.move_to_end
-        if self._lirs:
-            self._split()
         oldest = next(iter(top), None)
-        shorten = False
-        for key in keys:
+        if self._lirs and top[oldest] != _LIR:
+            self._split()
+            oldest = next(iter(top))
+        state, move = top.get, top.move_to_end
+        start = 0
+        if len(keys) < len(top):
+            # LIR pages first, as in LRU: one lookup and one move each. Some
+            # entry of `_top` is not among the keys, so S's oldest LIR page was
+            # read if and only if it is no longer first.
+            for key in keys:
+                if state(key) == _LIR:
+                    move(key)
+                else:
+                    start = keys.index(key)
+                    break
+            else:
+                if next(iter(top)) is not oldest:
+                    self._prune()  # S reached back to that page: shorten it
+                return
+        shorten = start > 0 and next(iter(top)) is not oldest
+        for key in keys[start:]:
             code = state(key)
             if code == _LIR:
                 move(key)
-                if key == oldest:  # S reached back to this page: shorten it, once
+                if key == oldest:
                     shorten = True
             else:
                 self._read_hir(key, code)
@@ -145,6 +183,7 @@ class PrefixLIRSPolicy(EvictionPolicy):
             return
         self._held.discard(key)
         self._queue.pop(key, None)
+        self._front.pop(key, None)
         self._parked.pop(key, None)
         if self._top.pop(key, None) == _LIR:
             self._lirs -= 1
@@ -154,22 +193,30 @@ class PrefixLIRSPolicy(EvictionPolicy):
             self._orphan(parent)
 
     def victim(self) -> Hashable | None:
-        queue = self._queue
-        while not queue and self._lirs:
-            self._demote_oldest()
-        if queue:
+        front, queue = self._front, self._queue
+        if front:
+            key = front.popitem()[0]
+        elif queue:
             key = queue.popitem(last=False)[0]
-        elif self._parked:  # nothing else can go
-            key = self._parked.popitem(last=False)[0]
         else:
-            return None
+            while not queue and self._lirs:
+                self._demote_oldest()  # places pages at Q's tail, never its head
+            if queue:
+                key = queue.popitem(last=False)[0]
+            elif self._parked:  # nothing else can go
+                key = next(iter(self._parked))
+                del self._parked[key]
+            else:
+                return None
         top = self._top
         if key in top:
             top[key] = _GHOST  # keeps its place in S
             self._ghosts += 1
-        elif key in self._tail:
-            self._tail[key] = _GHOST
-            self._ghosts += 1
+        else:
+            tail = self._tail
+            if key in tail:
+                tail[key] = _GHOST
+                self._ghosts += 1
         parent = self._resident.pop(key)
         if parent is not None:
             children = self._children
@@ -178,7 +225,9 @@ class PrefixLIRSPolicy(EvictionPolicy):
                 children[parent] = count
             else:
                 del children[parent]
-                self._unpark(parent)
+                # `parent` has no resident child left: from the parked pages to the head of Q.
+                if self._parked.pop(parent, 0) is None:
+                    front[parent] = None
         return key
 
     def evictable(self) -> Iterator[Hashable]:
@@ -204,15 +253,18 @@ class PrefixLIRSPolicy(EvictionPolicy):
             code = self._tail.pop(key, None)
         if code is None:
             top[key] = _HIR
-            if key in self._queue:
-                self._queue.move_to_end(key)
+            queue = self._queue
+            if key in queue:
+                queue.move_to_end(key)
+            elif self._front.pop(key, 0) is None:  # from Q's head to its tail
+                queue[key] = None
             return
         top[key] = _LIR
         top.move_to_end(key)
-        if self._queue.pop(key, 0) is not None:
+        if self._queue.pop(key, 0) is not None and self._front.pop(key, 0) is not None:
             self._parked.pop(key, None)
         self._lirs += 1
-        if self._lirs > (1 - self.hir_share) * len(self._resident):
+        if self._lirs > self._lir_share * len(self._resident):
             self._demote_oldest()
 
     def _place(self, key: Hashable) -> None:
@@ -236,58 +288,65 @@ class PrefixLIRSPolicy(EvictionPolicy):
     def _unpark(self, parent: Hashable) -> None:
         """`parent` has no resident child left: from the parked pages to the head of Q."""
         if self._parked.pop(parent, 0) is None:
-            self._queue[parent] = None
-            self._queue.move_to_end(parent, last=False)
+            self._front[parent] = None
 
     def _split(self) -> None:
         """Move S's entries below the oldest LIR page from `_top` to `_tail` (S's
         order is unchanged), so that `_top` starts at the oldest LIR page."""
         top = self._top
-        if not top or top[next(iter(top))] == _LIR:
-            return
-        tail, popitem = self._tail, top.popitem
-        while top:
-            key, code = popitem(last=False)
+        below = []
+        for key, code in top.items():
             if code == _LIR:
-                top[key] = code
-                top.move_to_end(key, last=False)
-                return
-            tail[key] = code
+                break
+            below.append(key)
+        tail = self._tail
+        for key in below:
+            tail[key] = top.pop(key)
 
     def _demote_oldest(self) -> None:
-        """The LIR page read longest ago turns HIR and leaves S."""
-        self._split()
-        key = self._top.popitem(last=False)[0]
+        """The LIR page read longest ago turns HIR and leaves S; S is pruned."""
+        top, tail = self._top, self._tail
+        popitem = top.popitem
+        key, code = popitem(last=False)
+        while code != _LIR:  # entries below it go to the tail, in order
+            tail[key] = code
+            key, code = popitem(last=False)
         self._lirs -= 1
         if key not in self._held:
-            self._place(key)
+            if key in self._children:
+                self._parked[key] = None
+            else:
+                self._queue[key] = None
         self._prune()
 
     def _prune(self) -> None:
         """Drop the oldest non-LIR entries of S while S is longer than the resident
-        pages and older than the oldest LIR page (none while no page is LIR)."""
+        pages and older than the oldest LIR page (none while no page is LIR); then
+        `_top` starts at the oldest LIR page."""
         if not self._lirs:
             return
         top, tail = self._top, self._tail
         extra = len(top) + len(tail) - len(self._resident)
         ghosts = 0
-        while extra > 0 and tail:  # the tail is the oldest part
-            if tail.popitem(last=False)[1] == _GHOST:
-                ghosts += 1
-            extra -= 1
-        if extra > 0 and top[next(iter(top))] != _LIR:
-            popitem = top.popitem
-            while extra > 0:
-                key, code = popitem(last=False)
-                if code == _LIR:  # the oldest LIR page: it stays at the bottom
-                    top[key] = code
-                    top.move_to_end(key, last=False)
-                    break
-                if code == _GHOST:
+        if extra > 0 and tail:  # the tail is the oldest part
+            popitem = tail.popitem
+            while extra > 0 and tail:
+                if popitem(last=False)[1] == _GHOST:
                     ghosts += 1
                 extra -= 1
+        if top[next(iter(top))] != _LIR:
+            below = []  # `_top`'s entries below its oldest LIR page
+            for key, code in top.items():
+                if code == _LIR:
+                    break
+                below.append(key)
+            pop = top.pop
+            for key in below[:extra] if extra > 0 else ():
+                if pop(key) == _GHOST:
+                    ghosts += 1
+            for key in below[max(extra, 0) :]:
+                tail[key] = pop(key)
         self._ghosts -= ghosts
-        self._split()
 
     def _drop_ghosts(self) -> None:
         """The older half of the ghosts leave S, in one pass over it."""

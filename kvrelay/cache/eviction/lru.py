@@ -16,8 +16,12 @@ class LRUPolicy(EvictionPolicy):
         # Evictable pages, least recently used first.
         self._order: OrderedDict[Hashable, None] = OrderedDict()
 
-    def admit(self, key: Hashable, parent: Hashable | None = None) -> None:
+    def admit(self, key: Hashable, parent: Hashable | None = None, evictable: bool = False) -> None:
         self._resident.add(key)
+        if evictable:
+            order = self._order
+            order[key] = None
+            order.move_to_end(key)
 
     def make_evictable(self, key: Hashable) -> None:
         if key in self._resident:

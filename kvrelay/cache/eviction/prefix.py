@@ -53,9 +53,13 @@ class _PrefixPolicy(EvictionPolicy):
 
     # -- the interface -------------------------------------------------------------
 
-    def admit(self, key: Hashable, parent: Hashable | None = None) -> None:
-        if key in self._pages:
-            return
+    def admit(self, key: Hashable, parent: Hashable | None = None, evictable: bool = False) -> None:
+        if key not in self._pages:
+            self._admit(key, parent)
+        if evictable:
+            self.make_evictable(key)
+
+    def _admit(self, key: Hashable, parent: Hashable | None) -> None:
         up = self._pages.get(parent) if parent is not None else None
         page = _Page(key, up, self._from_ghost(key))
         self._pages[key] = page

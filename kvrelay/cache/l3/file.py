@@ -205,8 +205,7 @@ class FileStore(L3Store):
         """Count a stored file and hand it to the policy, evictable at once (lock held)."""
         self._files[namespace, key] = size
         self._bytes += size
-        self._policy.admit((namespace, key))
-        self._policy.make_evictable((namespace, key))
+        self._policy.admit((namespace, key), None, True)
 
     def _drop(self, namespace: bytes, key: bytes) -> bool:
         size = self._files.pop((namespace, key), None)

@@ -1,0 +1,129 @@
+"""prefix-lirs: what LIRS keeps (loops, one-off tails, a shared prompt), the
+prefix rule on returning parents, its batched reads against the plain loop,
+and its bounded state."""
+
+import random
+
+from kvrelay.cache.eviction import DEFAULT_POLICY, make_policy
+from kvrelay.cache.eviction.lirs import _LIR, PrefixLIRSPolicy
+from kvrelay.cache.index import PageIndex
+from tests.cache.test_eviction import chains, key, random_ops
+
+
+def loop_hits(name: str, pages: int, capacity: int, rounds: int) -> int:
+    index = PageIndex(16, policy=make_policy(name))
+    hits = 0
+    for _ in range(rounds):
+        for i in range(pages):
+            if index.lookup([key(i)]).hits:
+                hits += 1
+                continue
+            if len(index) >= capacity:
+                index.evict(1)
+            index.insert(key(i), i, sealed=True)
+    return hits
+
+
+def test_lirs_keeps_part_of_a_loop_larger_than_the_cache():
+    assert loop_hits("lru", 10, 8, 20) == 0
+    assert loop_hits(DEFAULT_POLICY, 10, 8, 20) >= 19 * 4
+
+
+def test_pages_read_once_leave_in_arrival_order():
+    index = PageIndex(16, policy=make_policy(DEFAULT_POLICY))
+    for i in range(6):
+        index.insert(key(i), i, sealed=True)
+    assert [v.key for v in index.evict(6)] == [key(i) for i in range(6)]
+
+
+def test_a_one_off_tail_leaves_before_a_shared_prompt_read_by_every_request():
+    # A prompt read by three requests, then a one-off request that reads it and
+    # writes two pages of its own: they are the newest, yet they go first.
+    for name, first_out in ((DEFAULT_POLICY, "tail"), ("lru", "prompt")):
+        index = PageIndex(16, policy=make_policy(name))
+        (prompt,) = chains(index, 4)
+        for _ in range(3):
+            assert index.lookup(prompt).hits == 4
+        tail = [key(100), key(101)]
+        assert index.lookup(prompt + tail).hits == 4
+        index.insert(tail[0], 100, sealed=True, parent=prompt[-1])
+        index.insert(tail[1], 101, sealed=True, parent=tail[0])
+        gone = [v.key for v in index.evict(2)]
+        assert gone == (tail[::-1] if first_out == "tail" else prompt[:2]), name
+
+
+def test_a_returning_parent_is_kept_for_the_child_that_stayed():
+    # A parent that had to go while its child was pinned, and comes back (the
+    # same key is the same prefix), stays while that child does.
+    index = PageIndex(16, policy=make_policy(DEFAULT_POLICY))
+    parent, child, lone = key(0), key(1), key(2)
+    index.insert(parent, 0, sealed=True)
+    index.insert(child, 1, sealed=True, parent=parent)
+    lease = index.pin([child], lease_s=60)
+    assert [v.key for v in index.evict(1)] == [parent]  # nothing else could go
+    index.insert(parent, 0, sealed=True)
+    index.release(lease.lease_id)
+    index.insert(lone, 2, sealed=True)
+    order = [v.key for v in index.evict(3)]
+    assert order.index(child) < order.index(parent)
+
+
+class SpelledOutReads(PrefixLIRSPolicy):
+    """prefix-lirs with its reads as the plain loop: every key looked up in S,
+    and S shortened after the batch if its oldest LIR page was among them."""
+
+    def touch_many(self, keys):
+        top = self._top
+        if self._lirs:
+            self._split()
+        oldest = next(iter(top), None)
+        shorten = False
+        for k in keys:
+            code = top.get(k)
+            if code == _LIR:
+                top.move_to_end(k)
+                shorten = shorten or k == oldest
+            else:
+                self._read_hir(k, code)
+        if shorten:
+            self._prune()
+
+
+def test_lirs_batched_reads_match_the_loop_spelled_out():
+    # Batches shorter and longer than S, LIR pages only or mixed with others.
+    for seed in range(40):
+        fast, plain = PrefixLIRSPolicy(), SpelledOutReads()
+        for method, args in random_ops(random.Random(seed), 2000, 20 + 100 * (seed % 3)):
+            assert getattr(fast, method)(*args) == getattr(plain, method)(*args), seed
+            assert list(fast._top.items()) == list(plain._top.items()), seed
+            assert list(fast._tail.items()) == list(plain._tail.items()), seed
+
+
+def test_lirs_queues_a_parent_at_the_head_when_its_last_child_leaves():
+    # Chains of one-off pages leave tail first, each parent right after its
+    # child; a pinned parent waits and then queues at Q's tail.
+    index = PageIndex(16, policy=make_policy(DEFAULT_POLICY))
+    a, b = chains(index, 3, 3)
+    assert [v.key for v in index.evict(3)] == a[::-1]
+    lease = index.pin([b[1]], lease_s=60)
+    lone = key(50)
+    index.insert(lone, 50, sealed=True)
+    assert [v.key for v in index.evict(2)] == [b[2], lone]  # b[1] is pinned
+    index.release(lease.lease_id)
+    assert [v.key for v in index.evict(2)] == [b[1], b[0]]
+
+
+def test_the_default_policy_state_stays_bounded():
+    # S keeps ghosts of evicted pages: at most a fixed multiple of the resident pages.
+    policy = make_policy(DEFAULT_POLICY)
+    index = PageIndex(16, policy=policy)
+    rng = random.Random(7)
+    for _ in range(20000):
+        k = key(rng.randrange(5000))
+        if not index.lookup([k]).hits:
+            if len(index) >= 50:
+                index.evict(1)
+            index.insert(k, 0, sealed=True)
+    entries = len(policy._top) + len(policy._tail)
+    assert entries <= (2 + policy.ghost_factor) * len(index) + 1
+    assert len(policy._children) <= len(index)
