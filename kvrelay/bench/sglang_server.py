@@ -125,11 +125,30 @@ def _summary(requests: list, seconds: float) -> dict:
         "hit_rate": sum(r.cached_tokens for _, r in requests) / prompt_tokens,
         "storage_hit_rate": sum(r.storage_tokens for _, r in requests) / prompt_tokens,
         "ttft_p50_s": statistics.median(ttfts),
+        "ttft_p25_s": _percentile(ttfts, 0.25),
+        "ttft_p75_s": _percentile(ttfts, 0.75),
         "ttft_p99_s": _percentile(ttfts, 0.99),
         "ttfts_s": ttfts,
         "prompt_tokens": prompt_tokens,
         "requests": len(requests),
         "serving_s": seconds,
+    }
+
+
+def paired(results: dict, mode: str, other: str) -> dict | None:
+    """Request by request (the same prompt, sent back to back), `mode`'s TTFT
+    over `other`'s: the median ratio, its quartiles, and how many requests
+    `mode` served first; None unless both modes ran."""
+    if mode not in results or other not in results:
+        return None
+    ratios = [a / b for a, b in zip(results[mode]["ttfts_s"], results[other]["ttfts_s"],
+                                     strict=True)]  # fmt: skip
+    return {
+        "median_ratio": statistics.median(ratios),
+        "p25_ratio": _percentile(ratios, 0.25),
+        "p75_ratio": _percentile(ratios, 0.75),
+        "faster": sum(r < 1 for r in ratios),
+        "requests": len(ratios),
     }
 
 
@@ -214,17 +233,25 @@ def run(args: argparse.Namespace) -> dict:
     outputs = {m: [r.output_ids for _, r in res.pop("_requests")] for m, res in results.items()}
     outputs_equal = all(o == outputs[modes[0]] for o in outputs.values())
     table = [[m, f"{r['hit_rate']:.3f}", f"{r['storage_hit_rate']:.3f}",
-              f"{r['ttft_p50_s'] * 1e3:.0f}", f"{r['ttft_p99_s'] * 1e3:.0f}",
-              f"{r['serving_s']:.0f}"] for m, r in results.items()]  # fmt: skip
+              f"{r['ttft_p50_s'] * 1e3:.0f}",
+              f"{r['ttft_p25_s'] * 1e3:.0f}-{r['ttft_p75_s'] * 1e3:.0f}",
+              f"{r['ttft_p99_s'] * 1e3:.0f}", f"{r['serving_s']:.0f}"]
+             for m, r in results.items()]  # fmt: skip
+    pair = paired(results, "kvrelay", "file")
     print(f"{args.sessions} sessions x {args.turns} turns (system {args.system_tokens}, tool "
           f"{args.tool_tokens} tokens), device pool {args.device_tokens} tokens, host x"
           f"{args.host_ratio}, caches flushed every {args.flush}, servers restarted every "
           f"{args.restart_every or 'never'} turns; optimum hit rate "
           f"{optimum:.3f}, outputs equal across modes: {outputs_equal}")  # fmt: skip
-    headers = ["L3", "hit rate", "from L3", "TTFT p50 ms", "TTFT p99 ms", "serving s"]
+    headers = ["L3", "hit rate", "from L3", "TTFT p50 ms", "p25-p75 ms", "TTFT p99 ms",
+               "serving s"]  # fmt: skip
     print(format_table(headers, table))
+    if pair is not None:
+        print(f"kvrelay / file TTFT, request by request: median {pair['median_ratio']:.3f} "
+              f"(quartiles {pair['p25_ratio']:.3f}-{pair['p75_ratio']:.3f}), kvrelay faster "
+              f"in {pair['faster']} of {pair['requests']}")  # fmt: skip
     result = {"optimum": optimum, "outputs_equal": outputs_equal, "modes": results,
-              "logs": str(work)}  # fmt: skip
+              "kvrelay_over_file": pair, "logs": str(work)}  # fmt: skip
     write_report(args, "sglang-server", result)
     sys.stdout.flush()
     return result
