@@ -152,9 +152,19 @@ def paired(results: dict, mode: str, other: str) -> dict | None:
     }
 
 
+def request_order(modes: list[str], j: int) -> list[str]:
+    """The order in which request `j` goes to the modes: the first mode rotates,
+    and every other round of rotations runs backwards, so that each mode takes
+    each place and follows each other mode equally often (a mode always
+    following the same one would always meet what that one leaves behind)."""
+    n = len(modes)
+    order = modes[j % n :] + modes[: j % n]
+    return order[::-1] if (j // n) % 2 else order
+
+
 def replay(modes: list[str], args, model_dir: Path, spec, work: Path) -> dict:
     """Every mode's server up at once, each request sent to each mode in turn
-    (one request in flight on the machine, the first mode rotating), so that
+    (one request in flight on the machine, in `request_order`), so that
     the modes see the same load: on a shared 2-core host, modes run one after
     the other met different neighbours."""
     config = WorkloadConfig(
@@ -187,8 +197,7 @@ def replay(modes: list[str], args, model_dir: Path, spec, work: Path) -> dict:
                 for mode in modes:
                     served[mode].server.flush()
             for i in range(config.sessions):
-                k = (turn * config.sessions + i) % len(modes)  # who goes first rotates
-                for mode in modes[k:] + modes[:k]:
+                for mode in request_order(modes, turn * config.sessions + i):
                     session = sessions[mode][i]
                     prompt = session.prompt()
                     if turn and args.flush == "request":

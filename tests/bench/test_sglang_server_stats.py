@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+from collections import Counter
+
 import pytest
 
-from kvrelay.bench.sglang_server import paired
+from kvrelay.bench.sglang_server import paired, request_order
 
 
 def test_paired_compares_the_same_requests_of_two_modes():
@@ -20,3 +23,13 @@ def test_paired_compares_the_same_requests_of_two_modes():
 def test_paired_refuses_runs_of_different_lengths():
     with pytest.raises(ValueError):
         paired({"a": {"ttfts_s": [1.0]}, "b": {"ttfts_s": [1.0, 2.0]}}, "a", "b")
+
+
+def test_request_order_balances_places_and_predecessors():
+    modes = ["kvrelay", "file", "none"]
+    orders = [request_order(modes, j) for j in range(2 * len(modes))]
+    assert all(sorted(o) == sorted(modes) for o in orders)
+    places = Counter((m, o.index(m)) for o in orders for m in o)
+    assert set(places.values()) == {2}  # every mode in every place twice
+    follows = Counter(pair for o in orders for pair in itertools.pairwise(o))
+    assert len(follows) == 6 and set(follows.values()) == {2}  # each after each other
