@@ -18,9 +18,13 @@ of a server start per mode). Before each request the machine idles
 mode's request.
 
 Per mode: hit rate (prompt tokens not computed / prompt tokens), the share
-served from the L3 (`cached_tokens_details.storage`), TTFT p50 and p99 (first
-streamed token); the workload's optimum (`optimum_hit_tokens`: every page
-ever seen kept) and whether every mode generated the same tokens (greedy).
+served from the L3 (`cached_tokens_details.storage`), TTFT p50, quartiles
+and p99 (first streamed token); the workload's optimum (`optimum_hit_tokens`:
+every page ever seen kept) and whether every mode generated the same tokens
+(greedy). Each request goes to every mode back to back, so kvrelay and the
+`file` L3 are also compared request by request (`kvrelay_over_file`: the
+median and quartiles of the TTFT ratio, and in how many requests kvrelay was
+faster), which a neighbour's load moves far less than two p50s.
 """
 
 from __future__ import annotations
