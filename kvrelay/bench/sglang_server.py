@@ -18,9 +18,13 @@ of a server start per mode). Before each request the machine idles
 mode's request.
 
 Per mode: hit rate (prompt tokens not computed / prompt tokens), the share
-served from the L3 (`cached_tokens_details.storage`), TTFT p50 and p99 (first
-streamed token); the workload's optimum (`optimum_hit_tokens`: every page
-ever seen kept) and whether every mode generated the same tokens (greedy).
+served from the L3 (`cached_tokens_details.storage`), TTFT p50, quartiles
+and p99 (first streamed token); the workload's optimum (`optimum_hit_tokens`:
+every page ever seen kept) and whether every mode generated the same tokens
+(greedy). Each request goes to every mode back to back, so kvrelay and the
+`file` L3 are also compared request by request (`kvrelay_over_file`: the
+median and quartiles of the TTFT ratio, and in how many requests kvrelay was
+faster), which a neighbour's load moves far less than two p50s.
 """
 
 from __future__ import annotations
@@ -125,6 +129,8 @@ def _summary(requests: list, seconds: float) -> dict:
         "hit_rate": sum(r.cached_tokens for _, r in requests) / prompt_tokens,
         "storage_hit_rate": sum(r.storage_tokens for _, r in requests) / prompt_tokens,
         "ttft_p50_s": statistics.median(ttfts),
+        "ttft_p25_s": _percentile(ttfts, 0.25),
+        "ttft_p75_s": _percentile(ttfts, 0.75),
         "ttft_p99_s": _percentile(ttfts, 0.99),
         "ttfts_s": ttfts,
         "prompt_tokens": prompt_tokens,
@@ -133,9 +139,36 @@ def _summary(requests: list, seconds: float) -> dict:
     }
 
 
+def paired(results: dict, mode: str, other: str) -> dict | None:
+    """Request by request (the same prompt, sent back to back), `mode`'s TTFT
+    over `other`'s: the median ratio, its quartiles, and how many requests
+    `mode` served first; None unless both modes ran."""
+    if mode not in results or other not in results:
+        return None
+    ratios = [a / b for a, b in zip(results[mode]["ttfts_s"], results[other]["ttfts_s"],
+                                     strict=True)]  # fmt: skip
+    return {
+        "median_ratio": statistics.median(ratios),
+        "p25_ratio": _percentile(ratios, 0.25),
+        "p75_ratio": _percentile(ratios, 0.75),
+        "faster": sum(r < 1 for r in ratios),
+        "requests": len(ratios),
+    }
+
+
+def request_order(modes: list[str], j: int) -> list[str]:
+    """The order in which request `j` goes to the modes: the first mode rotates,
+    and every other round of rotations runs backwards, so that each mode takes
+    each place and follows each other mode equally often (a mode always
+    following the same one would always meet what that one leaves behind)."""
+    n = len(modes)
+    order = modes[j % n :] + modes[: j % n]
+    return order[::-1] if (j // n) % 2 else order
+
+
 def replay(modes: list[str], args, model_dir: Path, spec, work: Path) -> dict:
     """Every mode's server up at once, each request sent to each mode in turn
-    (one request in flight on the machine, the first mode rotating), so that
+    (one request in flight on the machine, in `request_order`), so that
     the modes see the same load: on a shared 2-core host, modes run one after
     the other met different neighbours."""
     config = WorkloadConfig(
@@ -168,8 +201,7 @@ def replay(modes: list[str], args, model_dir: Path, spec, work: Path) -> dict:
                 for mode in modes:
                     served[mode].server.flush()
             for i in range(config.sessions):
-                k = (turn * config.sessions + i) % len(modes)  # who goes first rotates
-                for mode in modes[k:] + modes[:k]:
+                for mode in request_order(modes, turn * config.sessions + i):
                     session = sessions[mode][i]
                     prompt = session.prompt()
                     if turn and args.flush == "request":
@@ -214,17 +246,25 @@ def run(args: argparse.Namespace) -> dict:
     outputs = {m: [r.output_ids for _, r in res.pop("_requests")] for m, res in results.items()}
     outputs_equal = all(o == outputs[modes[0]] for o in outputs.values())
     table = [[m, f"{r['hit_rate']:.3f}", f"{r['storage_hit_rate']:.3f}",
-              f"{r['ttft_p50_s'] * 1e3:.0f}", f"{r['ttft_p99_s'] * 1e3:.0f}",
-              f"{r['serving_s']:.0f}"] for m, r in results.items()]  # fmt: skip
+              f"{r['ttft_p50_s'] * 1e3:.0f}",
+              f"{r['ttft_p25_s'] * 1e3:.0f}-{r['ttft_p75_s'] * 1e3:.0f}",
+              f"{r['ttft_p99_s'] * 1e3:.0f}", f"{r['serving_s']:.0f}"]
+             for m, r in results.items()]  # fmt: skip
+    pair = paired(results, "kvrelay", "file")
     print(f"{args.sessions} sessions x {args.turns} turns (system {args.system_tokens}, tool "
           f"{args.tool_tokens} tokens), device pool {args.device_tokens} tokens, host x"
           f"{args.host_ratio}, caches flushed every {args.flush}, servers restarted every "
           f"{args.restart_every or 'never'} turns; optimum hit rate "
           f"{optimum:.3f}, outputs equal across modes: {outputs_equal}")  # fmt: skip
-    headers = ["L3", "hit rate", "from L3", "TTFT p50 ms", "TTFT p99 ms", "serving s"]
+    headers = ["L3", "hit rate", "from L3", "TTFT p50 ms", "p25-p75 ms", "TTFT p99 ms",
+               "serving s"]  # fmt: skip
     print(format_table(headers, table))
+    if pair is not None:
+        print(f"kvrelay / file TTFT, request by request: median {pair['median_ratio']:.3f} "
+              f"(quartiles {pair['p25_ratio']:.3f}-{pair['p75_ratio']:.3f}), kvrelay faster "
+              f"in {pair['faster']} of {pair['requests']}")  # fmt: skip
     result = {"optimum": optimum, "outputs_equal": outputs_equal, "modes": results,
-              "logs": str(work)}  # fmt: skip
+              "kvrelay_over_file": pair, "logs": str(work)}  # fmt: skip
     write_report(args, "sglang-server", result)
     sys.stdout.flush()
     return result

@@ -251,3 +251,38 @@ def test_unknown_extra_config_key_is_refused():
     for bad in ({"timeout_s": 0}, {"backend": "loopback"}, {"servers": ["no-port"]}):
         with pytest.raises(AdapterConfigError, match=next(iter(bad))):
             AdapterConfig.from_extra_config({**extra, **bad})
+
+
+@pytest.mark.parametrize("cache_servers", [MHA_PAGE_BYTES], indirect=True)
+def test_pages_a_lookup_pulled_are_read_on_the_callers_thread(cache_servers, opened):
+    truth, keys = _truth(False, 3), env.sglang_keys(_tokens(3), PAGE)
+    writer = _rank(opened, cache_servers, "layer_first", mla=False)
+    assert _write(writer, truth, keys, False) == [True] * PAGES
+    reader = _rank(opened, cache_servers, "layer_first", mla=False)
+    backend = reader[0]
+    assert backend.batch_exists(keys) == PAGES
+
+    def no_loop(coro, timeout):  # a get of read-ahead pages needs neither loop nor server
+        coro.close()
+        raise AssertionError("went to the loop")
+
+    indices = _host_indices(reader[1], PAGES)
+    loop_run, backend._loop.run = backend._loop.run, no_loop
+    try:
+        assert backend.batch_get_v1(keys, indices) == [True] * PAGES
+    finally:
+        backend._loop.run = loop_run
+    expected = _share(truth, False, reader[2], reader[3])
+    for i in range(PAGES):
+        got = read_page(reader[1], int(indices[i * PAGE]))
+        assert torch.equal(got.view(torch.int16), expected[i].view(torch.int16)), i
+    # A later lookup takes the rows over: the pages are read from the servers.
+    ahead = backend.tier.ahead
+    backend.batch_exists(env.sglang_keys(_tokens(4), PAGE) * (ahead.capacity // PAGES))
+    assert ahead.prefix(backend._keys(keys)).shape[0] == 0
+    indices = _host_indices(reader[1], PAGES)
+    assert backend.batch_get_v1(keys, indices) == [True] * PAGES
+    got = read_page(reader[1], int(indices[(PAGES - 1) * PAGE]))
+    assert torch.equal(got.view(torch.int16), expected[PAGES - 1].view(torch.int16))
+    stats = backend.get_stats().kvrelay
+    assert stats["read_ahead_pages"] == PAGES and stats["hit_pages"] == 2 * PAGES

@@ -4,7 +4,8 @@ SGLang's prefetch asks `batch_exists` for a request's pages, then (on
 another thread, once it has host memory for them) `batch_get_v1` for the
 pages found. Pulling the rectangles during the lookup, into rows of an arena
 of this backend's own, makes the exists call the only one that talks to the
-cache servers: the get copies rows into the host pool, with no server call.
+cache servers: the get copies rows into the host pool on SGLang's thread,
+with no server call and no hop to the backend's event loop.
 Keys name content (the model namespace and the tokens), so a row held for a
 key is that key's page for as long as it is held. Rows are reused in
 allocation order (a ring): each lookup takes a block of consecutive rows and

@@ -137,9 +137,23 @@ class KvrelayHiCacheStorage(HiCacheStorage):
     ) -> list[bool]:
         """Read each page's rectangle into the host pool; True for the cached prefix."""
         tier = self._require_pool()
-        found = self._run(tier.read_pool(self._keys(keys), host_indices), 0) if keys else 0
+        names = self._keys(keys)
+        # Pages the lookup pulled are copied here, on SGLang's thread; only
+        # what it did not hold goes to the loop (and the servers).
+        found = self._take_ahead(tier, names, host_indices)
+        if found < len(keys):
+            rest = host_indices[found * tier.mover.page_size :]
+            found += self._run(tier.read_pool(names[found:], rest), 0)
         self._count_get(len(keys), found)
         return [i < found for i in range(len(keys))]
+
+    def _take_ahead(self, tier: RankTier, names: list[bytes], host_indices) -> int:
+        try:
+            return tier.take_ahead(names, host_indices)
+        except Exception:  # never fails SGLang's request: the loop's read follows
+            log.exception("kvrelay read-ahead copy failed")
+            self.stats.errors += 1
+            return 0
 
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info=None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -71,7 +72,11 @@ class RankTier:
         self._pool_arena = None
         self._staging: dict[str, tuple[object, torch.Tensor, asyncio.Lock]] = {}
         self.ahead: ReadAhead | None = None
-        self._ahead_lock = asyncio.Lock()
+        self._ahead_lock = asyncio.Lock()  # one lookup at a time fills the read-ahead
+        # The read-ahead's rows and map are shared with `take_ahead`, which
+        # runs on SGLang's thread: a row is handed to a new lookup only
+        # while no copy out of it runs.
+        self._ahead_rows = threading.Lock()
 
     async def start(self) -> RankTier:
         c = self.config
@@ -119,10 +124,12 @@ class RankTier:
             prefix = await self.clients[0][0].count_prefix(keys)
         else:
             async with self._ahead_lock:
-                start = self.ahead.block(len(keys))
+                with self._ahead_rows:
+                    start = self.ahead.block(len(keys))
                 bases = self.ahead.bases(start, len(keys))
                 prefix = await self._lookup(keys, self.ahead.arena, bases)
-                self.ahead.hold(keys[:prefix], start)
+                with self._ahead_rows:
+                    self.ahead.hold(keys[:prefix], start)
         self.stats.errors += self._errors() - before
         return prefix
 
@@ -135,6 +142,21 @@ class RankTier:
         )
         return min(found)
 
+    def take_ahead(self, keys: Sequence[bytes], host_indices: torch.Tensor) -> int:
+        """Copy the longest prefix of `keys` that the read-ahead holds into the
+        host pool, on the calling thread (no hop to the loop); return its length."""
+        if self.ahead is None or not keys:
+            return 0
+        page = self.mover.page_size
+        with self._ahead_rows:  # no lookup takes these rows during the copy
+            held = self.ahead.prefix(keys)
+            ahead = len(held)
+            if ahead:
+                self.mover.scatter(held, host_indices[: ahead * page], ahead)
+                self.stats.read_ahead_pages += ahead
+                self.stats.bytes_read += ahead * self.rect_bytes
+        return ahead
+
     async def read_pool(self, keys: Sequence[bytes], host_indices: torch.Tensor) -> int:
         """Bring the longest cached prefix of `keys` into the host pool; return its length."""
         if self.mover.zero_copy:
@@ -143,12 +165,7 @@ class RankTier:
                 keys, self._pool_arena, self.mover.zero_copy_offsets(pages)
             )
         page = self.mover.page_size
-        held = self.ahead.prefix(keys) if self.ahead is not None else None
-        ahead = 0 if held is None else len(held)
-        if ahead:  # no await before the copy: the rows cannot be reused under it
-            self.mover.scatter(held, host_indices[: ahead * page], ahead)
-            self.stats.read_ahead_pages += ahead
-            self.stats.bytes_read += ahead * self.rect_bytes
+        ahead = self.take_ahead(keys, host_indices)
         if ahead == len(keys):
             return ahead
         rest = host_indices[ahead * page :]
@@ -231,5 +248,6 @@ class RankTier:
     async def clear(self) -> None:
         """Drop this model namespace's pages from every server (and from the read-ahead)."""
         if self.ahead is not None:
-            self.ahead.forget()
+            with self._ahead_rows:
+                self.ahead.forget()
         await self.clients[0][0].admin_flush(self.spec.namespace())
