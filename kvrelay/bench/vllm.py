@@ -179,7 +179,7 @@ def warm_up(args, sizes: list[int]) -> list[int]:
 
 def run_pd(args, names, model_dir, work, asks, sizes) -> tuple[dict, dict]:
     """Each connector's pair alone (the other's engines are not running: an
-    idle NIXL engine keeps a thread polling, about half a core, which would
+    idle NIXL pair keeps both cores of a 2-core host busy polling, which would
     slow the other pair's copy and forward on a small host). Returns the
     replies and each pair's idle CPU (cores, measured between requests)."""
     out, idle = {}, {}
