@@ -54,10 +54,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--system-tokens", type=int, default=2048)
     parser.add_argument("--user-tokens", type=int, default=128)
-    parser.add_argument("--tool-tokens", type=int, default=512)
+    # A returning turn appends far less than it resends, as an agent's does
+    # (contexts of tens of thousands of tokens, a tool output of hundreds).
+    parser.add_argument("--tool-tokens", type=int, default=256)
     parser.add_argument("--answer-tokens", type=int, default=8)
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    # float32 by default: a CPU without AVX-512 BF16 or AMX runs bfloat16
+    # matmuls in software, 3x slower than float32 here, which no serving
+    # hardware is; the compute would then bury the L3's share of TTFT.
+    parser.add_argument("--dtype", default="float32",
+                        choices=["float32", "bfloat16", "float16"])  # fmt: skip
     parser.add_argument("--device-tokens", type=int, default=4096,
                         help="SGLang's device KV pool (--max-total-tokens)")  # fmt: skip
     parser.add_argument("--host-ratio", type=float, default=1.5,
