@@ -215,11 +215,8 @@ class HandoffPuller:
         self.agent, self.memory = agent, memory
         self.namespace, self.token, self.timeout_s = namespace, token, timeout_s
         self._conns: dict[str, tuple[rpc.Connection, HandoffWelcome]] = {}
-        self._releases: set[asyncio.Task] = set()
 
     async def close(self) -> None:
-        if self._releases:
-            await asyncio.wait(self._releases, timeout=self.timeout_s)
         for conn, _ in self._conns.values():
             conn.close()
         self._conns.clear()
@@ -227,9 +224,10 @@ class HandoffPuller:
     async def pull(
         self, address: str, request_id: str, remote_blocks: Sequence[int], local_blocks
     ) -> dict:
-        """Moves the blocks; raises on any failure (the caller recomputes). The
-        lease's release goes on in the background: the blocks are in. Returns
-        the bytes moved and the seconds of the grant and of the read."""
+        """Moves the blocks and releases the lease; raises on any failure of the
+        move (the caller recomputes; a failed release only logs: the blocks are
+        in, and the prefill frees them at the hold's end). Returns the bytes
+        moved and the seconds of the grant and of the read."""
         started = time.perf_counter()
         conn, welcome = await self._connect(address)
         try:
@@ -249,9 +247,11 @@ class HandoffPuller:
         )  # fmt: skip
         if time.time() >= handle.lease_expiry - LEASE_MARGIN_S:
             raise LeaseExpired(f"request {request_id}'s lease ended during the pull")
-        task = asyncio.get_running_loop().create_task(self._release(handle))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
+        # Released before the step's forward, not beside it: a prefill engine
+        # holding blocks steps without pause until the release lands, and on
+        # a host the two engines share those steps stall the decode's forward
+        # (an OpenMP team of every core waits at each op for a displaced thread).
+        await self._release(handle)
         return {"bytes": sum(n for _, n in remote_runs), "grant_s": granted - started,
                 "read_s": time.perf_counter() - granted}  # fmt: skip
 
