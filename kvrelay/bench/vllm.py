@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt lengths in tokens, comma separated")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3, help="P/D requests per size")
     parser.add_argument("--decode-tokens", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=1,
+    parser.add_argument("--threads", type=int, default=0,
                         help="torch threads per engine (OMP_NUM_THREADS; 0: torch's "
                         "default, every core)")  # fmt: skip
     parser.add_argument("--backend", default="ucx", choices=["ucx", "tcp"],
@@ -83,10 +83,9 @@ class Engine:
                   "kv_transfer_config": transfer}  # fmt: skip
         self.log = work / f"{name}.log"
         self._pending = b""
-        # One torch thread per engine by default: two engines share the host,
-        # and vLLM's processes spin (`sched_yield`) for a second after each
-        # step, so an OpenMP team of every core would wait at each op for a
-        # thread a spinner displaced (a one-token decode step took 20-430 ms).
+        # `--threads 1`: two engines share the host, and vLLM's processes spin
+        # (`sched_yield`) for a second after each step, so an OpenMP team of
+        # every core waits at each op for a thread a spinner displaced.
         threads = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
         full_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
                         PYTHONPATH=str(ROOT), **threads, **(env or {}))  # fmt: skip
