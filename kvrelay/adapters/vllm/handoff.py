@@ -42,6 +42,10 @@ HOLD_WAIT_S = 5.0
 # A pull must end this long before its lease: after the lease the prefill
 # may hand the blocks to another request.
 LEASE_MARGIN_S = 0.05
+# The release is awaited inside the pull, whose caller bounds the whole pull
+# by the same timeout as the read: a slow release must not use that up and
+# turn blocks already in into a failed load (the hold's end frees them).
+RELEASE_BOUND_S = 1.0
 
 
 def layout_fingerprint(perm: torch.Tensor, cache: torch.Tensor) -> str:
@@ -257,7 +261,7 @@ class HandoffPuller:
 
     async def _release(self, handle: BlockHandle) -> None:
         try:
-            await self.agent.release_remote(handle, self.timeout_s)
+            await self.agent.release_remote(handle, min(self.timeout_s, RELEASE_BOUND_S))
         except Exception as exc:  # the prefill frees the blocks at the hold's end
             log.info("kvrelay: releasing lease %d failed (%s)", handle.lease_id, exc)
 
