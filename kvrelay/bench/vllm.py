@@ -55,7 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt lengths in tokens, comma separated")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3, help="P/D requests per size")
     parser.add_argument("--decode-tokens", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=0,
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the engines' model and KV dtype (float32: without AVX-512 BF16 "
+                        "a CPU runs bfloat16 matmuls in software)")  # fmt: skip
+    parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per engine (OMP_NUM_THREADS; 0: torch's "
                         "default, every core)")  # fmt: skip
     parser.add_argument("--backend", default="ucx", choices=["ucx", "tcp"],
@@ -80,7 +83,7 @@ class Engine:
         self.name, self.timeout_s = name, args.engine_timeout_s
         longest = max(int(s) for s in args.sizes.split(","))
         config = {"model": str(model_dir), "max_model_len": longest + args.decode_tokens + BLOCK,
-                  "kv_transfer_config": transfer}  # fmt: skip
+                  "dtype": args.dtype, "kv_transfer_config": transfer}  # fmt: skip
         self.log = work / f"{name}.log"
         self._pending = b""
         # `--threads 1`: two engines share the host, and vLLM's processes spin
@@ -282,7 +285,7 @@ def run(args: argparse.Namespace) -> dict:
                                    kv_heads=args.kv_heads, vocab=512, seed=11,
                                    max_positions=max(sizes) + 1024)  # fmt: skip
     model_dir = Path(args.model or write_model(work / "llama", random_model))
-    spec = kv_spec(model_dir, ModelConfig.from_dir(model_dir), "bfloat16", BLOCK)
+    spec = kv_spec(model_dir, ModelConfig.from_dir(model_dir), args.dtype, BLOCK)
     asks = prompts(sizes, args.rounds)
     cold, warm = run_reuse(args, model_dir, work, asks[: len(sizes)], spec, sizes)
     pd, idle = run_pd(args, names, model_dir, work, asks, sizes)
@@ -293,18 +296,26 @@ REQUEST_FIELDS = ("size", "ttft_s", "transfer_s", "cached", "queued_to_scheduled
                   "scheduled_to_first_token_s")  # fmt: skip
 
 
-def compare_outputs(names, asks, cold, warm, pd) -> tuple[bool, list[int]]:
+def compare_outputs(names, asks, cold, warm, pd) -> tuple[bool, list[dict]]:
     """Whether every generation of each prompt agrees: the cold engine's (first
     round's prompts), the warm one's, each decode's, each prefill's first
-    token; and the lengths of the prompts where they do not."""
-    outputs: dict[tuple, list[list[int]]] = {}
-    for tokens, reply in zip(asks[: len(cold)] * 2, cold + warm, strict=True):
-        outputs.setdefault(tuple(tokens), []).append(reply["tokens"])
+    token; and, for each prompt where they do not, every source's tokens."""
+    outputs: dict[tuple, dict[str, list[int]]] = {}
+    for source, replies in (("reuse-cold", cold), ("reuse-warm", warm)):
+        for tokens, reply in zip(asks[: len(cold)], replies, strict=True):
+            outputs.setdefault(tuple(tokens), {})[source] = reply["tokens"]
     for name in names:
         for tokens, reply in zip(asks, pd[name], strict=True):
-            outputs.setdefault(tuple(tokens), []).append(reply["tokens"])
-            outputs[tuple(tokens)].append(reply["first"] + reply["tokens"][1:])
-    differing = [len(t) for t, seen in outputs.items() if any(o != seen[0] for o in seen)]
+            seen = outputs.setdefault(tuple(tokens), {})
+            seen[f"{name}-decode"] = reply["tokens"]
+            seen[f"{name}-prefill-first"] = reply["first"]
+    differing = []
+    for tokens, seen in outputs.items():
+        # a prefill returns one token: it agrees when it is the others' first
+        full = [o for source, o in seen.items() if not source.endswith("-first")]
+        firsts = {o[0] for o in full} | {o[0] for o in seen.values() if o}
+        if any(o != full[0] for o in full) or len(firsts) > 1:
+            differing.append({"prompt_tokens": len(tokens), "outputs": seen})
     return not differing, differing
 
 
@@ -342,7 +353,7 @@ def reuse_summary(cold: list[dict], warm: list[dict]) -> dict:
 
 def report(args, names, sizes, asks, cold, warm, pd, idle) -> dict:
     equal, differing = compare_outputs(names, asks, cold, warm, pd)
-    result = {"outputs_equal": equal, "differing_prompt_lengths": differing,
+    result = {"outputs_equal": equal, "differing": differing,
               "pd": {name: pd_summary(pd[name], sizes) | {"idle_cores": idle.get(name)}
                      for name in names},
               "reuse": reuse_summary(cold, warm)}  # fmt: skip
@@ -364,6 +375,8 @@ def report(args, names, sizes, asks, cold, warm, pd, idle) -> dict:
     print(format_table(["prompt tokens", "hit fraction", "TTFT cold ms", "TTFT hit ms"],
                        reuse_rows))  # fmt: skip
     print(f"\noutputs equal: {equal}; reuse hit fraction {reuse['hit_fraction']:.3f}")
+    for case in differing:
+        print(f"  {case['prompt_tokens']}-token prompt:", json.dumps(case["outputs"]))
     write_report(args, "vllm", result)
     return result
 

@@ -51,8 +51,9 @@ def main() -> None:
     extra = {}
     if config.get("kv_transfer_config"):
         extra["kv_transfer_config"] = KVTransferConfig(**config["kv_transfer_config"])
-    llm = LLM(model=config["model"], dtype="bfloat16", max_model_len=config["max_model_len"],
-              enforce_eager=True, skip_tokenizer_init=True, disable_log_stats=False,
+    llm = LLM(model=config["model"], dtype=config.get("dtype", "bfloat16"),
+              max_model_len=config["max_model_len"], enforce_eager=True,
+              skip_tokenizer_init=True, disable_log_stats=False,
               enable_prefix_caching=config.get("prefix_caching", True), **extra)  # fmt: skip
     transfer_log = os.environ.get("KVRELAY_VLLM_TRANSFER_LOG", "")
     print(json.dumps({"ready": True}), flush=True)

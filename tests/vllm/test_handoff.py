@@ -67,6 +67,18 @@ def test_paired_runs_split_where_either_side_is_not_contiguous():
         paired_runs(remote, other, [1], [1])
 
 
+def test_a_tokens_outside_heads_layout_moves_whole_blocks():
+    # vLLM's GPU NHD: a block's bytes are [block, heads, fused], one run.
+    buf = torch.zeros(LAYERS, BLOCKS, BLOCK, HEADS, FUSED, dtype=torch.bfloat16)
+    memory = KvMemory(fake_agent(), [buf[i].transpose(1, 2) for i in range(LAYERS)], "x")
+    size = HEADS * BLOCK * FUSED * 2
+    assert (memory.block_stride, memory.block_bytes) == (size, size)
+    assert memory.runs([1, 2]) == [(o * BLOCKS * size + size, 2 * size) for o in range(LAYERS)]
+    gapped = torch.zeros(BLOCKS, HEADS, BLOCK, FUSED + 2)[..., :FUSED]  # padding in a block
+    with pytest.raises(BlockLayoutError, match="contiguous"):
+        KvMemory(fake_agent(), [gapped], "x")
+
+
 def test_views_of_separate_allocations_are_refused():
     layers = [torch.zeros(BLOCKS, HEADS, BLOCK, FUSED) for _ in range(2)]
     with pytest.raises(BlockLayoutError):

@@ -101,3 +101,71 @@ def test_block_ids_outside_the_cache_are_refused():
     rows = torch.zeros(1, pages.page_bytes, dtype=torch.uint8)
     with pytest.raises(IndexError):
         pages.gather([2], rows)
+
+
+def flash_reference_writer(head_dim: int):
+    """What vLLM's GPU `reshape_and_cache_flash` does, in torch: the K and V
+    views its attention backends take of a [blocks, heads, block, 2*head_dim]
+    cache, each token's key and value stored at its slot. (The op itself
+    needs CUDA; on a GPU the connector probes the op.)"""
+
+    def write(key, value, cache, slots):
+        key_cache, value_cache = cache.transpose(1, 2).split(head_dim, dim=-1)
+        block_size = cache.shape[2]
+        key_cache[slots // block_size, slots % block_size] = key
+        value_cache[slots // block_size, slots % block_size] = value
+
+    return write
+
+
+def gpu_layout_caches(layout: str, layers, blocks, heads, block_size, fused, dtype):
+    """Logical [blocks, heads, block, fused] layer views of one allocation in
+    vLLM's GPU layouts: HND (layer-major, that order), NHD (tokens outside
+    heads), and block-major NHD (every layer of a block together)."""
+    if layout == "HND":
+        buf = torch.zeros(layers, blocks, heads, block_size, fused, dtype=dtype)
+        return [buf[i] for i in range(layers)]
+    if layout == "NHD":
+        buf = torch.zeros(layers, blocks, block_size, heads, fused, dtype=dtype)
+        return [buf[i].transpose(1, 2) for i in range(layers)]
+    buf = torch.zeros(blocks, layers, block_size, heads, fused, dtype=dtype)
+    return [buf[:, i].transpose(1, 2) for i in range(layers)]
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD", "block-major NHD"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_layouts_move_pages_position_by_position(layout, dtype):
+    from kvrelay.adapters.vllm.handoff import layout_fingerprint
+
+    layers, num_blocks, heads, block_size, head_dim = 2, 5, 3, 16, 8
+    write = flash_reference_writer(head_dim)
+    perm = probe_permutation(write, heads, block_size, head_dim, dtype)
+    token = torch.arange(block_size).view(block_size, 1)
+    dim = torch.arange(head_dim).view(1, head_dim)
+    k_at = (token * 2 * head_dim + dim).flatten()  # plain content: K[dim] ++ V[dim] per token
+    assert torch.equal(perm, torch.cat([k_at, k_at + head_dim]))
+    caches = gpu_layout_caches(layout, layers, num_blocks, heads, block_size, 2 * head_dim, dtype)
+    blocks = [3, 0]
+    slots = torch.cat([torch.arange(b * block_size, (b + 1) * block_size) for b in blocks])
+    gen = torch.Generator().manual_seed(5)
+    keys = [torch.randn(len(slots), heads, head_dim, generator=gen).to(dtype) for _ in caches]
+    values = [torch.randn(len(slots), heads, head_dim, generator=gen).to(dtype) for _ in caches]
+    for cache, k, v in zip(caches, keys, values, strict=True):
+        write(k, v, cache, slots)
+    pages = BlockPages(caches, perm, num_kv_heads=heads, head_start=0)
+    rows = torch.zeros(len(blocks), pages.page_bytes, dtype=torch.uint8)
+    pages.gather(blocks, rows)
+    unified = rows.view(dtype).view(len(blocks), heads, layers, 2, block_size, head_dim)
+    for i in range(len(blocks)):
+        tokens = slice(i * block_size, (i + 1) * block_size)
+        for layer in range(layers):
+            assert torch.equal(unified[i, :, layer, 0].transpose(0, 1), keys[layer][tokens])
+            assert torch.equal(unified[i, :, layer, 1].transpose(0, 1), values[layer][tokens])
+    rebuilt = gpu_layout_caches(layout, layers, num_blocks, heads, block_size, 2 * head_dim, dtype)
+    BlockPages(rebuilt, perm, num_kv_heads=heads, head_start=0).scatter(rows, blocks)
+    for cache, back in zip(caches, rebuilt, strict=True):
+        assert torch.equal(back, cache)  # the blocks rebuilt, no other touched
+    # Blocks move raw between engines only between equal axis orders.
+    hnd = gpu_layout_caches("HND", 1, 2, heads, block_size, 2 * head_dim, dtype)[0]
+    same = layout_fingerprint(perm, caches[0]) == layout_fingerprint(perm, hnd)
+    assert same == (layout == "HND")

@@ -1,10 +1,14 @@
 """vLLM KV blocks <-> kvrelay unified pages.
 
-A vLLM block holds `block_size` tokens of one layer; on CPU a layer's cache is
-`[num_blocks, num_kv_heads, block_size, 2 * head_dim]`, and inside a block each
-head's region holds its K then its V elements in a tiling chosen by the CPU
-attention kernel for the ISA and dtype (K transposed to [head_dim][block] for
-the vector kernels, 16-row tiles for AMX). A unified page of the same tokens
+A vLLM block holds `block_size` tokens of one layer. Every attention backend
+views a layer's cache as `[num_blocks, num_kv_heads, block_size, content]`
+(vLLM's logical [B, H, N, C]) over one allocation, with the physical order of
+those axes the backend's layout: the CPU backend's is that order itself, the
+GPU backends' HND is too and their NHD swaps heads and tokens. The content
+of a (block, head, token) is K then V: on GPU plainly, `[2 * head_dim]` per
+token; on CPU in a tiling chosen by the attention kernel for the ISA and
+dtype (K transposed to [head_dim][block] for the vector kernels, 16-row
+tiles for AMX) over the head's whole block. A unified page of the same tokens
 holds, per head and layer, K[token][dim] ++ V[token][dim]
 (`kvrelay.layout`, DESIGN.md section 3).
 
@@ -12,9 +16,11 @@ The tiling is not re-derived from vLLM's source: `probe_permutation` asks the
 engine's own cache-write op where each (K or V, token, dim) element lands, once
 per (dtype, block size, head dim), with integer codes spread over several
 passes so that each pass is exact in the cache dtype. The result is one index
-vector per head region, `perm[j]` = the region position of unified element j,
-so a page's head-layer block is `region[perm]` and loading is the scatter
-`region[perm] = block`. Every ISA vLLM picks is covered the same way.
+vector per head region (the head's `[block_size, content]` in logical
+order), `perm[j]` = the region position of unified element j, so a page's
+head-layer block is `region[perm]` and loading is the scatter
+`region[perm] = block`. Every ISA and GPU backend is covered the same way;
+the physical axis order is the tensors' strides, which indexing follows.
 """
 
 from __future__ import annotations
@@ -37,9 +43,15 @@ class BlockLayoutError(ValueError):
 
 
 def probe_permutation(
-    write: CacheWriter, num_heads: int, block_size: int, head_dim: int, dtype: torch.dtype
+    write: CacheWriter,
+    num_heads: int,
+    block_size: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """perm (int64, 2 * block_size * head_dim): unified element j sits at region[perm[j]]."""
+    """perm (int64, 2 * block_size * head_dim, on CPU): unified element j sits at
+    region[perm[j]]. The write runs on `device`, the engine's."""
     n = 2 * block_size * head_dim
     codes = torch.arange(n, dtype=torch.int64)
     found = torch.zeros(num_heads, n, dtype=torch.int64)
@@ -51,11 +63,13 @@ def probe_permutation(
     for _ in range(digits):
         digit = ((codes // place) % _DIGIT_BASE).to(torch.float32)
         kv = digit.view(2, block_size, head_dim)
-        key = kv[0].unsqueeze(1).expand(block_size, num_heads, head_dim).to(dtype).contiguous()
-        value = kv[1].unsqueeze(1).expand(block_size, num_heads, head_dim).to(dtype).contiguous()
-        cache = torch.zeros(1, num_heads, block_size, 2 * head_dim, dtype=dtype)
-        write(key, value, cache, torch.arange(block_size, dtype=torch.int64))
-        found += cache.view(num_heads, n).to(torch.float64).round().to(torch.int64) * place
+        key, value = (
+            half.unsqueeze(1).expand(block_size, num_heads, head_dim).to(device, dtype).contiguous()
+            for half in kv
+        )
+        cache = torch.zeros(1, num_heads, block_size, 2 * head_dim, dtype=dtype, device=device)
+        write(key, value, cache, torch.arange(block_size, dtype=torch.int64, device=device))
+        found += cache.view(num_heads, n).cpu().to(torch.float64).round().to(torch.int64) * place
         place *= _DIGIT_BASE
     if not torch.equal(found, found[:1].expand_as(found)):
         raise BlockLayoutError("the cache write lays out heads differently from one another")
@@ -69,13 +83,28 @@ def probe_permutation(
     return perm
 
 
+def block_axes_dense(cache: torch.Tensor) -> bool:
+    """Whether each block's [heads, tokens, content] elements are one dense run
+    (in any axis order), so a block's bytes move as one piece."""
+    axes = sorted(zip(cache.stride()[1:], cache.shape[1:], strict=True))
+    expected = 1
+    for stride, size in axes:
+        if size > 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 class BlockPages:
     """Moves whole pages (one vLLM block = one page) between layer caches and page rows.
 
-    `caches`: the rank's layer caches in layer order, each `[num_blocks,
-    local_heads, block_size, 2 * head_dim]` of one dtype. A page row viewed in
-    that dtype is `[num_kv_heads, num_layers, 2 * block_size * head_dim]`; this
-    rank owns heads `[head_start, head_start + local_heads)` of it.
+    `caches`: the rank's layer caches in layer order, each logically
+    `[num_blocks, local_heads, block_size, 2 * head_dim]` of one dtype, one
+    device and any physical axis order. Page rows are host memory; a row
+    viewed in the dtype is `[num_kv_heads, num_layers, 2 * block_size *
+    head_dim]`, and this rank owns heads `[head_start, head_start +
+    local_heads)` of it. Caches on a GPU are converted there, and the
+    converted pages cross to the host in one copy per call.
     """
 
     def __init__(
@@ -86,14 +115,19 @@ class BlockPages:
         head_start: int,
     ) -> None:
         first = caches[0]
-        if any(c.shape != first.shape or c.dtype != first.dtype for c in caches):
-            raise BlockLayoutError("every layer cache must have one shape and dtype")
+        if any(
+            c.shape != first.shape or c.dtype != first.dtype or c.device != first.device
+            for c in caches
+        ):
+            raise BlockLayoutError("every layer cache must have one shape, dtype and device")
         self.caches = list(caches)
         self.num_blocks, self.local_heads, self.block_size, fused = first.shape
         self.region = self.block_size * fused
         if perm.numel() != self.region:
             raise BlockLayoutError(f"a permutation of {self.region} elements is needed")
-        self.perm = perm
+        self.device = first.device
+        self.on_host = self.device.type == "cpu"
+        self.perm = perm.to(self.device)
         self.num_kv_heads = num_kv_heads
         self.heads = slice(head_start, head_start + self.local_heads)
         self.dtype = first.dtype
@@ -110,22 +144,28 @@ class BlockPages:
         ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
             raise IndexError(f"block ids must lie in [0, {self.num_blocks})")
-        return ids
+        return ids.to(self.device)
 
     def gather(self, block_ids: Sequence[int], rows: torch.Tensor) -> None:
         """Page rows[i] <- this rank's heads of block block_ids[i], every layer."""
         ids = self._blocks(block_ids)
-        pages = self._rows(rows[: len(ids)])
+        pages = self._rows(rows[: len(ids)])[:, self.heads]
+        staged = pages if self.on_host else torch.empty(pages.shape, dtype=self.dtype,
+                                                        device=self.device)  # fmt: skip
         for layer, cache in enumerate(self.caches):
-            regions = cache.index_select(0, ids).view(len(ids), self.local_heads, self.region)
-            pages[:, self.heads, layer, :] = regions.index_select(2, self.perm)
+            # index_select lays the blocks out in logical order, whatever the cache's
+            regions = cache.index_select(0, ids).reshape(len(ids), self.local_heads, self.region)
+            staged[:, :, layer, :] = regions.index_select(2, self.perm)
+        if not self.on_host:
+            pages.copy_(staged)
 
     def scatter(self, rows: torch.Tensor, block_ids: Sequence[int]) -> None:
         """Block block_ids[i] <- this rank's heads of page rows[i], every layer."""
         ids = self._blocks(block_ids)
-        pages = self._rows(rows[: len(ids)])
+        pages = self._rows(rows[: len(ids)])[:, self.heads].to(self.device)
+        logical = (len(ids), *self.caches[0].shape[1:])
         for layer, cache in enumerate(self.caches):
-            regions = cache.view(self.num_blocks, self.local_heads, self.region)
-            block = torch.empty(len(ids), self.local_heads, self.region, dtype=self.dtype)
-            block[:, :, self.perm] = pages[:, self.heads, layer, :]
-            regions.index_copy_(0, ids, block)
+            block = torch.empty(len(ids), self.local_heads, self.region, dtype=self.dtype,
+                                device=self.device)  # fmt: skip
+            block[:, :, self.perm] = pages[:, :, layer, :]
+            cache.index_copy_(0, ids, block.view(logical))

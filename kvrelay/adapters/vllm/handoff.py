@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvrelay import rpc
-from kvrelay.adapters.vllm.blocks import BlockLayoutError
+from kvrelay.adapters.vllm.blocks import BlockLayoutError, block_axes_dense
 from kvrelay.rpc.handoff_ops import HandoffGrant, HandoffPull, HandoffWelcome
 from kvrelay.transfer.arena import collapse_to_huge_pages
 from kvrelay.transfer.errors import LeaseExpired
@@ -49,10 +49,18 @@ RELEASE_BOUND_S = 1.0
 
 
 def layout_fingerprint(perm: torch.Tensor, cache: torch.Tensor) -> str:
-    """Dtype, block shape and in-block tiling: equal ones make a block's bytes portable."""
+    """Dtype, block shape, axis order and in-block tiling: equal ones make a
+    block's bytes portable (the device is not in it: UCX moves between host
+    and GPU memory alike)."""
     _, heads, block_size, fused = cache.shape
-    digest = hashlib.sha256(perm.to(torch.int64).numpy().tobytes()).hexdigest()[:16]
-    return f"{cache.dtype}:{heads}x{block_size}x{fused}:{digest}"
+    digest = hashlib.sha256(perm.to(torch.int64).cpu().numpy().tobytes()).hexdigest()[:16]
+    order = "".join("htc"[axis] for axis in axis_order(cache))
+    return f"{cache.dtype}:{heads}x{block_size}x{fused}:{order}:{digest}"
+
+
+def axis_order(cache: torch.Tensor) -> list[int]:
+    """A block's [heads, tokens, content] axes, outermost first in memory."""
+    return sorted(range(3), key=lambda axis: -cache.stride(axis + 1))
 
 
 class KvMemory:
@@ -71,11 +79,15 @@ class KvMemory:
         first = caches[0]
         num_blocks, heads, block_size, fused = first.shape
         itemsize = first.element_size()
-        inner = (block_size * fused, fused, 1)
-        if any(tuple(c.stride()[1:]) != inner or c.stride(0) != first.stride(0) for c in caches):
+        if (
+            any(not block_axes_dense(c) or c.stride() != first.stride() for c in caches)
+            or first.stride(0) < heads * block_size * fused
+        ):
             raise BlockLayoutError("a layer's block is not one contiguous run")
-        whole = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
-        self.huge_page_bytes = collapse_to_huge_pages(whole) if huge_pages else 0
+        whole = torch.empty(0, dtype=torch.uint8, device=first.device)
+        whole.set_(storage, 0, (storage.nbytes(),), (1,))
+        on_host = first.device.type == "cpu"
+        self.huge_page_bytes = collapse_to_huge_pages(whole) if huge_pages and on_host else 0
         self.arena = agent.register_tensor(whole)
         base = storage.data_ptr()
         self.layout = layout

@@ -50,6 +50,22 @@ def cpu_cache_writer(dtype: torch.dtype, block_size: int, head_dim: int):
     return write
 
 
+def flash_cache_writer(dtype: torch.dtype, block_size: int, head_dim: int):
+    """vLLM's GPU cache write (`reshape_and_cache_flash`) for one layer, on the
+    K and V views its attention backends take of a [blocks, heads, block,
+    2*head_dim] cache."""
+    from vllm import _custom_ops as ops
+
+    def write(key, value, cache, slot_mapping) -> None:
+        key_cache, value_cache = cache.transpose(1, 2).split(head_dim, dim=-1)
+        scale = torch.ones(1, dtype=torch.float32, device=cache.device)
+        ops.reshape_and_cache_flash(
+            key, value, key_cache, value_cache, slot_mapping, "auto", scale, scale
+        )
+
+    return write
+
+
 def layer_order(names) -> list[str]:
     """vLLM's attention layer names in model order."""
     from vllm.model_executor.models.utils import extract_layer_index
@@ -73,19 +89,14 @@ class WorkerSide:
                          "pulled_blocks": 0, "pull_errors": 0, "handed_off": 0}  # fmt: skip
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        if hasattr(torch.cpu, "_init_amx"):
-            # A first attention call of one query token on an AMX CPU dies of an
-            # illegal instruction unless the tile state is set up first; a load
-            # that leaves only a prompt's last token to compute makes that call.
-            torch.cpu._init_amx()
         caches = [kv_caches[name] for name in layer_order(kv_caches)]
         if len(caches) != self.spec.num_layers:
             raise ValueError(f"{len(caches)} layer caches for a {self.spec.num_layers}-layer model")
         first = caches[0]
-        if first.device.type != "cpu" or first.dim() != 4:
+        if first.device.type not in ("cpu", "cuda") or first.dim() != 4:
             raise ValueError(
-                "KvrelayConnector moves vLLM's CPU caches [blocks, heads, block, 2*head_dim]; "
-                f"got {tuple(first.shape)} on {first.device}"
+                "KvrelayConnector moves vLLM's attention caches [blocks, heads, block, "
+                f"2*head_dim] on CPU or CUDA; got {tuple(first.shape)} on {first.device}"
             )
         _, heads, block_size, fused = first.shape
         if heads != self.rect.num_heads or block_size != self.spec.page_size:
@@ -93,8 +104,16 @@ class WorkerSide:
                 f"cache of {heads} heads x {block_size} tokens; the rank owns "
                 f"{self.rect.num_heads} heads of {self.spec.page_size}-token pages"
             )
-        write = cpu_cache_writer(first.dtype, block_size, fused // 2)
-        perm = probe_permutation(write, heads, block_size, fused // 2, first.dtype)
+        if first.device.type == "cpu":
+            if hasattr(torch.cpu, "_init_amx"):
+                # A first attention call of one query token on an AMX CPU dies of
+                # an illegal instruction unless the tile state is set up first; a
+                # load that leaves only a prompt's last token to compute makes it.
+                torch.cpu._init_amx()
+            write = cpu_cache_writer(first.dtype, block_size, fused // 2)
+        else:
+            write = flash_cache_writer(first.dtype, block_size, fused // 2)
+        perm = probe_permutation(write, heads, block_size, fused // 2, first.dtype, first.device)
         self.pages = BlockPages(caches, perm, self.spec.num_kv_heads, self.rect.head_start)
         self.loop = TierLoop("kvrelay-vllm-worker")
         self.tier = self.loop.run(
