@@ -13,7 +13,9 @@ Per L2 capacity (total pages), side by side:
   by HashRing, the same total, under each eviction policy (`--policies`,
   all by default; `lru` and the default always), and Belady's offline bound on the same
   servers (`kvrelay.cache.eviction.belady`, the same prefix rule for hits);
-  `shared` is the default policy's entry;
+  `shared` is the default policy's entry; beside them the partial-foresight
+  oracles (`kvrelay.cache.eviction.oracles`): LRU knowing which pages will
+  be read again, and eviction knowing how many reads each page has left;
 - `policies_l3`: the same with an L3 behind each tier (`--l3`: a file store
   per server in a temp dir, `--l3-pages` in total, by default the whole
   working set; or one valkey server): evicted pages are demoted
@@ -49,6 +51,7 @@ from kvrelay.bench.cache_trace import NAMESPACE, KeyChain, load_trace, page_cont
 from kvrelay.bench.stats import machine_info, write_json
 from kvrelay.cache.arena import ArenaConfig, PageArena
 from kvrelay.cache.eviction import DEFAULT_POLICY, POLICIES
+from kvrelay.cache.eviction.oracles import ORACLES
 from kvrelay.cache.l3 import L3Store, open_store, record
 from kvrelay.cache.l3.local_server import local_l3
 from kvrelay.cache.tier import CacheTier, TierConfig
@@ -269,6 +272,11 @@ async def _run(args: argparse.Namespace) -> dict:
             entry = {"capacity_pages": capacity, "capacity_bytes": capacity * page_bytes}
             entry["local"] = replay(args.workers, by_worker, None, capacity, DEFAULT_POLICY)
             entry["policies"] = {"belady": belady(capacity)}
+            each = [max(1, capacity // args.servers)] * args.servers
+            for oracle in ORACLES:
+                entry["policies"][oracle] = cache_policies.oracle_rate(
+                    key_lists, each, by_ring, requests, args, Counts, oracle
+                ).to_json(page_bytes)
             for name in names:
                 entry["policies"][name] = replay(args.servers, by_ring, None, capacity, name)
             entry["shared"] = entry["policies"][DEFAULT_POLICY]
@@ -299,6 +307,7 @@ def _report(args: argparse.Namespace, requests, unique: int, l3_pages: int, name
         "unique_pages": unique,
         "default_policy": DEFAULT_POLICY,
         "online_policies": names,
+        "oracles": list(ORACLES),
         "workers": args.workers,
         "servers": args.servers,
         "block_tokens": args.block_tokens,
@@ -311,7 +320,7 @@ def _report(args: argparse.Namespace, requests, unique: int, l3_pages: int, name
     }
     for entry in payload["capacities"]:
         entry["gap_closed"] = {
-            name: cache_policies.gap_closed(entry["policies"], name) for name in names
+            name: cache_policies.gap_closed(entry["policies"], name) for name in [*names, *ORACLES]
         }
     print_tables(payload)
     wrong = _wrong_pages(payload)

@@ -1,5 +1,6 @@
-"""Eviction policies in `kvrelay bench cache`: Belady's bound on the same
-servers, and what each policy costs the index per operation.
+"""Eviction policies in `kvrelay bench cache`: Belady's bound and the
+partial-foresight oracles on the same servers, and what each policy costs
+the index per operation.
 
 The cost is the real `PageIndex` under each policy, replaying the trace's
 own stream of lookups and inserts at one capacity, the policies
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 
 from kvrelay.cache.eviction import make_policy
 from kvrelay.cache.eviction.belady import belady_hits
+from kvrelay.cache.eviction.oracles import oracle_hits
 from kvrelay.cache.index import PageIndex
 
 
@@ -23,6 +25,15 @@ def belady_rate(key_lists, capacities: Sequence[int], route, requests, args, cou
     """Belady on `len(capacities)` servers, counted as the tier replays are."""
     counts = counts_cls()
     hits = belady_hits(key_lists, capacities, route)
+    for request, keys, hit in zip(requests, key_lists, hits, strict=True):
+        counts.add(len(keys), hit, request["input_length"], args.block_tokens, args.page_bytes)
+    return counts
+
+
+def oracle_rate(key_lists, capacities, route, requests, args, counts_cls, name: str):
+    """A partial-foresight oracle (`ORACLES`) on the same servers, counted alike."""
+    counts = counts_cls()
+    hits = oracle_hits(key_lists, capacities, route, name)
     for request, keys, hit in zip(requests, key_lists, hits, strict=True):
         counts.add(len(keys), hit, request["input_length"], args.block_tokens, args.page_bytes)
     return counts

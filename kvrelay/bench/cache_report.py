@@ -72,20 +72,23 @@ def progress_bar(total: int, disabled: bool):
 
 def policy_rows(payload: dict, group: str) -> tuple[list[str], list[list]]:
     """Block hit rate per policy and capacity, Belady first, the default marked
-    with the share of the LRU-to-Belady gap it closes (host tier only)."""
-    names = ["belady", *payload["online_policies"]]
+    with the share of the LRU-to-Belady gap it closes; on the host tier the
+    partial-foresight oracles too, with their shares."""
+    oracles = payload.get("oracles", []) if group == "policies" else []
+    names = ["belady", *oracles, *payload["online_policies"]]
     default = payload["default_policy"]
     headers = ["pages", "infinite", *names]
     if group == "policies":
-        headers.append(f"{default} gap closed")
+        headers += [f"{name} gap closed" for name in (*oracles, default)]
     rows = []
     for entry in payload["capacities"]:
         rates = entry[group]
         line = [entry["capacity_pages"], f"{payload['infinite']['block_hit_rate']:.3f}"]
         line += [f"{rates[n]['block_hit_rate']:.3f}" for n in names]
         if group == "policies":
-            closed = entry["gap_closed"][default]
-            line.append("-" if closed is None else f"{closed:.2f}")
+            for name in (*oracles, default):
+                closed = entry["gap_closed"][name]
+                line.append("-" if closed is None else f"{closed:.2f}")
         rows.append(line)
     return headers, rows
 
@@ -139,12 +142,14 @@ def plot(payload: dict, path: str | Path) -> None:
     caps = [e["capacity_pages"] for e in entries]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.axhline(payload["infinite"]["block_hit_rate"], color="k", ls="--", label="infinite")
-    names = ["belady", *payload["online_policies"]]
+    oracles = payload.get("oracles", [])
+    names = ["belady", *oracles, *payload["online_policies"]]
     colors = {name: f"C{i}" for i, name in enumerate(names)}
     for name in names:
         rates = [e["policies"][name]["block_hit_rate"] for e in entries]
-        ax.plot(caps, rates, "o-", color=colors[name], label=name)
-        if "policies_l3" in entries[0]:
+        style = "^:" if name in oracles else "o-"
+        ax.plot(caps, rates, style, color=colors[name], label=name)
+        if "policies_l3" in entries[0] and name not in oracles:
             rates = [e["policies_l3"][name]["block_hit_rate"] for e in entries]
             ax.plot(caps, rates, "x--", color=colors[name], alpha=0.6,
                     label=f"{name} + L3 ({payload['l3_pages']} pages)")  # fmt: skip

@@ -6,6 +6,7 @@ import pytest
 
 from kvrelay.bench import cache as cache_bench
 from kvrelay.cache.eviction import DEFAULT_POLICY
+from kvrelay.cache.eviction.oracles import ORACLES
 from kvrelay.cache.l3.file import FileStore, FileStoreConfig
 from kvrelay.cli import main
 from kvrelay.layout.ring import HashRing
@@ -137,12 +138,12 @@ def test_bench_cache_reports_every_policy_and_belady(tmp_path, capsys):
     assert set(payload["online_policies"]) == names
     for entry in payload["capacities"]:
         rates = {n: r["block_hit_rate"] for n, r in entry["policies"].items()}
-        assert set(rates) == names | {"belady"}
+        assert set(rates) == names | {"belady", *ORACLES}
         # One server: Belady is the optimum (tests/cache/test_eviction.py).
         assert all(rates["belady"] >= rate - 1e-12 for rate in rates.values())
         assert entry["shared"] == entry["policies"][default]
         assert set(entry["policies_l3"]) == names | {"belady"}
-        assert set(entry["gap_closed"]) == names
+        assert set(entry["gap_closed"]) == names | set(ORACLES)
     cost = payload["index_cost"]
     assert cost["baseline"] == "lru" and cost["lru"]["lookup_ratio"] == 1.0
     assert cost[default]["ns_per_lookup"] > 0 and cost[default]["gc_off"]["ns_per_insert"] > 0
@@ -150,6 +151,7 @@ def test_bench_cache_reports_every_policy_and_belady(tmp_path, capsys):
     assert cost[default]["lookup_ratio_min"] <= cost[default]["lookup_ratio_max"]
     printed = capsys.readouterr().out
     assert "belady" in printed and "ns/page looked up" in printed
+    assert "oracle-count gap closed" in printed
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -1,5 +1,6 @@
-"""Eviction policies: Belady's replay against brute force, pins and leases never
-victims, the prefix rule on hand-made chains, LIRS against a loop."""
+"""Eviction policies: Belady's replay against brute force, the partial-foresight
+oracles, pins and leases never victims, the prefix rule on hand-made chains,
+LIRS against a loop."""
 
 import argparse
 import functools
@@ -11,6 +12,7 @@ import pytest
 
 from kvrelay.cache.eviction import DEFAULT_POLICY, POLICIES, make_policy
 from kvrelay.cache.eviction.belady import belady_hits, next_uses
+from kvrelay.cache.eviction.oracles import ORACLES, oracle_hits
 from kvrelay.cache.index import PageIndex
 from kvrelay.cache.tier import TierConfig
 from tests.cache.test_tier import make_tier
@@ -122,6 +124,45 @@ def test_belady_hits_follow_the_prefix_rule():
     # b is cached but a is not: b does not hit.
     assert belady_hits([["b"], ["a", "b"]], [4]) == [0, 0]
     assert belady_hits([["a", "b"], ["a", "b"]], [4]) == [0, 2]
+
+
+# -- partial-foresight oracles --------------------------------------------------------
+
+
+def one_server(key_lists, capacity: int, name: str) -> list[int]:
+    return oracle_hits(key_lists, [capacity], lambda _n, _k: 0, name)
+
+
+def test_the_dead_page_oracle_admits_nothing_read_once():
+    # c is never read again: LRU would evict a for it, the oracle keeps a and b.
+    trace = [["a", "b"], ["c"], ["a", "b"]]
+    assert one_server(trace, 2, "oracle-dead") == [0, 0, 2]
+    # once its last read is past, a page goes first: x, read last, leaves for
+    # z where LRU would evict y
+    trace = [["x"], ["y"], ["y"], ["x"], ["z"], ["y"], ["z"]]
+    assert one_server(trace, 2, "oracle-dead") == [0, 0, 1, 1, 0, 1, 1]
+
+
+def test_the_read_count_oracle_keeps_what_is_read_most():
+    # x has two reads left, y one: y is not admitted; the dead-page oracle,
+    # blind to counts, keeps the newer y and misses x once more.
+    trace = [["x"], ["y"], ["x"], ["x"], ["y"]]
+    assert one_server(trace, 1, "oracle-count") == [0, 0, 1, 1, 0]
+    assert one_server(trace, 1, "oracle-dead") == [0, 0, 0, 1, 0]
+
+
+def test_the_oracles_follow_the_prefix_rule_and_never_beat_belady():
+    for name in ORACLES:
+        assert one_server([["b"], ["a", "b"], ["a", "b"]], 4, name) == [0, 0, 2]
+    rng = random.Random(5)
+    for _ in range(60):
+        key_lists = random_chains(rng, rng.randrange(3, 10))
+        capacity = rng.randrange(1, 4)
+        best = optimum(key_lists, capacity)
+        for name in ORACLES:
+            assert sum(one_server(key_lists, capacity, name)) <= best
+    with pytest.raises(ValueError, match="oracle must be"):
+        one_server([["a"]], 1, "oracle-time")
 
 
 # -- every policy: pins and leases ---------------------------------------------------
