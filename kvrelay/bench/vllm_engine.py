@@ -34,7 +34,9 @@ def _log_seconds(path: str, since: int) -> float | None:
         return None
     with open(path) as log:
         log.seek(since)
-        return sum(json.loads(line)["seconds"] for line in log if line.strip())
+        records = [json.loads(line) for line in log if line.strip()]
+    # an asynchronous load's record spans the pulls recorded beside it
+    return sum(r["seconds"] for r in records if not r.get("async"))
 
 
 def _gap(metrics, start: str, end: str) -> float | None:

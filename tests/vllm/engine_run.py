@@ -5,7 +5,8 @@
 each phase, generates greedily from every prompt, printing one JSON line per
 request: {"phase", "tokens", "cached", "kv_transfer_params"}, also appended
 to `go_file + ".results"`. A prompt is a list of token ids, or {"tokens",
-"max_tokens", "kv_transfer_params"} (a P/D request). Between phases it
+"max_tokens", "kv_transfer_params"} (a P/D request), or {"batch": [prompt, ...]}
+(submitted together). Between phases it
 touches `go_file + ".N"` and waits for `go_file + ".N.go"` (at most 900 s),
 so a test can act (kill a cache server, run a decode engine) while the
 engine lives.
@@ -58,21 +59,25 @@ def main() -> None:
             marker.touch()
             wait_for(Path(f"{marker}.go"))
         for prompt in prompts:
-            if isinstance(prompt, list):
-                prompt = {"tokens": prompt}
-            extra = {}
-            if prompt.get("kv_transfer_params") is not None:
-                extra["extra_args"] = {"kv_transfer_params": prompt["kv_transfer_params"]}
-            max_tokens = prompt.get("max_tokens", MAX_TOKENS)
-            params = SamplingParams(temperature=0, detokenize=False, max_tokens=max_tokens, **extra)
-            request = TokensPrompt(prompt_token_ids=prompt["tokens"])
-            out = llm.generate([request], params, use_tqdm=False)[0]
-            line = json.dumps({"phase": phase, "tokens": list(out.outputs[0].token_ids),
-                               "cached": out.num_cached_tokens,
-                               "kv_transfer_params": out.kv_transfer_params})  # fmt: skip
-            print(line, flush=True)
-            with results.open("a") as f:
-                f.write(line + "\n")
+            # {"batch": [prompt, ...]}: submitted together, so the engine runs them at once
+            batch = prompt["batch"] if isinstance(prompt, dict) and "batch" in prompt else [prompt]
+            batch = [{"tokens": p} if isinstance(p, list) else p for p in batch]
+            requests, params = [], []
+            for one in batch:
+                extra = {}
+                if one.get("kv_transfer_params") is not None:
+                    extra["extra_args"] = {"kv_transfer_params": one["kv_transfer_params"]}
+                max_tokens = one.get("max_tokens", MAX_TOKENS)
+                params.append(SamplingParams(temperature=0, detokenize=False,
+                                             max_tokens=max_tokens, **extra))  # fmt: skip
+                requests.append(TokensPrompt(prompt_token_ids=one["tokens"]))
+            for out in llm.generate(requests, params, use_tqdm=False):
+                line = json.dumps({"phase": phase, "tokens": list(out.outputs[0].token_ids),
+                                   "cached": out.num_cached_tokens,
+                                   "kv_transfer_params": out.kv_transfer_params})  # fmt: skip
+                print(line, flush=True)
+                with results.open("a") as f:
+                    f.write(line + "\n")
 
 
 if __name__ == "__main__":

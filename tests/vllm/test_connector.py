@@ -52,6 +52,8 @@ def prompt(seed: int, pages: int) -> list[int]:
 P_REUSE, P_POISON, P_AFTER_KILL, P_VLLM_KV, P_KVRELAY_KV = (
     prompt(1, 8), prompt(2, 8), prompt(3, 4), prompt(4, 4), prompt(5, 8)
 )  # fmt: skip
+# Two prompts the reader gets at once: the second loads while the first runs.
+P_TOGETHER = [prompt(6, 4), prompt(7, 4)]
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -91,14 +93,14 @@ def spec(model_dir):
     return kv_spec(model_dir, ModelConfig.from_dir(model_dir), "bfloat16", BLOCK)
 
 
-def run_engine(tmp: Path, model_dir: Path, connector: dict | None, phases, between=None):
+def run_engine(tmp: Path, model_dir: Path, connector: dict | None, phases, between=None, env=None):
     """Runs engine_run.py; `between(phase)` runs before each phase after the first."""
     tmp.mkdir(parents=True, exist_ok=True)
     config = tmp / "engine.json"
     config.write_text(json.dumps({"model": str(model_dir), "connector": connector,
                                   "phases": phases, "go_file": str(tmp / "phase")}))  # fmt: skip
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-               PYTHONPATH=str(ROOT))  # fmt: skip
+               PYTHONPATH=str(ROOT), **(env or {}))  # fmt: skip
     log = tmp / "engine.log"
     with log.open("w") as err:
         proc = subprocess.Popen(
@@ -123,7 +125,9 @@ def run_engine(tmp: Path, model_dir: Path, connector: dict | None, phases, betwe
             proc.wait(10)
     assert proc.returncode == 0, log.read_text()[-4000:]
     results = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    assert len(results) == sum(len(p) for p in phases), out
+    expected = sum(len(p["batch"]) if isinstance(p, dict) and "batch" in p else 1
+                   for phase in phases for p in phase)  # fmt: skip
+    assert len(results) == expected, out
     return results
 
 
@@ -185,7 +189,8 @@ def decode_requests(prefills: list[dict]) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, model_dir, spec):
     tmp = tmp_path_factory.mktemp("runs")
-    everything = [P_REUSE, P_POISON, P_AFTER_KILL, P_VLLM_KV, P_KVRELAY_KV, *PD_PROMPTS]
+    everything = [P_REUSE, P_POISON, P_AFTER_KILL, P_VLLM_KV, P_KVRELAY_KV, *P_TOGETHER,
+                  *PD_PROMPTS]  # fmt: skip
     baseline = run_engine(tmp / "baseline", model_dir, None, [everything])
     server = CacheServerProcess(token=TOKEN, page_bytes=spec.page_bytes, pages=128)
     found = {}
@@ -212,17 +217,20 @@ def runs(tmp_path_factory, model_dir, spec):
             held = [json.loads(line) for line in lines if json.loads(line)["phase"] == 1]
             found["reader"] = run_engine(
                 tmp / "reader", model_dir, extra,
-                [[P_REUSE, P_POISON, P_KVRELAY_KV, *decode_requests(held)], [P_AFTER_KILL]],
-                between=kill_cache_server,
+                [[P_REUSE, P_POISON, P_KVRELAY_KV, {"batch": P_TOGETHER},
+                  *decode_requests(held)], [P_AFTER_KILL]],
+                between=kill_cache_server, env={"KVRELAY_VLLM_TRANSFER_LOG": str(transfers)},
             )  # fmt: skip
 
+        transfers = tmp / "reader-transfers.jsonl"
         writer = run_engine(tmp / "writer", model_dir, prefill_extra,
-                            [[P_REUSE, P_VLLM_KV], prefills, []],
+                            [[P_REUSE, P_VLLM_KV, *P_TOGETHER], prefills, []],
                             between=read_while_the_writer_holds)  # fmt: skip
     finally:
         server.stop()
     base = {tuple(p): r["tokens"] for p, r in zip(everything, baseline, strict=True)}
-    return {"base": base, "writer": writer, **found}
+    records = [json.loads(line) for line in transfers.read_text().splitlines()]
+    return {"base": base, "writer": writer, "transfers": records, **found}
 
 
 def test_a_fresh_engine_takes_the_prompt_from_the_tier(runs):
@@ -253,6 +261,15 @@ def test_vllm_imports_pages_kvrelay_computed(runs):
     assert imported["cached"] >= 0.9 * len(P_KVRELAY_KV)
 
 
+def test_a_load_beside_a_running_request_waits_off_the_step(runs):
+    together = runs["reader"][3:5]
+    for p, r in zip(P_TOGETHER, together, strict=True):
+        assert r["cached"] >= 0.9 * len(p)
+        assert r["tokens"] == runs["base"][tuple(p)]
+    # the second was parked while its pages loaded, reported by get_finished
+    assert [r for r in runs["transfers"] if r.get("async")]
+
+
 def test_a_dead_cache_server_means_recompute_not_failure(runs):
     after = runs["reader"][-1]
     assert after["phase"] == 1
@@ -261,7 +278,7 @@ def test_a_dead_cache_server_means_recompute_not_failure(runs):
 
 
 def pd_results(runs) -> dict:
-    decodes = runs["reader"][3:-1]
+    decodes = runs["reader"][5:-1]
     return {tuple(p): r for p, r in zip(PD_PROMPTS[:-1], decodes, strict=True)}
 
 

@@ -108,8 +108,8 @@ def test_a_decode_loads_every_prompt_token_but_the_last_from_the_prefill():
     tokens = list(range(10))
     r = SimpleNamespace(request_id="d", prompt_token_ids=tokens, all_token_ids=tokens,
                         kv_transfer_params=prefill_reply(params()))  # fmt: skip
-    assert s.matched_tokens(r, 0) == 9
-    assert s.matched_tokens(r, 4) == 5  # past a local hit of one block
+    assert s.matched_tokens(r, 0) == (9, False)
+    assert s.matched_tokens(r, 4) == (5, False)  # past a local hit of one block
     s.after_alloc(r, 5)
     assert r.kv_transfer_params["do_remote_prefill"] is False  # pulled once
     new = SimpleNamespace(req_id="d", block_ids=([11, 12, 13],), num_computed_tokens=4)
@@ -129,7 +129,7 @@ def test_a_handoff_that_cannot_be_used_is_a_local_prefill(bad):
     tokens = list(range(10))
     r = SimpleNamespace(request_id="d", prompt_token_ids=tokens, all_token_ids=tokens,
                         kv_transfer_params=prefill_reply(params(**bad)))  # fmt: skip
-    assert s.matched_tokens(r, 0) == 0
+    assert s.matched_tokens(r, 0) == (0, False)
 
 
 def test_malformed_params_are_refused_with_a_warning(caplog):

@@ -52,7 +52,7 @@ def test_loads_the_tiers_pages_past_the_local_hit_and_writes_the_rest():
     tokens = list(range(5 * PAGE + 1))
     s, asked = side(tier_pages=3)
     r = request("a", tokens)
-    assert s.matched_tokens(r, num_computed_tokens=PAGE) == 2 * PAGE
+    assert s.matched_tokens(r, num_computed_tokens=PAGE) == (2 * PAGE, False)
     assert asked == [SPEC.page_keys(tokens[: 5 * PAGE])]  # never the last token's page
     s.after_alloc(r, 2 * PAGE)
     plan = s.plan(step(new=[("a", [10, 11, 12, 13, 14, 15], 3 * PAGE)],
@@ -66,7 +66,7 @@ def test_a_page_decode_completes_is_written_once():
     tokens = list(range(2 * PAGE - 1))
     s, _ = side()
     r = request("a", tokens)
-    assert s.matched_tokens(r, 0) == 0
+    assert s.matched_tokens(r, 0) == (0, False)
     plan = s.plan(step(new=[("a", [7, 8], 0)], scheduled={"a": len(tokens)}))
     assert [b.block_ids for b in plan.saves] == [[7]]
     r.all_token_ids.append(99)  # the sampled token, computed by the next step
@@ -78,14 +78,14 @@ def test_a_page_decode_completes_is_written_once():
 
 def test_a_tier_that_does_not_answer_is_a_miss():
     s, _ = side(tier_pages=3, fail=True)
-    assert s.matched_tokens(request("a", list(range(5 * PAGE))), 0) == 0
+    assert s.matched_tokens(request("a", list(range(5 * PAGE))), 0) == (0, False)
     assert s.probe_errors == 1
 
 
 def test_no_load_when_vllm_allocates_nothing_for_it():
     s, _ = side(tier_pages=2)
     r = request("a", list(range(3 * PAGE + 1)))
-    assert s.matched_tokens(r, 0) == 2 * PAGE
+    assert s.matched_tokens(r, 0) == (2 * PAGE, False)
     s.after_alloc(r, 0)
     assert s.plan(step(new=[("a", [1, 2, 3, 4], 0)], scheduled={"a": 1})).loads == []
 
@@ -93,7 +93,7 @@ def test_no_load_when_vllm_allocates_nothing_for_it():
 def test_the_page_holding_the_last_token_gives_every_token_before_it():
     s, _ = side(tier_pages=3)
     r = request("a", list(range(3 * PAGE)))
-    assert s.matched_tokens(r, 2 * PAGE) == PAGE - 1  # the last token is computed
+    assert s.matched_tokens(r, 2 * PAGE) == (PAGE - 1, False)  # the last token is computed
     s.after_alloc(r, PAGE - 1)
     plan = s.plan(step(new=[("a", [1, 2, 3], 2 * PAGE)], scheduled={"a": 1}))
     assert [b.block_ids for b in plan.loads] == [[3]]
@@ -102,7 +102,7 @@ def test_the_page_holding_the_last_token_gives_every_token_before_it():
 def test_nothing_to_ask_when_vllm_holds_all_but_the_last_token():
     s, asked = side(tier_pages=3)
     r = request("a", list(range(3 * PAGE)))
-    assert s.matched_tokens(r, 3 * PAGE - 1) == 0
+    assert s.matched_tokens(r, 3 * PAGE - 1) == (0, False)
     assert asked == []
 
 
@@ -112,3 +112,33 @@ def test_finished_requests_are_forgotten():
     s.matched_tokens(r, 0)
     assert s.finished(r, ([3],)) is None  # no remote decode asked for: freed now
     assert s.requests == {}
+
+
+def test_a_load_waits_off_the_step_only_when_the_engine_has_other_requests():
+    tokens = list(range(4 * PAGE + 1))
+    s, _ = side(tier_pages=3)
+    alone = request("a", tokens)
+    assert s.matched_tokens(alone, 0) == (3 * PAGE, False)  # nothing to overlap it with
+    s.after_alloc(alone, 3 * PAGE, [5, 6, 7, 8, 9])
+    assert not s.async_plan.async_loads
+    beside = request("b", [t + 1 for t in tokens])
+    assert s.matched_tokens(beside, 0) == (3 * PAGE, True)
+    # vLLM parks it at once: its load is planned with the blocks allocated now ...
+    s.after_alloc(beside, 3 * PAGE, [20, 21, 22, 23, 24])
+    plan = s.plan(step(new=[("a", [5, 6, 7, 8, 9], 0)], scheduled={"a": PAGE + 1}))
+    keys = SPEC.page_keys(beside.prompt_token_ids[: 3 * PAGE])
+    assert [(b.req_id, b.keys, b.block_ids) for b in plan.async_loads] == [
+        ("b", keys, [20, 21, 22])
+    ]
+    assert [b.req_id for b in plan.loads] == ["a"]
+    # ... and not again when it is scheduled after the load
+    later = s.plan(step(new=[("b", [20, 21, 22, 23, 24], 3 * PAGE)], scheduled={"b": PAGE + 1}))
+    assert not later.loads and not later.async_loads
+
+
+def test_async_loads_can_be_forced_either_way():
+    tokens = list(range(2 * PAGE + 1))
+    for mode, expected in (("always", True), ("never", False)):
+        s = SchedulerSide(SPEC, RECT, lambda keys: len(keys), async_loads=mode)
+        s.matched_tokens(request("other", [9] * 3), 0)
+        assert s.matched_tokens(request("a", tokens), 0) == (2 * PAGE, expected)

@@ -34,6 +34,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     `huge_pages` moves vLLM's CPU KV cache onto transparent huge pages when
     the connector registers it (the kernel copies between engines pin and
     walk pages; on 4 KiB pages that walk is a large part of a pull).
+    `async_loads`: "auto" loads a request's pages (from the tier or a
+    prefill) while the engine steps its other requests when it has any, and
+    before the request's first step when it has none (waiting a step would
+    only add to its TTFT); "always" and "never" force one way.
     """
 
     servers: tuple[Address, ...] = ()
@@ -49,6 +53,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     handoff_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
     handoff_hold_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 60.0
     huge_pages: bool = True
+    async_loads: Literal["auto", "always", "never"] = "auto"
 
     def handoff_agents(self, tp_size: int) -> list[str]:
         """The handoff service of each rank, or none."""

@@ -68,7 +68,7 @@ class KvrelayConnector(KVConnectorBase_V1):
 
             tp = vllm_config.parallel_config.tensor_parallel_size
             handoff = HandoffSide(config.handoff_agents(tp), config.handoff_hold_s)
-            self._scheduler = SchedulerSide(spec, rect, count_prefix, handoff)
+            self._scheduler = SchedulerSide(spec, rect, count_prefix, handoff, config.async_loads)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -92,8 +92,8 @@ class KvrelayConnector(KVConnectorBase_V1):
         if self.has_connector_metadata():
             self._worker.save(self._plan())
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
-        return self._worker.finished_sending() or None, None
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker.finished_sending() or None, self._worker.finished_loading() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors()
@@ -114,10 +114,11 @@ class KvrelayConnector(KVConnectorBase_V1):
 
     # -- scheduler side -------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        return self._scheduler.matched_tokens(request, num_computed_tokens), False
+        return self._scheduler.matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        self._scheduler.after_alloc(request, num_external_tokens)
+        groups = blocks.get_block_ids() if num_external_tokens else None
+        self._scheduler.after_alloc(request, num_external_tokens, groups[0] if groups else None)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         return KvrelayConnectorMetadata(self._scheduler.plan(scheduler_output))

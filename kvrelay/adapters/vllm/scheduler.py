@@ -4,9 +4,12 @@ holds, which blocks to fill from it, and which new full blocks to write.
 A page is one vLLM block. A request's hit is the tier's leading run of
 sealed pages of its prompt, up to but not including its last token (whose
 logits vLLM must compute; a page holding it still gives the tokens before
-it). Loads are synchronous (the worker fills the blocks before the step's
-forward), so the hit is plain prefill the engine skips; pages that fail to
-load are reported by the worker and recomputed by vLLM.
+it). A load is synchronous (the worker fills the blocks before the
+request's first forward) when the engine has nothing else to run, and
+asynchronous otherwise (`async_loads`): vLLM parks the request until the
+worker reports its blocks in (`get_finished`), stepping the others
+meanwhile. Pages that fail to load are reported by the worker and
+recomputed by vLLM.
 
 P/D: a decode request whose `kv_transfer_params` name a finished prefill
 loads every prompt token but the last from the prefill's blocks (the last,
@@ -67,6 +70,9 @@ class StepPlan:
     saves: list[PageBatch] = field(default_factory=list)
     pulls: list[Pull] = field(default_factory=list)
     holds: list[HeldBlocks] = field(default_factory=list)
+    # started by the worker, not awaited: each request reported by get_finished
+    async_loads: list[PageBatch] = field(default_factory=list)
+    async_pulls: list[Pull] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -88,6 +94,7 @@ class Tracked:
     tier_pages: int = 0  # leading pages the tier holds (found or written)
     load: tuple[int, int] | None = None  # pages [first, end) to load at its first step
     pull: tuple[HandoffParams, int, int] | None = None  # a prefill's blocks [first, end)
+    load_async: bool = False  # the load or pull runs while the engine steps others
 
 
 class SchedulerSide:
@@ -95,8 +102,15 @@ class SchedulerSide:
     holds sealed; it raises (or times out) when the tier does not answer."""
 
     def __init__(
-        self, spec: ModelKVSpec, rect: Rectangle, count_prefix, handoff: HandoffSide | None = None
+        self,
+        spec: ModelKVSpec,
+        rect: Rectangle,
+        count_prefix,
+        handoff: HandoffSide | None = None,
+        async_loads: str = "auto",
     ) -> None:
+        self.async_loads = async_loads
+        self.async_plan = StepPlan()  # loads planned at allocation, for the next step
         self.spec, self.rect = spec, rect
         self.page_size = spec.page_size
         self.count_prefix = count_prefix  # None: no tier
@@ -107,10 +121,19 @@ class SchedulerSide:
         self.probes = 0
         self.probe_errors = 0
 
-    def matched_tokens(self, request, num_computed_tokens: int) -> int:
-        """Prompt tokens beyond `num_computed_tokens` the tier or a prefill can fill now."""
-        tokens = list(request.prompt_token_ids or [])
+    def matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Prompt tokens beyond `num_computed_tokens` the tier or a prefill can
+        fill, and whether they load while the engine steps other requests."""
         tracked = self.requests.setdefault(request.request_id, Tracked(request))
+        matched = self._matched(tracked, request, num_computed_tokens)
+        others = any(rid != request.request_id for rid in self.requests)
+        tracked.load_async = matched > 0 and (
+            self.async_loads == "always" or (self.async_loads == "auto" and others)
+        )
+        return matched, tracked.load_async
+
+    def _matched(self, tracked: Tracked, request, num_computed_tokens: int) -> int:
+        tokens = list(request.prompt_token_ids or [])
         handoff = remote_prefill(request.kv_transfer_params, self.namespace)
         if handoff is not None:
             return self._match_handoff(tracked, handoff, len(tokens), num_computed_tokens)
@@ -145,35 +168,31 @@ class SchedulerSide:
         tracked.pull = (handoff, first, end)
         return loadable - computed
 
-    def after_alloc(self, request, num_external_tokens: int) -> None:
+    def after_alloc(self, request, num_external_tokens: int, block_ids=None) -> None:
+        """`block_ids`: the request's blocks now (vLLM's first KV cache group);
+        an asynchronous load is planned with them, as vLLM parks the request
+        before it is ever scheduled."""
         tracked = self.requests.get(request.request_id)
         if tracked is not None and num_external_tokens == 0:
             tracked.load = tracked.pull = None
+        elif tracked is not None and tracked.load_async and block_ids is not None:
+            tracked.block_ids = list(block_ids)
+            self._plan_transfers(self.async_plan.async_loads, self.async_plan.async_pulls,
+                                 request.request_id, tracked, 0)  # fmt: skip
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill"):
             params["do_remote_prefill"] = False  # pulled once; a preempted request recomputes
 
     def plan(self, scheduler_output) -> StepPlan:
         """Loads of newly scheduled requests, and writes of every page this step completes."""
-        plan = StepPlan()
+        plan, self.async_plan = self.async_plan, StepPlan()
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self.requests.get(new.req_id)
             if tracked is None:
                 continue
             tracked.block_ids = list(new.block_ids[0])
-            if tracked.load is not None:
-                first, end = tracked.load
-                tokens = list(tracked.request.prompt_token_ids)[: end * self.page_size]
-                keys = self.spec.page_keys(tokens)[first:end]
-                plan.loads.append(PageBatch(new.req_id, keys, tracked.block_ids[first:end]))
-                tracked.load = None
-            if tracked.pull is not None:
-                handoff, first, end = tracked.pull
-                computed = scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
-                plan.pulls.append(Pull(new.req_id, handoff.agents, handoff.request_id,
-                                       handoff.block_ids[first:end],
-                                       tracked.block_ids[first:end], computed))  # fmt: skip
-                tracked.pull = None
+            computed = scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
+            self._plan_transfers(plan.loads, plan.pulls, new.req_id, tracked, computed)
             self._plan_save(plan, new.req_id, tracked, new.num_computed_tokens, scheduler_output)
         plan.holds, self.new_holds = self.new_holds, []
         cached = scheduler_output.scheduled_cached_reqs
@@ -188,6 +207,21 @@ class SchedulerSide:
                 tracked.block_ids.extend(new_blocks[0])
             self._plan_save(plan, req_id, tracked, cached.num_computed_tokens[i], scheduler_output)
         return plan
+
+    def _plan_transfers(self, loads, pulls, req_id: str, tracked: Tracked, computed: int) -> None:
+        """The request's planned load and pull into its blocks, once."""
+        if tracked.load is not None:
+            first, end = tracked.load
+            tokens = list(tracked.request.prompt_token_ids)[: end * self.page_size]
+            keys = self.spec.page_keys(tokens)[first:end]
+            loads.append(PageBatch(req_id, keys, tracked.block_ids[first:end]))
+            tracked.load = None
+        if tracked.pull is not None:
+            handoff, first, end = tracked.pull
+            pulls.append(Pull(req_id, handoff.agents, handoff.request_id,
+                              handoff.block_ids[first:end], tracked.block_ids[first:end],
+                              computed))  # fmt: skip
+            tracked.pull = None
 
     def _plan_save(self, plan: StepPlan, req_id: str, tracked: Tracked, computed: int, out) -> None:
         tokens = tracked.request.all_token_ids

@@ -41,6 +41,10 @@ class TierLoop:
             future.cancel()
             raise TimeoutError(f"kvrelay tier call took over {timeout_s} s") from None
 
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future:
+        """Starts the coroutine on the loop without waiting (it bounds itself)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)

@@ -10,9 +10,11 @@ has written every layer.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
+import threading
 import time
 
 import torch
@@ -84,7 +86,10 @@ class WorkerSide:
         self.holds = HoldBook()
         self.service: HandoffService | None = None
         self.puller: HandoffPuller | None = None
+        # Asynchronous loads end on the tier loop's thread; vLLM asks from its own.
+        self.lock = threading.Lock()
         self.load_errors: set[int] = set()
+        self.loaded: set[str] = set()
         self.counters = {"loaded_pages": 0, "missed_pages": 0, "written_pages": 0, "errors": 0,
                          "pulled_blocks": 0, "pull_errors": 0, "handed_off": 0}  # fmt: skip
 
@@ -149,28 +154,59 @@ class WorkerSide:
     def load(self, plan: StepPlan) -> None:
         for held in plan.holds:
             self.holds.add(held.req_id, held.block_ids, held.deadline)
+        bound = self.timeout_s + 5  # each transfer bounds itself by timeout_s
         for pull in plan.pulls:
-            self._pull(pull)
+            self.loop.run(self._pull(pull), bound)
         for batch in plan.loads:
-            found = self._read(batch)
-            self.counters["loaded_pages"] += found
-            if found < len(batch.keys):
-                self.counters["missed_pages"] += len(batch.keys) - found
-                self.load_errors.update(batch.block_ids[found:])
+            self.loop.run(self._read(batch), bound)
+        started: dict[str, list] = {}
+        for item in [*plan.async_pulls, *plan.async_loads]:
+            started.setdefault(item.req_id, []).append(item)
+        for req_id, items in started.items():
+            self.loop.submit(self._load_async(req_id, items))
 
-    def _read(self, batch: PageBatch) -> int:
+    async def _load_async(self, req_id: str, items: list) -> None:
+        """One parked request's pulls and loads, then its report in `get_finished`
+        (its failed blocks recorded first, so vLLM sees them by then)."""
+        started = time.perf_counter()
+        for item in items:
+            await (self._pull(item) if isinstance(item, Pull) else self._read(item))
+        with self.lock:
+            self.loaded.add(req_id)
+        if TRANSFER_LOG:
+            with open(TRANSFER_LOG, "a") as log_file:
+                record = {"request_id": req_id, "async": True,
+                          "seconds": time.perf_counter() - started}  # fmt: skip
+                log_file.write(json.dumps(record) + "\n")
+
+    def finished_loading(self) -> set[str]:
+        """Requests whose asynchronous loads ended (with or without errors)."""
+        with self.lock:
+            done, self.loaded = self.loaded, set()
+        return done
+
+    def _failed(self, block_ids) -> None:
+        with self.lock:
+            self.load_errors.update(block_ids)
+
+    async def _read(self, batch: PageBatch) -> None:
         def consume(rows, start: int, n: int) -> None:
             self.pages.scatter(rows, batch.block_ids[start : start + n])
 
         try:
-            return self.loop.run(self.tier.read(batch.keys, consume), self.timeout_s)
+            read = self.tier.read(batch.keys, consume)
+            found = await asyncio.wait_for(read, self.timeout_s)
         except Exception as exc:  # a failed load is recomputed by vLLM
             self.counters["errors"] += 1
             log.warning("kvrelay: loading %d pages failed (%s); vLLM recomputes them",
                         len(batch.keys), exc)  # fmt: skip
-            return 0
+            found = 0
+        self.counters["loaded_pages"] += found
+        if found < len(batch.keys):
+            self.counters["missed_pages"] += len(batch.keys) - found
+            self._failed(batch.block_ids[found:])
 
-    def _pull(self, pull: Pull) -> None:
+    async def _pull(self, pull: Pull) -> None:
         """A finished prefill's blocks into this request's blocks; on any failure
         the blocks are reported and vLLM recomputes them."""
         started = time.perf_counter()
@@ -180,10 +216,10 @@ class WorkerSide:
             coro = self.puller.pull(
                 pull.agents[self.rank], pull.remote_req_id, pull.remote_block_ids, pull.block_ids
             )
-            moved = self.loop.run(coro, self.timeout_s)
+            moved = await asyncio.wait_for(coro, self.timeout_s)
         except Exception as exc:
             self.counters["pull_errors"] += 1
-            self.load_errors.update(pull.block_ids)
+            self._failed(pull.block_ids)
             log.warning("kvrelay: pulling %d blocks of %s failed (%s); vLLM recomputes them",
                         len(pull.block_ids), pull.remote_req_id, exc)  # fmt: skip
             return
@@ -218,5 +254,6 @@ class WorkerSide:
                 log.warning("kvrelay: writing %d pages failed (%s)", len(batch.keys), exc)
 
     def take_load_errors(self) -> set[int]:
-        errors, self.load_errors = self.load_errors, set()
+        with self.lock:
+            errors, self.load_errors = self.load_errors, set()
         return errors
