@@ -28,6 +28,23 @@ def isa(dtype, block_size, head_dim) -> str:
     return _get_attn_isa(dtype, block_size, head_dim)
 
 
+def gathered_as_unified(caches, perm, blocks, keys, values) -> torch.Tensor:
+    """Gathers the blocks into page rows and checks them unified, position by
+    position (page[head][layer] = K[token][dim] ++ V[token][dim]); returns the rows."""
+    _, heads, block_size, fused = caches[0].shape
+    dtype, layers, head_dim = caches[0].dtype, len(caches), fused // 2
+    pages = BlockPages(caches, perm, num_kv_heads=heads, head_start=0)
+    rows = torch.zeros(len(blocks), pages.page_bytes, dtype=torch.uint8)
+    pages.gather(blocks, rows)
+    unified = rows.view(dtype).view(len(blocks), heads, layers, 2, block_size, head_dim)
+    for i in range(len(blocks)):
+        tokens = slice(i * block_size, (i + 1) * block_size)
+        for layer in range(layers):
+            assert torch.equal(unified[i, :, layer, 0].transpose(0, 1), keys[layer][tokens])
+            assert torch.equal(unified[i, :, layer, 1].transpose(0, 1), values[layer][tokens])
+    return rows
+
+
 @pytest.mark.parametrize(("block_size", "head_dim", "dtype"), CASES)
 def test_gather_and_scatter_match_vllms_cache_write(block_size, head_dim, dtype):
     heads, layers, num_blocks = 3, 2, 6
@@ -43,16 +60,7 @@ def test_gather_and_scatter_match_vllms_cache_write(block_size, head_dim, dtype)
         v = torch.randn(len(slots), heads, head_dim, generator=gen).to(dtype)
         write(k, v, cache, slots)
         caches.append(cache), keys.append(k), values.append(v)
-    pages = BlockPages(caches, perm, num_kv_heads=heads, head_start=0)
-    rows = torch.zeros(len(blocks), pages.page_bytes, dtype=torch.uint8)
-    pages.gather(blocks, rows)
-    unified = rows.view(dtype).view(len(blocks), heads, layers, 2, block_size, head_dim)
-    for i in range(len(blocks)):
-        tokens = slice(i * block_size, (i + 1) * block_size)
-        for layer in range(layers):
-            # page[head][layer] = K[token][dim] ++ V[token][dim]
-            assert torch.equal(unified[i, :, layer, 0].transpose(0, 1), keys[layer][tokens])
-            assert torch.equal(unified[i, :, layer, 1].transpose(0, 1), values[layer][tokens])
+    rows = gathered_as_unified(caches, perm, blocks, keys, values)
     rebuilt = [torch.zeros_like(c) for c in caches]
     BlockPages(rebuilt, perm, num_kv_heads=heads, head_start=0).scatter(rows, blocks)
     for cache, back in zip(caches, rebuilt, strict=True):
@@ -152,15 +160,7 @@ def test_gpu_layouts_move_pages_position_by_position(layout, dtype):
     values = [torch.randn(len(slots), heads, head_dim, generator=gen).to(dtype) for _ in caches]
     for cache, k, v in zip(caches, keys, values, strict=True):
         write(k, v, cache, slots)
-    pages = BlockPages(caches, perm, num_kv_heads=heads, head_start=0)
-    rows = torch.zeros(len(blocks), pages.page_bytes, dtype=torch.uint8)
-    pages.gather(blocks, rows)
-    unified = rows.view(dtype).view(len(blocks), heads, layers, 2, block_size, head_dim)
-    for i in range(len(blocks)):
-        tokens = slice(i * block_size, (i + 1) * block_size)
-        for layer in range(layers):
-            assert torch.equal(unified[i, :, layer, 0].transpose(0, 1), keys[layer][tokens])
-            assert torch.equal(unified[i, :, layer, 1].transpose(0, 1), values[layer][tokens])
+    rows = gathered_as_unified(caches, perm, blocks, keys, values)
     rebuilt = gpu_layout_caches(layout, layers, num_blocks, heads, block_size, 2 * head_dim, dtype)
     BlockPages(rebuilt, perm, num_kv_heads=heads, head_start=0).scatter(rows, blocks)
     for cache, back in zip(caches, rebuilt, strict=True):
