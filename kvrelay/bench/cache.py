@@ -230,14 +230,19 @@ def _close(tiers: list[CacheTier]) -> None:
             tier.l3.close()
 
 
+def _capacities(args: argparse.Namespace, unique: int) -> list[int]:
+    """`--capacities`, or 5 % to 100 % of the trace's distinct pages."""
+    if args.capacities:
+        return [int(c) for c in args.capacities.split(",")]
+    return [max(args.workers, int(unique * f)) for f in (0.05, 0.1, 0.25, 0.5, 1.0)]
+
+
 async def _run(args: argparse.Namespace) -> dict:
     requests = load_trace(args.trace, args.limit)
     chain = KeyChain(args.block_tokens)
     key_lists = [chain.keys(r["hash_ids"]) for r in requests]
     unique = len({k for keys in key_lists for k in keys})
-    capacities = [int(c) for c in args.capacities.split(",")] if args.capacities else None
-    if not capacities:
-        capacities = [max(args.workers, int(unique * f)) for f in (0.05, 0.1, 0.25, 0.5, 1.0)]
+    capacities = _capacities(args, unique)
     names = _policy_names(args)
     with_l3 = args.l3 != "none"
     runs_each = (1 + len(names) * (2 if with_l3 else 1)) * len(capacities)
@@ -261,28 +266,25 @@ async def _run(args: argparse.Namespace) -> dict:
         _close(tiers)
         return counts.to_json(page_bytes)
 
-    def belady(capacity):
+    def bounds(capacity, oracles=()):
         each = [max(1, capacity // args.servers)] * args.servers
-        counts = cache_policies.belady_rate(key_lists, each, by_ring, requests, args, Counts)
-        return counts.to_json(page_bytes)
+        found = cache_policies.offline_bounds(
+            key_lists, each, by_ring, requests, args, Counts, oracles
+        )
+        return {name: counts.to_json(page_bytes) for name, counts in found.items()}
 
     results["capacities"] = []
     with tempfile.TemporaryDirectory(prefix="kvrelay-bench-l3-", dir=_l3_dir(args)) as scratch:
         for run, capacity in enumerate(capacities):
             entry = {"capacity_pages": capacity, "capacity_bytes": capacity * page_bytes}
             entry["local"] = replay(args.workers, by_worker, None, capacity, DEFAULT_POLICY)
-            entry["policies"] = {"belady": belady(capacity)}
-            each = [max(1, capacity // args.servers)] * args.servers
-            for oracle in ORACLES:
-                entry["policies"][oracle] = cache_policies.oracle_rate(
-                    key_lists, each, by_ring, requests, args, Counts, oracle
-                ).to_json(page_bytes)
+            entry["policies"] = bounds(capacity, ORACLES)
             for name in names:
                 entry["policies"][name] = replay(args.servers, by_ring, None, capacity, name)
             entry["shared"] = entry["policies"][DEFAULT_POLICY]
             if with_l3:
                 # Belady over L2 and L3 together: the bound of a cache of both sizes.
-                entry["policies_l3"] = {"belady": belady(capacity + l3_pages)}
+                entry["policies_l3"] = bounds(capacity + l3_pages)
                 for number, name in enumerate(names):
                     stores = _l3_stores(args, Path(scratch), args.servers, unique, run, number)
                     entry["policies_l3"][name] = replay(

@@ -21,22 +21,19 @@ from kvrelay.cache.eviction.oracles import oracle_hits
 from kvrelay.cache.index import PageIndex
 
 
-def belady_rate(key_lists, capacities: Sequence[int], route, requests, args, counts_cls):
-    """Belady on `len(capacities)` servers, counted as the tier replays are."""
-    counts = counts_cls()
-    hits = belady_hits(key_lists, capacities, route)
-    for request, keys, hit in zip(requests, key_lists, hits, strict=True):
-        counts.add(len(keys), hit, request["input_length"], args.block_tokens, args.page_bytes)
-    return counts
-
-
-def oracle_rate(key_lists, capacities, route, requests, args, counts_cls, name: str):
-    """A partial-foresight oracle (`ORACLES`) on the same servers, counted alike."""
-    counts = counts_cls()
-    hits = oracle_hits(key_lists, capacities, route, name)
-    for request, keys, hit in zip(requests, key_lists, hits, strict=True):
-        counts.add(len(keys), hit, request["input_length"], args.block_tokens, args.page_bytes)
-    return counts
+def offline_bounds(key_lists, capacities: Sequence[int], route, requests, args, counts_cls,
+                   oracles=()):  # fmt: skip
+    """Belady and the named partial-foresight oracles on `len(capacities)`
+    servers, counted as the tier replays are: name -> `counts_cls()`."""
+    replays = {"belady": belady_hits(key_lists, capacities, route)}
+    for name in oracles:
+        replays[name] = oracle_hits(key_lists, capacities, route, name)
+    out = {}
+    for name, hits in replays.items():
+        counts = out[name] = counts_cls()
+        for request, keys, hit in zip(requests, key_lists, hits, strict=True):
+            counts.add(len(keys), hit, request["input_length"], args.block_tokens, args.page_bytes)
+    return out
 
 
 def _index_pass(name: str, key_lists, capacity: int) -> tuple[int, int, int, int]:
