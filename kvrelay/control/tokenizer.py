@@ -67,16 +67,22 @@ class ByteCodec:
 
 class _HFStream:
     """Incremental detokenization (`tokenizers`' DecodeStream holds back
-    bytes of an unfinished character)."""
+    bytes of an unfinished character). Ids the tokenizer has no token for (a
+    model's vocabulary may be padded past its tokenizer's) give no text and
+    are dropped before the stream: it keeps every id that has given no text
+    yet and decodes them all again at each step, so a run of them would cost
+    time quadratic in its length."""
 
     def __init__(self, tokenizer) -> None:
         from tokenizers.decoders import DecodeStream
 
         self._tokenizer = tokenizer
+        self._vocab = tokenizer.get_vocab_size(with_added_tokens=True)
         self._stream = DecodeStream(skip_special_tokens=True)
 
     def feed(self, tokens: Iterable[int]) -> str:
-        return "".join(self._stream.step(self._tokenizer, t) or "" for t in tokens)
+        step, tokenizer, vocab = self._stream.step, self._tokenizer, self._vocab
+        return "".join(step(tokenizer, t) or "" for t in tokens if 0 <= t < vocab)
 
     def flush(self) -> str:
         return ""

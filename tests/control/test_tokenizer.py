@@ -130,6 +130,14 @@ def test_make_model_tokenizer_matches_transformers(byte_model):
     assert config["chat_template"] == CHAT_TEMPLATE
 
 
+def test_ids_past_the_tokenizers_vocabulary_give_no_text(byte_model):
+    stream = HFCodec(byte_model).stream()
+    # A model's vocabulary may be padded past its tokenizer's: such ids are
+    # dropped, and the stream still decodes what follows them.
+    assert stream.feed([1 << 30, 600, -1]) == ""
+    assert stream.feed([104, 1 << 30, 105]) == "hi"
+
+
 def test_make_model_writes_no_tokenizer_below_256_tokens(tmp_path):
     assert not write_tokenizer(tmp_path, 100)
     assert not (tmp_path / "tokenizer.json").exists()
