@@ -126,7 +126,7 @@ class SchedulerSide:
         fill, and whether they load while the engine steps other requests."""
         tracked = self.requests.setdefault(request.request_id, Tracked(request))
         matched = self._matched(tracked, request, num_computed_tokens)
-        others = any(rid != request.request_id for rid in self.requests)
+        others = len(self.requests) > 1  # this request is one of them
         tracked.load_async = matched > 0 and (
             self.async_loads == "always" or (self.async_loads == "auto" and others)
         )

@@ -97,14 +97,25 @@ def belady_hits(
         def route(_number: int, _key: Hashable) -> int:
             return 0
 
-    caches = [_BeladyCache(c) for c in capacities]
+    nexts = next_uses(key_lists)
+
+    def access(cache: _BeladyCache, number: int, depth: int, key: Hashable) -> None:
+        cache.access(key, nexts[number][depth], depth)
+
+    return prefix_replay(key_lists, [_BeladyCache(c) for c in capacities], route, access)
+
+
+def prefix_replay(key_lists, caches, route: Route, access) -> list[int]:
+    """Per request, its prefix hits over sharded caches (each with a `resident`
+    mapping): hits count up to the first page its server does not hold, then
+    `access(cache, request number, depth, key)` for every page, in order."""
     hits_per_request = []
-    for number, (keys, nexts) in enumerate(zip(key_lists, next_uses(key_lists), strict=True)):
+    for number, keys in enumerate(key_lists):
         servers = [caches[route(number, key)] for key in keys]
         hits = 0
         while hits < len(keys) and keys[hits] in servers[hits].resident:
             hits += 1
         hits_per_request.append(hits)
-        for depth, (key, cache, next_read) in enumerate(zip(keys, servers, nexts, strict=True)):
-            cache.access(key, next_read, depth)
+        for depth, (key, cache) in enumerate(zip(keys, servers, strict=True)):
+            access(cache, number, depth, key)
     return hits_per_request

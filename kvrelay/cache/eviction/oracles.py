@@ -17,7 +17,7 @@ the doubt, as a yardstick between LRU and Belady:
 Ties go to the least recently used page, then the deeper one, so a
 resident page's prefix stays within one cache (a parent has at least its
 child's reads left and was read at the same time). Hits follow the prefix
-rule and servers are replayed as in `belady_hits`.
+rule and servers are replayed as Belady's are (`prefix_replay`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import heapq
 from collections import Counter
 from collections.abc import Hashable, Sequence
 
-from kvrelay.cache.eviction.belady import Route
+from kvrelay.cache.eviction.belady import Route, prefix_replay
 
 ORACLES = ("oracle-dead", "oracle-count")
 
@@ -83,14 +83,9 @@ def oracle_hits(
         raise ValueError(f"oracle must be one of {ORACLES}, got {name!r}")
     caches = [_OracleCache(c, by_count=name == "oracle-count") for c in capacities]
     left = Counter(key for keys in key_lists for key in keys)
-    hits_per_request = []
-    for number, keys in enumerate(key_lists):
-        servers = [caches[route(number, key)] for key in keys]
-        hits = 0
-        while hits < len(keys) and keys[hits] in servers[hits].resident:
-            hits += 1
-        hits_per_request.append(hits)
-        for depth, (key, cache) in enumerate(zip(keys, servers, strict=True)):
-            left[key] -= 1
-            cache.access(key, left[key], number, depth)
-    return hits_per_request
+
+    def access(cache: _OracleCache, number: int, depth: int, key: Hashable) -> None:
+        left[key] -= 1
+        cache.access(key, left[key], number, depth)
+
+    return prefix_replay(key_lists, caches, route, access)
