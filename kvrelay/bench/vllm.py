@@ -313,7 +313,7 @@ def compare_outputs(names, asks, cold, warm, pd) -> tuple[bool, list[dict]]:
     for tokens, seen in outputs.items():
         # a prefill returns one token: it agrees when it is the others' first
         full = [o for source, o in seen.items() if not source.endswith("-first")]
-        firsts = {o[0] for o in full} | {o[0] for o in seen.values() if o}
+        firsts = {o[0] for o in seen.values() if o}
         if any(o != full[0] for o in full) or len(firsts) > 1:
             differing.append({"prompt_tokens": len(tokens), "outputs": seen})
     return not differing, differing
