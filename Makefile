@@ -28,7 +28,8 @@ PIP_VERSION ?= 23.2.1
 PIP := $(PY) -m pip -q --disable-pip-version-check
 UV := UV_LINK_MODE=copy $(VENV)/bin/uv
 UV_PIP := $(UV) pip install --quiet --python $(PY)
-EXT_SOURCES := $(wildcard kvrelay/cuda_ext/csrc/*) $(wildcard kvrelay/transfer/csrc/*)
+EXT_SOURCES := $(wildcard kvrelay/cuda_ext/csrc/*) $(wildcard kvrelay/transfer/csrc/*) \
+  $(wildcard kvrelay/cache/eviction/csrc/*)
 NVCC ?= nvcc
 
 .PHONY: setup sglang-deps vllm-deps vllm-bench-deps test-vllm test test-slow test-all test-fast test-numba test-sglang test-gpu gpu-check lint cuda-check bench demo clean

@@ -96,6 +96,17 @@ def ucx_extension():
     ]
 
 
+def eviction_extension():
+    """The compiled prefix-LIRS eviction policy: plain CPython, no torch."""
+    csrc = Path("kvrelay/cache/eviction/csrc")
+    return Extension(
+        "kvrelay.cache.eviction._lirs",
+        [str(csrc / name) for name in ("lirs_module.cpp", "lirs_state.cpp", "lirs_debug.cpp")],
+        include_dirs=[str(ROOT / csrc)],
+        extra_compile_args={"cxx": ["-O3", "-std=c++17", "-Wall"]},
+    )
+
+
 def run_copy_extension():
     """The same-host fast path's batch copier: plain CPython, no torch, no UCX."""
     return Extension(
@@ -130,7 +141,7 @@ setup(
         "tokenizers",
         "jinja2",
     ],
-    ext_modules=extensions() + ucx_extension() + [run_copy_extension()],
+    ext_modules=extensions() + ucx_extension() + [run_copy_extension(), eviction_extension()],
     cmdclass={"build_ext": IncrementalBuildExt},
     entry_points={"console_scripts": ["kvrelay=kvrelay.cli:main"]},
 )

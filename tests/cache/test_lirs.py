@@ -4,8 +4,11 @@ and its bounded state."""
 
 import random
 
+import pytest
+
 from kvrelay.cache.eviction import DEFAULT_POLICY, make_policy
-from kvrelay.cache.eviction.lirs import _LIR, PrefixLIRSPolicy
+from kvrelay.cache.eviction.compiled import CompiledPrefixLIRSPolicy, reference_state
+from kvrelay.cache.eviction.lirs import _LIR, PrefixLIRSReference
 from kvrelay.cache.index import PageIndex
 from tests.cache.test_eviction import chains, key, random_ops
 
@@ -68,7 +71,7 @@ def test_a_returning_parent_is_kept_for_the_child_that_stayed():
     assert order.index(child) < order.index(parent)
 
 
-class SpelledOutReads(PrefixLIRSPolicy):
+class SpelledOutReads(PrefixLIRSReference):
     """prefix-lirs with its reads as the plain loop: every key looked up in S,
     and S shortened after the batch if its oldest LIR page was among them."""
 
@@ -92,7 +95,7 @@ class SpelledOutReads(PrefixLIRSPolicy):
 def test_lirs_batched_reads_match_the_loop_spelled_out():
     # Batches shorter and longer than S, LIR pages only or mixed with others.
     for seed in range(40):
-        fast, plain = PrefixLIRSPolicy(), SpelledOutReads()
+        fast, plain = PrefixLIRSReference(), SpelledOutReads()
         for method, args in random_ops(random.Random(seed), 2000, 20 + 100 * (seed % 3)):
             assert getattr(fast, method)(*args) == getattr(plain, method)(*args), seed
             assert list(fast._top.items()) == list(plain._top.items()), seed
@@ -113,9 +116,10 @@ def test_lirs_queues_a_parent_at_the_head_when_its_last_child_leaves():
     assert [v.key for v in index.evict(2)] == [b[1], b[0]]
 
 
-def test_the_default_policy_state_stays_bounded():
+@pytest.mark.parametrize("policy_cls", [PrefixLIRSReference, CompiledPrefixLIRSPolicy])
+def test_the_policy_state_stays_bounded(policy_cls):
     # S keeps ghosts of evicted pages: at most a fixed multiple of the resident pages.
-    policy = make_policy(DEFAULT_POLICY)
+    policy = policy_cls()
     index = PageIndex(16, policy=policy)
     rng = random.Random(7)
     for _ in range(20000):
@@ -124,6 +128,8 @@ def test_the_default_policy_state_stays_bounded():
             if len(index) >= 50:
                 index.evict(1)
             index.insert(k, 0, sealed=True)
-    entries = len(policy._top) + len(policy._tail)
+    compiled = policy_cls is CompiledPrefixLIRSPolicy
+    state = policy.debug_state() if compiled else reference_state(policy)
+    entries = len(state["top"]) + len(state["tail"])
     assert entries <= (2 + policy.ghost_factor) * len(index) + 1
-    assert len(policy._children) <= len(index)
+    assert len(state["children"]) <= len(index)

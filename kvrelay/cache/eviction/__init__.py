@@ -1,6 +1,6 @@
 """Eviction policies behind one interface (`EvictionPolicy`), chosen by name.
 
-`lru` is blind to chains and frequency; `prefix-lirs` (the default),
+`lru` is blind to chains and frequency; `prefix-lirs` (the default, compiled),
 `prefix-lru` and `prefix-s3fifo` keep a page while a later page of its
 chain stays, and order the rest by reuse distance, recency or frequency; `belady` (the offline
 bound, `kvrelay.cache.eviction.belady`) is a replay, not a policy.
@@ -9,7 +9,7 @@ bound, `kvrelay.cache.eviction.belady`) is a replay, not a policy.
 from __future__ import annotations
 
 from kvrelay.cache.eviction.base import EvictionPolicy
-from kvrelay.cache.eviction.lirs import PrefixLIRSPolicy
+from kvrelay.cache.eviction.compiled import PrefixLIRSPolicy
 from kvrelay.cache.eviction.lru import LRUPolicy
 from kvrelay.cache.eviction.prefix import PrefixLRUPolicy, PrefixS3FIFOPolicy
 

@@ -1,4 +1,6 @@
-"""`prefix-lirs`, the default: LIRS's reuse-distance order, kept prefix-aware.
+"""`prefix-lirs`, in Python: the reference of the compiled default (`compiled.py`).
+
+LIRS's reuse-distance order, kept prefix-aware.
 
 LIRS (Jiang and Zhang, 2002) ranks a page by its *inter-reference recency*:
 how many other pages were read between its last two reads. Pages with a
@@ -53,7 +55,7 @@ from kvrelay.cache.eviction.base import EvictionPolicy
 _GHOST, _HIR, _LIR = 0, 1, 2
 
 
-class PrefixLIRSPolicy(EvictionPolicy):
+class PrefixLIRSReference(EvictionPolicy):
     name = "prefix-lirs"
     # At least this share of resident pages stays HIR. The paper's LIRS
     # uses 1 %; here Q must also hold a session's newest pages until its

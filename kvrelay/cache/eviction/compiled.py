@@ -1,0 +1,61 @@
+"""`prefix-lirs`, compiled: the policy the index runs by default.
+
+`kvrelay.cache.eviction._lirs` (C++, plain CPython) makes the same choices
+as the reference, `PrefixLIRSReference` in `kvrelay.cache.eviction.lirs`,
+step for step: tests compare both states after every call. The reference
+pays a Python call and a dict operation or two per step of LIRS's
+bookkeeping, which made the index twice as slow per page read as under
+LRU; compiled, a read is one dict lookup and some pointer work, and the
+index costs what it does under LRU (`kvrelay bench cache`, index cost).
+
+Without the compiled module (a source tree not built) `prefix-lirs` is the
+reference, with the same choices at its own speed.
+"""
+
+from __future__ import annotations
+
+from kvrelay.cache.eviction.base import EvictionPolicy
+from kvrelay.cache.eviction.lirs import PrefixLIRSReference
+
+try:
+    from kvrelay.cache.eviction._lirs import PrefixLIRS as _Compiled
+except ImportError:  # not built: the reference stands in
+    _Compiled = None
+
+
+if _Compiled is not None:
+
+    class CompiledPrefixLIRSPolicy(_Compiled, EvictionPolicy):
+        """Prefix-LIRS in C++; the same parameters as the reference."""
+
+        name = "prefix-lirs"
+        hir_share = PrefixLIRSReference.hir_share
+        ghost_factor = PrefixLIRSReference.ghost_factor
+
+        def __init__(self) -> None:
+            super().__init__(self.hir_share, self.ghost_factor)
+
+        def debug_state(self) -> dict:
+            """The state in the reference's terms (`reference_state`)."""
+            return self._debug_state()
+
+    PrefixLIRSPolicy: type[EvictionPolicy] = CompiledPrefixLIRSPolicy
+else:
+    CompiledPrefixLIRSPolicy = None
+    PrefixLIRSPolicy = PrefixLIRSReference
+
+
+def reference_state(policy: PrefixLIRSReference) -> dict:
+    """The reference's state as `CompiledPrefixLIRSPolicy.debug_state` gives it."""
+    return {
+        "resident": dict(policy._resident),
+        "children": dict(policy._children),
+        "held": set(policy._held),
+        "top": list(policy._top.items()),
+        "tail": list(policy._tail.items()),
+        "front": list(policy._front),
+        "queue": list(policy._queue),
+        "parked": list(policy._parked),
+        "lirs": policy._lirs,
+        "ghosts": policy._ghosts,
+    }

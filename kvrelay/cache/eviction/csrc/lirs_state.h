@@ -1,0 +1,103 @@
+// The state of the compiled prefix-LIRS policy: pages as nodes in one vector,
+// linked into the lists the reference (kvrelay/cache/eviction/lirs.py) keeps
+// as dicts. Every operation here mirrors the reference's method of the same
+// name step for step, so that both make the same choices on the same calls
+// (tests/cache/test_lirs_compiled.py checks their whole state after each).
+//
+// Why compiled: the reference pays a Python call and a dict operation or two
+// for every step; a read of a page is one dict lookup here, the rest is
+// pointer work, so the policy costs the index no more than LRU does.
+#pragma once
+
+#include <Python.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace kvrelay::eviction {
+
+constexpr int32_t NIL = -1;
+// What S holds for a key (as the reference's _GHOST, _HIR, _LIR).
+enum Code : uint8_t { GHOST = 0, HIR = 1, LIR = 2, NONE = 3 };
+// Which part of S a node is in.
+enum SPart : uint8_t { S_OUT, S_TOP, S_TAIL };
+// Which of Q's parts (or the parked pages) a node is in.
+enum QPart : uint8_t { Q_OUT, Q_FRONT, Q_QUEUE, Q_PARKED };
+
+struct Link {
+  int32_t prev = NIL, next = NIL;
+};
+
+struct Node {
+  PyObject* key = nullptr;  // a strong reference while the node is in use
+  int32_t parent = NIL;     // the resident parent it was admitted under
+  int32_t children = 0;     // resident pages admitted under this key
+  uint8_t code = GHOST;     // valid while s != S_OUT
+  uint8_t s = S_OUT, q = Q_OUT;
+  bool resident = false, held = false;
+  Link s_link, q_link, r_link;  // in S, in Q or parked, in resident order
+};
+
+// A doubly linked list of nodes through one of their links; head is the oldest.
+struct List {
+  int32_t head = NIL, tail = NIL;
+  Py_ssize_t size = 0;
+};
+
+class LirsState {
+ public:
+  LirsState(double hir_share, long ghost_factor);
+  ~LirsState();
+
+  // Each returns false with a Python exception set on failure.
+  bool admit(PyObject* key, PyObject* parent, bool evictable);
+  bool make_evictable(PyObject* key);
+  bool hold(PyObject* key);
+  bool touch_many(PyObject* const* keys, Py_ssize_t n);
+  bool forget(PyObject* key);
+  // A new reference to the victim's key, Py_None (new reference) if none.
+  PyObject* victim();
+  PyObject* evictable() const;  // list of keys, in the order they became resident
+  int contains(PyObject* key);  // -1 on error
+  Py_ssize_t resident() const { return n_resident_; }
+  PyObject* debug_state() const;  // the lists and counters, for tests
+
+ private:
+  // Node index of `key`, NIL if unknown; -2 on error (exception set).
+  int32_t find(PyObject* key);
+  int32_t create(PyObject* key);
+  void maybe_free(int32_t i);
+
+  Link& link(int32_t i, int which);
+  void push_back(List& list, int which, int32_t i);
+  void unlink(List& list, int which, int32_t i);
+  int32_t pop_front(List& list, int which);
+  int32_t pop_back(List& list, int which);
+
+  List& s_list(uint8_t part) { return part == S_TOP ? top_ : tail_; }
+  void s_push(int32_t i, SPart part, uint8_t code);
+  void s_remove(int32_t i);
+  List& q_list(uint8_t part);
+  void q_push(int32_t i, QPart part);
+  void q_remove(int32_t i);
+
+  void place(int32_t i);  // an evictable HIR page: parked if inner, queued if a leaf
+  void orphan(int32_t parent);
+  void read_hir(int32_t i, uint8_t code);
+  void split();
+  void demote_oldest();
+  void prune();
+  void drop_ghosts();
+  bool over_lir_share() const { return lirs_ > lir_share_ * static_cast<double>(n_resident_); }
+
+  PyObject* map_;  // key -> int (node index)
+  std::vector<Node> nodes_;
+  std::vector<PyObject*> ints_;  // the int object of each node index, made once
+  std::vector<int32_t> free_;
+  List top_, tail_, front_, queue_, parked_, order_;
+  Py_ssize_t n_resident_ = 0, lirs_ = 0, ghosts_ = 0;
+  double lir_share_;
+  long ghost_factor_;
+};
+
+}  // namespace kvrelay::eviction
