@@ -17,8 +17,9 @@ Per L2 capacity (total pages), side by side:
   oracles (`kvrelay.cache.eviction.oracles`): LRU knowing which pages will
   be read again, and eviction knowing how many reads each page has left;
 - `policies_l3`: the same with an L3 behind each tier (`--l3`: a file store
-  per server in a temp dir, `--l3-pages` in total, by default the whole
-  working set; or one valkey server): evicted pages are demoted
+  per server in a temp dir, `--l3-pages` in total split evenly, by default
+  each server's share of the working set, the pages the ring places on it;
+  or one valkey server): evicted pages are demoted
   (write-back), L2 misses found in L3 are promoted; Belady there is the
   bound of one cache of L2 and L3 together; `shared_l3` is the default's.
 
@@ -41,20 +42,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import tempfile
 from pathlib import Path
 
 from kvrelay.bench import cache_policies
 from kvrelay.bench.cache_report import plot, print_tables, progress_bar
+from kvrelay.bench.cache_tiers import close_tiers, l3_dir, l3_stores, make_tiers, ring_shares
 from kvrelay.bench.cache_trace import NAMESPACE, KeyChain, load_trace, page_content
 from kvrelay.bench.stats import machine_info, write_json
-from kvrelay.cache.arena import ArenaConfig, PageArena
 from kvrelay.cache.eviction import DEFAULT_POLICY, POLICIES
 from kvrelay.cache.eviction.oracles import ORACLES
-from kvrelay.cache.l3 import L3Store, open_store, record
 from kvrelay.cache.l3.local_server import local_l3
-from kvrelay.cache.tier import CacheTier, TierConfig
+from kvrelay.cache.tier import CacheTier
 from kvrelay.layout.ring import HashRing
 from kvrelay.transfer import create_agent
 
@@ -173,46 +172,6 @@ def _replay_infinite(requests, key_lists, args, progress) -> Counts:
     return counts
 
 
-def _tiers(
-    agent, count: int, pages_each: int, slot_bytes: int, l3_stores=None,
-    eviction: str = DEFAULT_POLICY,
-) -> list[CacheTier]:  # fmt: skip
-    stores = l3_stores or [None] * count
-    config = TierConfig(eviction=eviction)
-    arena = ArenaConfig(slot_bytes, capacity_pages=pages_each)
-    return [CacheTier(PageArena(agent, arena), store, config) for store in stores]
-
-
-def _l3_stores(
-    args, directory: Path, count: int, unique: int, run: int, number: int = 0
-) -> list[L3Store]:
-    """One L3 per shared server: file stores in `directory` sized to `--l3-pages` in total,
-    or stores of one valkey server or cluster (its own capacity), flushed of the bench's
-    pages first. `run` and `number` (capacity and policy) name fresh directories."""
-    if args.l3.startswith(("valkey://", "redis://", "valkey-cluster://", "redis-cluster://")):
-        stores = [open_store(args.l3) for _ in range(count)]
-        stores[0].flush(NAMESPACE)
-        return stores
-    pages_each = max(1, (args.l3_pages or unique) // count)
-    capacity = pages_each * (record.HEADER_BYTES + args.slot_bytes)
-    return [
-        open_store(f"file:{directory / f'run{run}-{number}-server{i}'}", capacity_bytes=capacity)
-        for i in range(count)
-    ]
-
-
-def _l3_dir(args: argparse.Namespace) -> str | None:
-    """Where the file L3 stores go: `--l3-dir`, else tmpfs (/dev/shm) when there is one.
-
-    The replay measures hit rates and bytes, not a disk: on this machine's
-    ext4 volume unlinking and renaming small files costs ~0.5 ms each.
-    """
-    if args.l3_dir:
-        return args.l3_dir
-    shm = Path("/dev/shm")
-    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
-
-
 def _policy_names(args: argparse.Namespace) -> list[str]:
     """The online policies to replay: `lru` first (the baseline), the default among them."""
     names = [n for n in args.policies.split(",") if n]
@@ -220,14 +179,6 @@ def _policy_names(args: argparse.Namespace) -> list[str]:
     if unknown:
         raise SystemExit(f"bench cache: unknown policies {unknown}; known: {sorted(POLICIES)}")
     return list(dict.fromkeys(["lru", DEFAULT_POLICY, *names]))
-
-
-def _close(tiers: list[CacheTier]) -> None:
-    for tier in tiers:
-        tier.arena.close(force=True)
-        if tier.l3 is not None:
-            tier.l3.flush(NAMESPACE)
-            tier.l3.close()
 
 
 def _capacities(args: argparse.Namespace, unique: int) -> list[int]:
@@ -238,10 +189,12 @@ def _capacities(args: argparse.Namespace, unique: int) -> list[int]:
 
 
 async def _run(args: argparse.Namespace) -> dict:
+    """Long because the replays share the trace, the ring and the agent as closures."""
     requests = load_trace(args.trace, args.limit)
     chain = KeyChain(args.block_tokens)
     key_lists = [chain.keys(r["hash_ids"]) for r in requests]
-    unique = len({k for keys in key_lists for k in keys})
+    distinct = {k for keys in key_lists for k in keys}
+    unique = len(distinct)
     capacities = _capacities(args, unique)
     names = _policy_names(args)
     with_l3 = args.l3 != "none"
@@ -260,10 +213,13 @@ async def _run(args: argparse.Namespace) -> dict:
     def by_ring(_n, k):
         return server_of[ring.server_for(k)]
 
+    shares = ring_shares(distinct, by_ring, args.servers)
+
     def replay(count, route, stores, capacity, eviction):
-        tiers = _tiers(agent, count, max(1, capacity // count), args.slot_bytes, stores, eviction)
+        each = max(1, capacity // count)
+        tiers = make_tiers(agent, count, each, args.slot_bytes, stores, eviction)
         counts = _replay_tiers(tiers, route, requests, key_lists, args, bar.update)
-        _close(tiers)
+        close_tiers(tiers)
         return counts.to_json(page_bytes)
 
     def bounds(capacity, oracles=()):
@@ -274,7 +230,7 @@ async def _run(args: argparse.Namespace) -> dict:
         return {name: counts.to_json(page_bytes) for name, counts in found.items()}
 
     results["capacities"] = []
-    with tempfile.TemporaryDirectory(prefix="kvrelay-bench-l3-", dir=_l3_dir(args)) as scratch:
+    with tempfile.TemporaryDirectory(prefix="kvrelay-bench-l3-", dir=l3_dir(args)) as scratch:
         for run, capacity in enumerate(capacities):
             entry = {"capacity_pages": capacity, "capacity_bytes": capacity * page_bytes}
             entry["local"] = replay(args.workers, by_worker, None, capacity, DEFAULT_POLICY)
@@ -286,7 +242,7 @@ async def _run(args: argparse.Namespace) -> dict:
                 # Belady over L2 and L3 together: the bound of a cache of both sizes.
                 entry["policies_l3"] = bounds(capacity + l3_pages)
                 for number, name in enumerate(names):
-                    stores = _l3_stores(args, Path(scratch), args.servers, unique, run, number)
+                    stores = l3_stores(args, Path(scratch), shares, run, number)
                     entry["policies_l3"][name] = replay(
                         args.servers, by_ring, stores, capacity, name
                     )
@@ -295,7 +251,9 @@ async def _run(args: argparse.Namespace) -> dict:
     bar.close()
     await agent.close()
     below = [c for c in capacities if c < unique] or capacities[:1]
-    results["index_cost"] = cache_policies.index_cost(key_lists, below[0], names, args.cost_rounds)
+    results["index_cost"] = cache_policies.index_cost(
+        key_lists, below[0], cache_policies.cost_names(names), args.cost_rounds
+    )
     return _report(args, requests, unique, l3_pages, names, results)
 
 
@@ -358,7 +316,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--l3-pages", type=int, default=None,
-        help="total file L3 capacity in pages (default: the trace's distinct pages)",
+        help="total file L3 capacity in pages, split evenly (default: each server "
+        "the distinct pages the ring places on it)",
     )  # fmt: skip
     parser.add_argument(
         "--l3-dir", default=None, help="directory for the file L3 stores (default: /dev/shm)"

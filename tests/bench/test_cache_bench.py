@@ -5,8 +5,10 @@ import json
 import pytest
 
 from kvrelay.bench import cache as cache_bench
+from kvrelay.bench.cache_tiers import l3_stores, make_tiers
 from kvrelay.cache.eviction import DEFAULT_POLICY
 from kvrelay.cache.eviction.oracles import ORACLES
+from kvrelay.cache.l3 import record
 from kvrelay.cache.l3.file import FileStore, FileStoreConfig
 from kvrelay.cli import main
 from kvrelay.layout.ring import HashRing
@@ -101,7 +103,7 @@ async def replay_with(store_class, tmp_path):
     args = argparse.Namespace(block_tokens=512, page_bytes=1 << 20)
     agent = await create_agent("loopback", token="t", fast_path=False)
     stores = [store_class(FileStoreConfig(tmp_path / f"l3-{i}", 1 << 20)) for i in range(2)]
-    tiers = cache_bench._tiers(agent, 2, 4, 256, stores)
+    tiers = make_tiers(agent, 2, 4, 256, stores)
     ring = HashRing(["a", "b"])
     counts = cache_bench._replay_tiers(
         tiers, lambda _n, k: ring.servers.index(ring.server_for(k)), requests, key_lists,
@@ -149,6 +151,8 @@ def test_bench_cache_reports_every_policy_and_belady(tmp_path, capsys):
     assert cost[default]["ns_per_lookup"] > 0 and cost[default]["gc_off"]["ns_per_insert"] > 0
     assert cost["lru"]["insert_ratio_min"] == cost["lru"]["insert_ratio_max"] == 1.0
     assert cost[default]["lookup_ratio_min"] <= cost[default]["lookup_ratio_max"]
+    # The compiled default's Python reference is timed beside it.
+    assert cost["prefix-lirs-reference"]["ns_per_lookup"] > 0
     printed = capsys.readouterr().out
     assert "belady" in printed and "ns/page looked up" in printed
     assert "oracle-count gap closed" in printed
@@ -184,3 +188,15 @@ def test_agentic_trace_is_the_demo_workload_in_mooncake_format(tmp_path, capsys)
             assert after["hash_ids"][: len(before["hash_ids"])] == before["hash_ids"]
             assert len(after["hash_ids"]) == after["input_length"] // 256
     assert [len(r["hash_ids"]) for r in records[:3]] == [5, 5, 7]
+
+
+def test_each_file_l3_holds_its_servers_share_of_the_working_set(tmp_path):
+    # The ring places pages unevenly: an even split of the working set would
+    # overflow the busiest server's L3 and lose pages an infinite cache keeps.
+    record_bytes = record.HEADER_BYTES + 256
+    args = argparse.Namespace(l3="file", l3_pages=None, slot_bytes=256)
+    stores = l3_stores(args, tmp_path, [3, 7], run=0)
+    assert [s.config.capacity_bytes for s in stores] == [3 * record_bytes, 7 * record_bytes]
+    args.l3_pages = 10
+    stores = l3_stores(args, tmp_path, [3, 7], run=1)
+    assert [s.config.capacity_bytes for s in stores] == [5 * record_bytes, 5 * record_bytes]
