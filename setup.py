@@ -101,7 +101,7 @@ def eviction_extension():
     csrc = Path("kvrelay/cache/eviction/csrc")
     return Extension(
         "kvrelay.cache.eviction._lirs",
-        [str(csrc / name) for name in ("lirs_module.cpp", "lirs_state.cpp", "lirs_debug.cpp")],
+        [str(path) for path in sorted(csrc.glob("*.cpp"))],
         include_dirs=[str(ROOT / csrc)],
         extra_compile_args={"cxx": ["-O3", "-std=c++17", "-Wall"]},
     )

@@ -15,7 +15,7 @@ LirsState::~LirsState() {
   Py_XDECREF(map_);
 }
 
-// -- nodes and lists ------------------------------------------------------------
+// -- nodes --------------------------------------------------------------------------
 
 int32_t LirsState::find(PyObject* key) {
   PyObject* found = PyDict_GetItemWithError(map_, key);  // borrowed
@@ -56,69 +56,6 @@ void LirsState::maybe_free(int32_t i) {
   if (PyDict_DelItem(map_, key) < 0) PyErr_Clear();  // bytes keys cannot fail
   Py_DECREF(key);
   free_.push_back(i);
-}
-
-Link& LirsState::link(int32_t i, int which) {
-  Node& node = nodes_[i];
-  return which == 0 ? node.s_link : which == 1 ? node.q_link : node.r_link;
-}
-
-void LirsState::push_back(List& list, int which, int32_t i) {
-  Link& l = link(i, which);
-  l.prev = list.tail;
-  l.next = NIL;
-  if (list.tail != NIL) link(list.tail, which).next = i;
-  else list.head = i;
-  list.tail = i;
-  ++list.size;
-}
-
-void LirsState::unlink(List& list, int which, int32_t i) {
-  Link& l = link(i, which);
-  if (l.prev != NIL) link(l.prev, which).next = l.next;
-  else list.head = l.next;
-  if (l.next != NIL) link(l.next, which).prev = l.prev;
-  else list.tail = l.prev;
-  l.prev = l.next = NIL;
-  --list.size;
-}
-
-int32_t LirsState::pop_front(List& list, int which) {
-  int32_t i = list.head;
-  unlink(list, which, i);
-  return i;
-}
-
-int32_t LirsState::pop_back(List& list, int which) {
-  int32_t i = list.tail;
-  unlink(list, which, i);
-  return i;
-}
-
-void LirsState::s_push(int32_t i, SPart part, uint8_t code) {
-  nodes_[i].s = part;
-  nodes_[i].code = code;
-  push_back(s_list(part), 0, i);
-}
-
-void LirsState::s_remove(int32_t i) {
-  unlink(s_list(nodes_[i].s), 0, i);
-  nodes_[i].s = S_OUT;
-}
-
-List& LirsState::q_list(uint8_t part) {
-  return part == Q_FRONT ? front_ : part == Q_QUEUE ? queue_ : parked_;
-}
-
-void LirsState::q_push(int32_t i, QPart part) {
-  nodes_[i].q = part;
-  push_back(q_list(part), 1, i);
-}
-
-void LirsState::q_remove(int32_t i) {
-  if (nodes_[i].q == Q_OUT) return;
-  unlink(q_list(nodes_[i].q), 1, i);
-  nodes_[i].q = Q_OUT;
 }
 
 void LirsState::place(int32_t i) { q_push(i, nodes_[i].children ? Q_PARKED : Q_QUEUE); }
@@ -236,12 +173,7 @@ bool LirsState::forget(PyObject* key) {
     if (node.s == S_TOP && node.code == LIR) --lirs_;
     s_remove(i);
   }
-  node.resident = false;
-  unlink(order_, 2, i);
-  --n_resident_;
-  int32_t p = node.parent;
-  node.parent = NIL;
-  if (p != NIL) orphan(p);
+  leave(i);
   maybe_free(i);
   return true;
 }
@@ -264,13 +196,8 @@ PyObject* LirsState::victim() {
     node.code = GHOST;  // keeps its place in S
     ++ghosts_;
   }
-  node.resident = false;
-  unlink(order_, 2, i);
-  --n_resident_;
-  int32_t p = node.parent;
-  node.parent = NIL;
-  if (p != NIL) orphan(p);
-  PyObject* key = node.key;
+  leave(i);
+  PyObject* key = nodes_[i].key;
   Py_INCREF(key);
   maybe_free(i);
   return key;
@@ -295,6 +222,17 @@ int LirsState::contains(PyObject* key) {
 }
 
 // -- internals -----------------------------------------------------------------------
+
+// The page is no longer resident: out of the resident order, and no longer
+// counted as its parent's child.
+void LirsState::leave(int32_t i) {
+  nodes_[i].resident = false;
+  unlink(order_, 2, i);
+  --n_resident_;
+  int32_t p = nodes_[i].parent;
+  nodes_[i].parent = NIL;
+  if (p != NIL) orphan(p);
+}
 
 // A child of `parent` is gone: if it was the last resident one, the parent
 // leaves the parked pages for the head of Q.

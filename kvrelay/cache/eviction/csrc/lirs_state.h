@@ -82,6 +82,7 @@ class LirsState {
   void q_remove(int32_t i);
 
   void place(int32_t i);  // an evictable HIR page: parked if inner, queued if a leaf
+  void leave(int32_t i);
   void orphan(int32_t parent);
   void read_hir(int32_t i, uint8_t code);
   void split();
