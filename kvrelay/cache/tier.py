@@ -225,6 +225,9 @@ class CacheTier:
     def _promote(self, keys: Sequence[bytes], namespace: bytes, parent: bytes | None) -> None:
         """Bring the leading run of `keys` found in L3 into L2 slots, sealed
         (`parent`: the L2 hit before them)."""
+        # Pages L2 holds already (this server owned them before) come back
+        # from L3 as None; making room for an earlier page may demote one.
+        in_l2 = {k for k in keys if k in self.index}
         pages = self.l3.get_many(keys, namespace)
         # Pin what is promoted so promoting page i+1 cannot evict page i.
         leases: list[int] = []
@@ -233,10 +236,12 @@ class CacheTier:
             if resident is not None:
                 if not resident.sealed:
                     break  # an unsealed reservation
-                # In L2 already (this server owned it before): the run goes on,
-                # and the page is pinned like a promoted one meanwhile.
+                # In L2 already: the run goes on, and the page is pinned like
+                # a promoted one meanwhile.
                 leases.append(self.index.pin([key], lease_s=60.0).lease_id)
                 continue
+            if page is None and key in in_l2:
+                page = self.l3.get(key, namespace)  # demoted by this promotion
             if page is None or len(page) != self.arena.page_bytes:
                 break
             slot = self._take_slot()

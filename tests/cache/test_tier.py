@@ -255,6 +255,23 @@ async def test_flush_reaches_pages_only_l3_holds(tmp_path):
 
 
 @pytest.mark.asyncio
+async def test_a_page_of_the_run_demoted_to_make_room_is_promoted_back(tmp_path):
+    """A prefix whose middle page L2 holds, least recently used, and whose
+    other pages are in L3: making room for the first promoted page demotes
+    the middle one, which L3 was not asked for; the run fetches it again."""
+    agent, tier = await make_tier(tmp_path, slots=3, eviction="lru")
+    for i in (1, 5, 6):  # page 1 is the least recently used
+        fill(tier, i)
+    for i in (0, 2):
+        assert tier.l3.put(KEYS[i], content(i))
+    result = tier.lookup(KEYS[:3])
+    assert result.hits == 3 and tier.stats.promotions == 3 and tier.stats.demotions == 3
+    pages = [bytes(tier.arena.view(e.slot)) for e in result.entries]
+    assert pages == [content(i) for i in range(3)]
+    await agent.close()
+
+
+@pytest.mark.asyncio
 async def test_promotion_walks_past_pages_l2_already_holds(tmp_path):
     """A server that gains keys (a ring change) holds some pages of a prefix in
     L2 and finds the others in L3: one lookup answers the whole prefix."""
