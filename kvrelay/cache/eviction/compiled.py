@@ -35,10 +35,6 @@ if _Compiled is not None:
         def __init__(self) -> None:
             super().__init__(self.hir_share, self.ghost_factor)
 
-        def debug_state(self) -> dict:
-            """The state in the reference's terms (`reference_state`)."""
-            return self._debug_state()
-
     PrefixLIRSPolicy: type[EvictionPolicy] = CompiledPrefixLIRSPolicy
 else:
     CompiledPrefixLIRSPolicy = None

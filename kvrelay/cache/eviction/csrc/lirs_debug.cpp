@@ -20,7 +20,7 @@ bool put(PyObject* out, const char* name, PyObject* value) {
 PyObject* LirsState::debug_state() const {
   PyObject* out = PyDict_New();
   if (out == nullptr) return nullptr;
-  auto keys_of = [this](const List& list, int which, bool with_code) -> PyObject* {
+  auto keys_of = [this](const List& list, bool with_code) -> PyObject* {
     PyObject* items = PyList_New(0);
     for (int32_t i = list.head; items != nullptr && i != NIL;) {
       const Node& node = nodes_[i];
@@ -28,7 +28,7 @@ PyObject* LirsState::debug_state() const {
       if (!with_code) Py_INCREF(item);
       if (item == nullptr || PyList_Append(items, item) < 0) Py_CLEAR(items);
       Py_XDECREF(item);
-      i = which == 0 ? node.s_link.next : which == 1 ? node.q_link.next : node.r_link.next;
+      i = link(i, list.via).next;
     }
     return items;
   };
@@ -56,10 +56,10 @@ PyObject* LirsState::debug_state() const {
     Py_DECREF(out);
     return nullptr;
   }
-  if (!put(out, "top", keys_of(top_, 0, true)) || !put(out, "tail", keys_of(tail_, 0, true)) ||
-      !put(out, "front", keys_of(front_, 1, false)) ||
-      !put(out, "queue", keys_of(queue_, 1, false)) ||
-      !put(out, "parked", keys_of(parked_, 1, false)) ||
+  if (!put(out, "top", keys_of(top_, true)) || !put(out, "tail", keys_of(tail_, true)) ||
+      !put(out, "front", keys_of(front_, false)) ||
+      !put(out, "queue", keys_of(queue_, false)) ||
+      !put(out, "parked", keys_of(parked_, false)) ||
       !put(out, "lirs", PyLong_FromSsize_t(lirs_)) ||
       !put(out, "ghosts", PyLong_FromSsize_t(ghosts_))) {
     Py_DECREF(out);

@@ -3,53 +3,59 @@
 // order, each through one of a node's three links.
 #include "lirs_state.h"
 
+#include <utility>
+
 namespace kvrelay::eviction {
 
-Link& LirsState::link(int32_t i, int which) {
-  Node& node = nodes_[i];
-  return which == 0 ? node.s_link : which == 1 ? node.q_link : node.r_link;
+Link& LirsState::link(int32_t i, Via via) {
+  return const_cast<Link&>(std::as_const(*this).link(i, via));
 }
 
-void LirsState::push_back(List& list, int which, int32_t i) {
-  Link& l = link(i, which);
+const Link& LirsState::link(int32_t i, Via via) const {
+  const Node& node = nodes_[i];
+  return via == VIA_S ? node.s_link : via == VIA_Q ? node.q_link : node.r_link;
+}
+
+void LirsState::push_back(List& list, int32_t i) {
+  Link& l = link(i, list.via);
   l.prev = list.tail;
   l.next = NIL;
-  if (list.tail != NIL) link(list.tail, which).next = i;
+  if (list.tail != NIL) link(list.tail, list.via).next = i;
   else list.head = i;
   list.tail = i;
   ++list.size;
 }
 
-void LirsState::unlink(List& list, int which, int32_t i) {
-  Link& l = link(i, which);
-  if (l.prev != NIL) link(l.prev, which).next = l.next;
+void LirsState::unlink(List& list, int32_t i) {
+  Link& l = link(i, list.via);
+  if (l.prev != NIL) link(l.prev, list.via).next = l.next;
   else list.head = l.next;
-  if (l.next != NIL) link(l.next, which).prev = l.prev;
+  if (l.next != NIL) link(l.next, list.via).prev = l.prev;
   else list.tail = l.prev;
   l.prev = l.next = NIL;
   --list.size;
 }
 
-int32_t LirsState::pop_front(List& list, int which) {
+int32_t LirsState::pop_front(List& list) {
   int32_t i = list.head;
-  unlink(list, which, i);
+  unlink(list, i);
   return i;
 }
 
-int32_t LirsState::pop_back(List& list, int which) {
+int32_t LirsState::pop_back(List& list) {
   int32_t i = list.tail;
-  unlink(list, which, i);
+  unlink(list, i);
   return i;
 }
 
 void LirsState::s_push(int32_t i, SPart part, uint8_t code) {
   nodes_[i].s = part;
   nodes_[i].code = code;
-  push_back(s_list(part), 0, i);
+  push_back(s_list(part), i);
 }
 
 void LirsState::s_remove(int32_t i) {
-  unlink(s_list(nodes_[i].s), 0, i);
+  unlink(s_list(nodes_[i].s), i);
   nodes_[i].s = S_OUT;
 }
 
@@ -59,12 +65,12 @@ List& LirsState::q_list(uint8_t part) {
 
 void LirsState::q_push(int32_t i, QPart part) {
   nodes_[i].q = part;
-  push_back(q_list(part), 1, i);
+  push_back(q_list(part), i);
 }
 
 void LirsState::q_remove(int32_t i) {
   if (nodes_[i].q == Q_OUT) return;
-  unlink(q_list(nodes_[i].q), 1, i);
+  unlink(q_list(nodes_[i].q), i);
   nodes_[i].q = Q_OUT;
 }
 

@@ -153,7 +153,8 @@ PyMethodDef methods[] = {
     {"forget", policy_forget, METH_O, "forget(key)"},
     {"victim", policy_victim, METH_NOARGS, "victim() -> key or None"},
     {"evictable", policy_evictable, METH_NOARGS, "evictable() -> iterator of keys"},
-    {"_debug_state", policy_debug_state, METH_NOARGS, "the lists and counters, for tests"},
+    {"debug_state", policy_debug_state, METH_NOARGS,
+     "debug_state() -> the state in the reference's terms (compiled.reference_state), for tests"},
     {nullptr, nullptr, 0, nullptr}};
 
 PySequenceMethods sequence_methods = {

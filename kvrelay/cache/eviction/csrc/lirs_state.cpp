@@ -84,7 +84,7 @@ bool LirsState::admit(PyObject* key, PyObject* parent, bool evictable) {
   Node& node = nodes_[i];
   node.resident = true;
   node.parent = p;
-  push_back(order_, 2, i);
+  push_back(order_, i);
   ++n_resident_;
   if (node.s == S_OUT) {
     s_push(i, S_TOP, HIR);
@@ -137,8 +137,8 @@ bool LirsState::touch_many(PyObject* const* keys, Py_ssize_t n) {
       int32_t i = find(keys[start]);
       if (i == -2) return false;
       if (top_code(i) != LIR) break;
-      unlink(top_, 0, i);
-      push_back(top_, 0, i);
+      unlink(top_, i);
+      push_back(top_, i);
     }
     if (start == n) {
       if (top_.head != oldest) prune();
@@ -151,8 +151,8 @@ bool LirsState::touch_many(PyObject* const* keys, Py_ssize_t n) {
     if (i == -2) return false;
     uint8_t code = top_code(i);
     if (code == LIR) {
-      unlink(top_, 0, i);
-      push_back(top_, 0, i);
+      unlink(top_, i);
+      push_back(top_, i);
       if (i == oldest) shorten = true;
     } else {
       read_hir(i, code);
@@ -181,13 +181,13 @@ bool LirsState::forget(PyObject* key) {
 PyObject* LirsState::victim() {
   int32_t i;
   if (front_.size) {
-    i = pop_back(front_, 1);
+    i = pop_back(front_);
   } else if (queue_.size) {
-    i = pop_front(queue_, 1);
+    i = pop_front(queue_);
   } else {
     while (!queue_.size && lirs_) demote_oldest();  // places pages at Q's tail
-    if (queue_.size) i = pop_front(queue_, 1);
-    else if (parked_.size) i = pop_front(parked_, 1);  // nothing else can go
+    if (queue_.size) i = pop_front(queue_);
+    else if (parked_.size) i = pop_front(parked_);  // nothing else can go
     else Py_RETURN_NONE;
   }
   Node& node = nodes_[i];
@@ -227,7 +227,7 @@ int LirsState::contains(PyObject* key) {
 // counted as its parent's child.
 void LirsState::leave(int32_t i) {
   nodes_[i].resident = false;
-  unlink(order_, 2, i);
+  unlink(order_, i);
   --n_resident_;
   int32_t p = nodes_[i].parent;
   nodes_[i].parent = NIL;
@@ -254,8 +254,8 @@ void LirsState::read_hir(int32_t i, uint8_t code) {
   if (code == NONE) {
     s_push(i, S_TOP, HIR);
     if (nodes_[i].q == Q_QUEUE) {
-      unlink(queue_, 1, i);
-      push_back(queue_, 1, i);
+      unlink(queue_, i);
+      push_back(queue_, i);
     } else if (nodes_[i].q == Q_FRONT) {  // from Q's head to its tail
       q_remove(i);
       q_push(i, Q_QUEUE);
@@ -271,18 +271,18 @@ void LirsState::read_hir(int32_t i, uint8_t code) {
 
 void LirsState::split() {
   while (nodes_[top_.head].code != LIR) {
-    int32_t i = pop_front(top_, 0);
+    int32_t i = pop_front(top_);
     nodes_[i].s = S_TAIL;
-    push_back(tail_, 0, i);
+    push_back(tail_, i);
   }
 }
 
 void LirsState::demote_oldest() {
-  int32_t i = pop_front(top_, 0);
+  int32_t i = pop_front(top_);
   while (nodes_[i].code != LIR) {  // entries below it go to the tail, in order
     nodes_[i].s = S_TAIL;
-    push_back(tail_, 0, i);
-    i = pop_front(top_, 0);
+    push_back(tail_, i);
+    i = pop_front(top_);
   }
   nodes_[i].s = S_OUT;
   --lirs_;
@@ -295,7 +295,7 @@ void LirsState::prune() {
   Py_ssize_t extra = top_.size + tail_.size - n_resident_;
   Py_ssize_t ghosts = 0;
   while (extra > 0 && tail_.size) {  // the tail is the oldest part
-    int32_t i = pop_front(tail_, 0);
+    int32_t i = pop_front(tail_);
     nodes_[i].s = S_OUT;
     ghosts += nodes_[i].code == GHOST;
     --extra;
@@ -304,7 +304,7 @@ void LirsState::prune() {
   // `top_`'s entries below its oldest LIR page: the first `extra` leave S,
   // the rest go to the tail.
   while (nodes_[top_.head].code != LIR) {
-    int32_t i = pop_front(top_, 0);
+    int32_t i = pop_front(top_);
     if (extra > 0) {
       nodes_[i].s = S_OUT;
       ghosts += nodes_[i].code == GHOST;
@@ -312,7 +312,7 @@ void LirsState::prune() {
       maybe_free(i);
     } else {
       nodes_[i].s = S_TAIL;
-      push_back(tail_, 0, i);
+      push_back(tail_, i);
     }
   }
   ghosts_ -= ghosts;

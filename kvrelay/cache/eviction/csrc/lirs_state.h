@@ -38,8 +38,13 @@ struct Node {
   Link s_link, q_link, r_link;  // in S, in Q or parked, in resident order
 };
 
+// Which of a node's links a list threads through.
+enum Via : uint8_t { VIA_S, VIA_Q, VIA_ORDER };
+
 // A doubly linked list of nodes through one of their links; head is the oldest.
 struct List {
+  explicit List(Via through) : via(through) {}
+  const Via via;
   int32_t head = NIL, tail = NIL;
   Py_ssize_t size = 0;
 };
@@ -68,11 +73,12 @@ class LirsState {
   int32_t create(PyObject* key);
   void maybe_free(int32_t i);
 
-  Link& link(int32_t i, int which);
-  void push_back(List& list, int which, int32_t i);
-  void unlink(List& list, int which, int32_t i);
-  int32_t pop_front(List& list, int which);
-  int32_t pop_back(List& list, int which);
+  Link& link(int32_t i, Via via);
+  const Link& link(int32_t i, Via via) const;
+  void push_back(List& list, int32_t i);
+  void unlink(List& list, int32_t i);
+  int32_t pop_front(List& list);
+  int32_t pop_back(List& list);
 
   List& s_list(uint8_t part) { return part == S_TOP ? top_ : tail_; }
   void s_push(int32_t i, SPart part, uint8_t code);
@@ -95,7 +101,9 @@ class LirsState {
   std::vector<Node> nodes_;
   std::vector<PyObject*> ints_;  // the int object of each node index, made once
   std::vector<int32_t> free_;
-  List top_, tail_, front_, queue_, parked_, order_;
+  List top_{VIA_S}, tail_{VIA_S};  // S: its newer part from the oldest LIR page, and older
+  List front_{VIA_Q}, queue_{VIA_Q}, parked_{VIA_Q};
+  List order_{VIA_ORDER};  // resident pages, in the order they became resident
   Py_ssize_t n_resident_ = 0, lirs_ = 0, ghosts_ = 0;
   double lir_share_;
   long ghost_factor_;
