@@ -75,7 +75,7 @@ class SpelledOutReads(PrefixLIRSReference):
     """prefix-lirs with its reads as the plain loop: every key looked up in S,
     and S shortened after the batch if its oldest LIR page was among them."""
 
-    def touch_many(self, keys):
+    def _read(self, keys):
         top = self._top
         if self._lirs:
             self._split()

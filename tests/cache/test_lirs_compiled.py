@@ -46,6 +46,19 @@ class CountingReference(PrefixLIRSReference):
             self.reached.add("prune")
         super()._prune()
 
+    def _expire(self):
+        lirs = self._lirs
+        super()._expire()
+        if self._lirs < lirs:
+            self.reached.add("finished page")
+
+    def _move_split(self, pages):
+        super()._move_split(pages)
+        self.reached.add("split toward HIR" if pages > 0 else "split toward LIR")
+        low, high = self.share_bounds
+        if self._hir_now in (low, high):
+            self.reached.add(f"share at {'low' if self._hir_now == low else 'high'} bound")
+
 
 def cache_ops(rng: random.Random, steps: int, universe: int, capacity: int):
     """Calls as a cache makes them: chains read and written, a victim whenever
@@ -87,7 +100,8 @@ def test_the_compiled_policy_matches_the_reference_call_for_call():
     for seed in range(12):
         rng = random.Random(1000 + seed)
         reached |= assert_same_run(cache_ops(rng, 1500, 400, 4 + 8 * (seed % 3)), seed)
-    # The runs reach every step of LIRS's bookkeeping, so each one was compared.
+    # The runs reach every step of LIRS's bookkeeping and of what it learns
+    # (lirs_adapt.py), so each one was compared.
     assert reached == {
         "victim after demoting",
         "victim parked",
@@ -96,6 +110,11 @@ def test_the_compiled_policy_matches_the_reference_call_for_call():
         "split",
         "demote",
         "prune",
+        "finished page",
+        "split toward HIR",
+        "split toward LIR",
+        "share at low bound",
+        "share at high bound",
     }
 
 

@@ -31,9 +31,15 @@ if _Compiled is not None:
         name = "prefix-lirs"
         hir_share = PrefixLIRSReference.hir_share
         ghost_factor = PrefixLIRSReference.ghost_factor
+        share_bounds = PrefixLIRSReference.share_bounds
+        share_band = PrefixLIRSReference.share_band
+        stale_factor = PrefixLIRSReference.stale_factor
 
         def __init__(self) -> None:
-            super().__init__(self.hir_share, self.ghost_factor)
+            low, high = self.share_bounds
+            super().__init__(
+                self.hir_share, self.ghost_factor, low, high, self.share_band, self.stale_factor
+            )
 
     PrefixLIRSPolicy: type[EvictionPolicy] = CompiledPrefixLIRSPolicy
 else:
@@ -54,4 +60,7 @@ def reference_state(policy: PrefixLIRSReference) -> dict:
         "parked": list(policy._parked),
         "lirs": policy._lirs,
         "ghosts": policy._ghosts,
+        "times": {k: (t, policy._gap.get(k), policy._gap2.get(k)) for k, t in policy._last.items()},
+        "now": policy._now,
+        "hir_share": policy._hir_now,
     }

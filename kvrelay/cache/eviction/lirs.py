@@ -50,17 +50,16 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
 
 from kvrelay.cache.eviction.base import EvictionPolicy
+from kvrelay.cache.eviction.lirs_adapt import LIRSAdaptation
 
 # What `S` holds for a key.
 _GHOST, _HIR, _LIR = 0, 1, 2
 
 
-class PrefixLIRSReference(EvictionPolicy):
+class PrefixLIRSReference(LIRSAdaptation, EvictionPolicy):
     name = "prefix-lirs"
-    # At least this share of resident pages stays HIR. The paper's LIRS
-    # uses 1 %; here Q must also hold a session's newest pages until its
-    # next turn reads them (docs/benchmarks.md, `kvrelay bench cache`).
-    hir_share = 0.3
+    # The share of resident pages that stays HIR moves (lirs_adapt.py);
+    # the paper's LIRS fixes it at 1 %.
     ghost_factor = 8  # ghosts in S per resident page
 
     def __init__(self) -> None:
@@ -81,7 +80,7 @@ class PrefixLIRSReference(EvictionPolicy):
         self._children: dict[Hashable, int] = {}  # key -> resident pages admitted under it
         self._ghosts = 0
         self._ghost_limit = self.ghost_factor
-        self._lir_share = 1 - self.hir_share
+        self._init_adaptation()
 
     # -- the interface -------------------------------------------------------------
 
@@ -91,6 +90,7 @@ class PrefixLIRSReference(EvictionPolicy):
             if evictable:
                 self.make_evictable(key)
             return
+        self._stamp(key)
         if parent is not None:
             if parent in resident:
                 children = self._children
@@ -115,6 +115,7 @@ class PrefixLIRSReference(EvictionPolicy):
                 self._parked[key] = None
             else:
                 self._queue[key] = None
+            self._expire()
             return
         # A ghost still in S: a short reuse. (Should the demotion below be
         # this page's own, it is queued as any evictable HIR page.)
@@ -125,6 +126,7 @@ class PrefixLIRSReference(EvictionPolicy):
         self._lirs += 1
         if self._lirs > self._lir_share * len(resident):
             self._demote_oldest()
+        self._expire()
 
     def make_evictable(self, key: Hashable) -> None:
         held = self._held
@@ -147,6 +149,16 @@ class PrefixLIRSReference(EvictionPolicy):
         self.touch_many((key,))
 
     def touch_many(self, keys: Sequence[Hashable]) -> None:
+        self._balance(keys)
+        resident = self._resident
+        for key in keys:
+            if key in resident:
+                self._stamp(key)
+        self._read(keys)
+        self._expire()
+
+    def _read(self, keys: Sequence[Hashable]) -> None:
+        """LIRS's bookkeeping of a lookup's hits."""
         top = self._top
         oldest = next(iter(top), None)
         if self._lirs and top[oldest] != _LIR:
@@ -193,6 +205,7 @@ class PrefixLIRSReference(EvictionPolicy):
         parent = self._resident.pop(key)
         if parent is not None:
             self._orphan(parent)
+        self._release(key)
 
     def victim(self) -> Hashable | None:
         front, queue = self._front, self._queue
@@ -230,6 +243,8 @@ class PrefixLIRSReference(EvictionPolicy):
                 # `parent` has no resident child left: from the parked pages to the head of Q.
                 if self._parked.pop(parent, 0) is None:
                     front[parent] = None
+                self._release(parent)
+        self._release(key)
         return key
 
     def evictable(self) -> Iterator[Hashable]:
@@ -286,6 +301,7 @@ class PrefixLIRSReference(EvictionPolicy):
             return
         del children[parent]
         self._unpark(parent)
+        self._release(parent)
 
     def _unpark(self, parent: Hashable) -> None:
         """`parent` has no resident child left: from the parked pages to the head of Q."""
@@ -333,8 +349,10 @@ class PrefixLIRSReference(EvictionPolicy):
         if extra > 0 and tail:  # the tail is the oldest part
             popitem = tail.popitem
             while extra > 0 and tail:
-                if popitem(last=False)[1] == _GHOST:
+                key, code = popitem(last=False)
+                if code == _GHOST:
                     ghosts += 1
+                    self._release(key)
                 extra -= 1
         if top[next(iter(top))] != _LIR:
             below = []  # `_top`'s entries below its oldest LIR page
@@ -346,6 +364,7 @@ class PrefixLIRSReference(EvictionPolicy):
             for key in below[:extra] if extra > 0 else ():
                 if pop(key) == _GHOST:
                     ghosts += 1
+                    self._release(key)
             for key in below[max(extra, 0) :]:
                 tail[key] = pop(key)
         self._ghosts -= ghosts
@@ -357,4 +376,5 @@ class PrefixLIRSReference(EvictionPolicy):
         old = [(k, part) for part in parts for k, code in part.items() if code == _GHOST]
         for key, part in old[: max(0, len(old) - keep)]:
             del part[key]
+            self._release(key)
         self._ghosts = min(len(old), keep)

@@ -150,11 +150,13 @@ def test_byte_cap_evicts_through_the_chosen_policy(tmp_path):
         assert store.put(key(i), page(i))
     for _ in range(2):
         assert store.get(key(0)) == page(0)  # read again: LIR under prefix-lirs
-    for i in range(4, 10):
+    # As many new pages as the cap holds: LRU would evict key 0 last of all,
+    # LIRS keeps it (not yet so long unread that it counts as finished).
+    for i in range(4, 8):
         assert store.put(key(i), page(i))
     assert store.get(key(0)) == page(0)
     assert len(page_files(store)) == 4 and store.used_bytes == 4 * RECORD
-    assert store.stats.evictions == 6
+    assert store.stats.evictions == 4
 
 
 def test_unknown_eviction_policy_is_refused(tmp_path):

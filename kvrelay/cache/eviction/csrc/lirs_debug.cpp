@@ -35,23 +35,34 @@ PyObject* LirsState::debug_state() const {
   PyObject* resident = PyDict_New();
   PyObject* children = PyDict_New();
   PyObject* held = PySet_New(nullptr);
-  bool ok = resident && children && held;
+  PyObject* times = PyDict_New();
+  bool ok = resident && children && held && times;
   for (int32_t i = order_.head; ok && i != NIL; i = nodes_[i].r_link.next) {
     const Node& node = nodes_[i];
     PyObject* parent = node.parent == NIL ? Py_None : nodes_[node.parent].key;
     ok = PyDict_SetItem(resident, node.key, parent) == 0 &&
          (!node.held || PySet_Add(held, node.key) == 0);
   }
+  auto or_none = [](int64_t gap) -> PyObject* {
+    if (gap) return PyLong_FromLongLong(gap);
+    Py_RETURN_NONE;
+  };
   for (const Node& node : nodes_) {
     if (!ok) break;
-    if (node.key != nullptr && node.children) {
+    if (node.key == nullptr) continue;
+    if (node.children) {
       PyObject* count = PyLong_FromLong(node.children);
       ok = count && PyDict_SetItem(children, node.key, count) == 0;
       Py_XDECREF(count);
     }
+    // Every node in use was stamped when admitted.
+    PyObject* when = Py_BuildValue("(LNN)", static_cast<long long>(node.last), or_none(node.gap),
+                                   or_none(node.gap2));
+    ok = ok && when && PyDict_SetItem(times, node.key, when) == 0;
+    Py_XDECREF(when);
   }
   ok = ok && put(out, "resident", resident) && put(out, "children", children) &&
-       put(out, "held", held);
+       put(out, "held", held) && put(out, "times", times);
   if (!ok) {
     Py_DECREF(out);
     return nullptr;
@@ -61,7 +72,9 @@ PyObject* LirsState::debug_state() const {
       !put(out, "queue", keys_of(queue_, false)) ||
       !put(out, "parked", keys_of(parked_, false)) ||
       !put(out, "lirs", PyLong_FromSsize_t(lirs_)) ||
-      !put(out, "ghosts", PyLong_FromSsize_t(ghosts_))) {
+      !put(out, "ghosts", PyLong_FromSsize_t(ghosts_)) ||
+      !put(out, "now", PyLong_FromLongLong(now_)) ||
+      !put(out, "hir_share", PyFloat_FromDouble(hir_now_))) {
     Py_DECREF(out);
     return nullptr;
   }

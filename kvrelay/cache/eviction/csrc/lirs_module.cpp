@@ -10,6 +10,7 @@
 
 namespace {
 
+using kvrelay::eviction::LirsParams;
 using kvrelay::eviction::LirsState;
 
 struct PolicyObject {
@@ -29,19 +30,24 @@ PyObject* done(bool ok) {
 }
 
 int policy_init(PyObject* self, PyObject* args, PyObject* kwargs) {
-  static const char* names[] = {"hir_share", "ghost_factor", nullptr};
-  double hir_share = 0.3;
-  long ghost_factor = 8;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|dl", const_cast<char**>(names), &hir_share,
-                                   &ghost_factor))
+  static const char* names[] = {"hir_share",  "ghost_factor", "share_low", "share_high",
+                                "share_band", "stale_factor", nullptr};
+  LirsParams p;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|dlddld", const_cast<char**>(names),
+                                   &p.hir_share, &p.ghost_factor, &p.share_low, &p.share_high,
+                                   &p.share_band, &p.stale_factor))
     return -1;
-  if (!(hir_share > 0 && hir_share < 1) || ghost_factor < 1) {
-    PyErr_SetString(PyExc_ValueError, "hir_share must be in (0, 1) and ghost_factor at least 1");
+  if (!(0 < p.share_low && p.share_low <= p.hir_share && p.hir_share <= p.share_high &&
+        p.share_high < 1) ||
+      p.ghost_factor < 1 || p.share_band < 1 || p.share_band > 64 || !(p.stale_factor > 0)) {
+    PyErr_SetString(PyExc_ValueError,
+                    "need 0 < share_low <= hir_share <= share_high < 1, ghost_factor >= 1, "
+                    "1 <= share_band <= 64 and stale_factor > 0");
     return -1;
   }
   auto* object = reinterpret_cast<PolicyObject*>(self);
   delete object->state;
-  object->state = new (std::nothrow) LirsState(hir_share, ghost_factor);
+  object->state = new (std::nothrow) LirsState(p);
   if (object->state == nullptr) {
     PyErr_NoMemory();
     return -1;
@@ -172,7 +178,9 @@ PyMODINIT_FUNC PyInit__lirs() {
   policy_type.tp_name = "kvrelay.cache.eviction._lirs.PrefixLIRS";
   policy_type.tp_basicsize = sizeof(PolicyObject);
   policy_type.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE;
-  policy_type.tp_doc = "PrefixLIRS(hir_share=0.3, ghost_factor=8): prefix-LIRS, compiled";
+  policy_type.tp_doc =
+      "PrefixLIRS(hir_share=0.3, ghost_factor=8, share_low=0.05, share_high=0.7, share_band=4, "
+      "stale_factor=1.5): prefix-LIRS, compiled";
   policy_type.tp_new = PyType_GenericNew;
   policy_type.tp_init = policy_init;
   policy_type.tp_dealloc = policy_dealloc;

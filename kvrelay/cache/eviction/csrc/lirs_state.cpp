@@ -6,8 +6,11 @@
 
 namespace kvrelay::eviction {
 
-LirsState::LirsState(double hir_share, long ghost_factor)
-    : map_(PyDict_New()), lir_share_(1 - hir_share), ghost_factor_(ghost_factor) {}
+LirsState::LirsState(const LirsParams& params)
+    : map_(PyDict_New()),
+      params_(params),
+      hir_now_(params.hir_share),
+      lir_share_(1 - params.hir_share) {}
 
 LirsState::~LirsState() {
   for (Node& node : nodes_) Py_XDECREF(node.key);
@@ -81,6 +84,7 @@ bool LirsState::admit(PyObject* key, PyObject* parent, bool evictable) {
     }
   }
   if (i == NIL && (i = create(key)) == -2) return false;
+  stamp(i);
   Node& node = nodes_[i];
   node.resident = true;
   node.parent = p;
@@ -88,9 +92,10 @@ bool LirsState::admit(PyObject* key, PyObject* parent, bool evictable) {
   ++n_resident_;
   if (node.s == S_OUT) {
     s_push(i, S_TOP, HIR);
-    if (ghosts_ > ghost_factor_ * n_resident_) drop_ghosts();
+    if (ghosts_ > params_.ghost_factor * n_resident_) drop_ghosts();
     if (!evictable) nodes_[i].held = true;
     else place(i);
+    expire();
     return true;
   }
   // A ghost still in S: a short reuse.
@@ -100,6 +105,7 @@ bool LirsState::admit(PyObject* key, PyObject* parent, bool evictable) {
   s_push(i, S_TOP, LIR);
   ++lirs_;
   if (over_lir_share()) demote_oldest();
+  expire();
   return true;
 }
 
@@ -122,6 +128,37 @@ bool LirsState::hold(PyObject* key) {
 }
 
 bool LirsState::touch_many(PyObject* const* keys, Py_ssize_t n) {
+  // Each key's node once: no node is allocated until this returns, so the
+  // indices stay valid (a node freed meanwhile reads as not resident).
+  // One pass finds each key, counts the reads at the split's two boundaries
+  // and stamps the resident pages (the reference's `_balance`, then its stamps).
+  batch_.resize(static_cast<size_t>(n));
+  int32_t marked[2 * 64];
+  int n_marked = mark_bands(marked);
+  Py_ssize_t band_reads[3] = {0, 0, 0};
+  bool ok = true;
+  for (Py_ssize_t j = 0; j < n; ++j) {
+    int32_t i = find(keys[j]);
+    if (i == -2) {
+      ok = false;
+      break;
+    }
+    batch_[j] = i;
+    if (i == NIL) continue;
+    ++band_reads[nodes_[i].band];
+    if (nodes_[i].resident) stamp(i);
+  }
+  for (int k = 0; k < n_marked; ++k) nodes_[marked[k]].band = BAND_NONE;
+  if (!ok) return false;  // (a key that cannot be hashed: nothing moved but times)
+  if (band_reads[BAND_LIR]) move_split(-band_reads[BAND_LIR]);
+  if (band_reads[BAND_Q]) move_split(band_reads[BAND_Q]);
+  read(batch_.data(), n);
+  expire();
+  return true;
+}
+
+// LIRS's bookkeeping of a lookup's hits (the reference's `_read`).
+void LirsState::read(const int32_t* nodes, Py_ssize_t n) {
   int32_t oldest = top_.head;
   if (lirs_ && nodes_[oldest].code != LIR) {
     split();
@@ -134,21 +171,19 @@ bool LirsState::touch_many(PyObject* const* keys, Py_ssize_t n) {
   if (n < top_.size) {
     // LIR pages first: one lookup and one move each.
     for (; start < n; ++start) {
-      int32_t i = find(keys[start]);
-      if (i == -2) return false;
+      int32_t i = nodes[start];
       if (top_code(i) != LIR) break;
       unlink(top_, i);
       push_back(top_, i);
     }
     if (start == n) {
       if (top_.head != oldest) prune();
-      return true;
+      return;
     }
   }
   bool shorten = start > 0 && top_.head != oldest;
   for (Py_ssize_t j = start; j < n; ++j) {
-    int32_t i = find(keys[j]);
-    if (i == -2) return false;
+    int32_t i = nodes[j];
     uint8_t code = top_code(i);
     if (code == LIR) {
       unlink(top_, i);
@@ -159,7 +194,6 @@ bool LirsState::touch_many(PyObject* const* keys, Py_ssize_t n) {
     }
   }
   if (shorten) prune();
-  return true;
 }
 
 bool LirsState::forget(PyObject* key) {
@@ -319,7 +353,7 @@ void LirsState::prune() {
 }
 
 void LirsState::drop_ghosts() {
-  Py_ssize_t keep = ghost_factor_ * n_resident_ / 2;
+  Py_ssize_t keep = params_.ghost_factor * n_resident_ / 2;
   std::vector<int32_t> old;
   for (const List* part : {&tail_, &top_}) {
     for (int32_t i = part->head; i != NIL; i = nodes_[i].s_link.next) {

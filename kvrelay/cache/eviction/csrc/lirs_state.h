@@ -21,6 +21,8 @@ constexpr int32_t NIL = -1;
 enum Code : uint8_t { GHOST = 0, HIR = 1, LIR = 2, NONE = 3 };
 // Which part of S a node is in.
 enum SPart : uint8_t { S_OUT, S_TOP, S_TAIL };
+// Which boundary of the LIR/HIR split a node is at, during touch_many.
+enum Band : uint8_t { BAND_NONE = 0, BAND_LIR = 1, BAND_Q = 2 };
 // Which of Q's parts (or the parked pages) a node is in.
 enum QPart : uint8_t { Q_OUT, Q_FRONT, Q_QUEUE, Q_PARKED };
 
@@ -34,8 +36,21 @@ struct Node {
   int32_t children = 0;     // resident pages admitted under this key
   uint8_t code = GHOST;     // valid while s != S_OUT
   uint8_t s = S_OUT, q = Q_OUT;
+  uint8_t band = 0;  // during touch_many: BAND_LIR or BAND_Q (lirs_adapt.cpp)
   bool resident = false, held = false;
   Link s_link, q_link, r_link;  // in S, in Q or parked, in resident order
+  // In the policy's clock (lirs_adapt.cpp): the last read (-1: none yet) and
+  // the last two reuse intervals (0: none; an interval is at least 1).
+  int64_t last = -1, gap = 0, gap2 = 0;
+};
+
+// The reference's class attributes (kvrelay/cache/eviction/lirs_adapt.py).
+struct LirsParams {
+  double hir_share = 0.3;  // at the start
+  long ghost_factor = 8;
+  double share_low = 0.05, share_high = 0.7;
+  long share_band = 4;
+  double stale_factor = 1.5;
 };
 
 // Which of a node's links a list threads through.
@@ -51,7 +66,7 @@ struct List {
 
 class LirsState {
  public:
-  LirsState(double hir_share, long ghost_factor);
+  explicit LirsState(const LirsParams& params);
   ~LirsState();
 
   // Each returns false with a Python exception set on failure.
@@ -96,6 +111,13 @@ class LirsState {
   void prune();
   void drop_ghosts();
   bool over_lir_share() const { return lirs_ > lir_share_ * static_cast<double>(n_resident_); }
+  void read(const int32_t* nodes, Py_ssize_t n);
+
+  // lirs_adapt.cpp: the clock, the finished-page test and the moving split.
+  void stamp(int32_t i);
+  int mark_bands(int32_t* marked);  // the nodes marked, in `marked` (at most 2 x 64)
+  void move_split(Py_ssize_t pages);
+  void expire();
 
   PyObject* map_;  // key -> int (node index)
   std::vector<Node> nodes_;
@@ -104,9 +126,11 @@ class LirsState {
   List top_{VIA_S}, tail_{VIA_S};  // S: its newer part from the oldest LIR page, and older
   List front_{VIA_Q}, queue_{VIA_Q}, parked_{VIA_Q};
   List order_{VIA_ORDER};  // resident pages, in the order they became resident
+  std::vector<int32_t> batch_;  // touch_many's node indices, reused
   Py_ssize_t n_resident_ = 0, lirs_ = 0, ghosts_ = 0;
-  double lir_share_;
-  long ghost_factor_;
+  LirsParams params_;
+  int64_t now_ = 0;
+  double hir_now_, lir_share_;
 };
 
 }  // namespace kvrelay::eviction
