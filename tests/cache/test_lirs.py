@@ -133,3 +133,24 @@ def test_the_policy_state_stays_bounded(policy_cls):
     entries = len(state["top"]) + len(state["tail"])
     assert entries <= (2 + policy.ghost_factor) * len(index) + 1
     assert len(state["children"]) <= len(index)
+
+
+@pytest.mark.parametrize("policy_cls", [PrefixLIRSReference, CompiledPrefixLIRSPolicy])
+def test_a_finished_prefix_leaves_whole_and_first(policy_cls):
+    # Ten one-off pages, then X read four times (its last page only in the
+    # last of them, so that page has one reuse interval: too few to judge it
+    # by), then only Y is read. X's oldest page, unread for longer than its
+    # intervals, is finished, and so is every page its last lookup read with
+    # it: X leaves whole, deepest page first, before the one-offs. (Judged
+    # page by page, X's last page would stay LIR, holding its parents parked.)
+    index = PageIndex(16, policy=policy_cls())
+    x, y, *_ = chains(index, 2, 3, *[1] * 10)
+    for _ in range(3):
+        assert index.lookup(x).hits == 2
+    x.append(key(99))
+    index.insert(x[2], 99, sealed=True, parent=x[1])
+    assert index.lookup(x).hits == 3
+    for _ in range(12):
+        assert index.lookup(y).hits == 3
+    assert [v.key for v in index.evict(3)] == x[::-1]
+    assert index.lookup(y).hits == 3

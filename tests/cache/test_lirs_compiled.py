@@ -47,10 +47,12 @@ class CountingReference(PrefixLIRSReference):
         super()._prune()
 
     def _expire(self):
-        lirs = self._lirs
+        lirs, finished_read = self._lirs, self._finished_read
         super()._expire()
         if self._lirs < lirs:
             self.reached.add("finished page")
+            if self._finished_read == finished_read or self._lirs < lirs - 1:
+                self.reached.add("finished with its lookup")
 
     def _move_split(self, pages):
         super()._move_split(pages)
@@ -111,6 +113,7 @@ def test_the_compiled_policy_matches_the_reference_call_for_call():
         "demote",
         "prune",
         "finished page",
+        "finished with its lookup",
         "split toward HIR",
         "split toward LIR",
         "share at low bound",

@@ -62,5 +62,6 @@ def reference_state(policy: PrefixLIRSReference) -> dict:
         "ghosts": policy._ghosts,
         "times": {k: (t, policy._gap.get(k), policy._gap2.get(k)) for k, t in policy._last.items()},
         "now": policy._now,
+        "finished_read": policy._finished_read,
         "hir_share": policy._hir_now,
     }

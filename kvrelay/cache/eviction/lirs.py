@@ -151,9 +151,10 @@ class PrefixLIRSReference(LIRSAdaptation, EvictionPolicy):
     def touch_many(self, keys: Sequence[Hashable]) -> None:
         self._balance(keys)
         resident = self._resident
+        start = self._now
         for key in keys:
             if key in resident:
-                self._stamp(key)
+                self._stamp(key, start)
         self._read(keys)
         self._expire()
 

@@ -12,12 +12,17 @@ requests with long, irregular reuse wants a large HIR part, the probation
 that new pages pass through.
 
 - **Finished pages.** Each page keeps, in the policy's own clock (one tick per
-  page admitted or read), when it was last read and its last two reuse
-  intervals. The oldest LIR page, once not read for `stale_factor` times the
-  longer of its last two intervals, is presumed finished: it turns HIR at
-  the head of Q, the next victim (parked instead while a later page of its
-  chain stays). Two intervals, so that one short gap does not condemn a page
-  whose reuse is irregular.
+  page admitted or read; a lookup's pages are all read at the time it
+  began), when it was last read and its last two reuse intervals. The
+  oldest LIR page, once not read for `stale_factor` times the longer of its
+  last two intervals, is presumed finished: it turns HIR at the head of Q,
+  the next victim (parked instead while a later page of its chain stays).
+  Two intervals, so that one short gap does not condemn a page whose reuse
+  is irregular. The LIR pages its last lookup read with it follow it
+  whatever their history: they are the later pages of its prefix, and a
+  later page is never read without the earlier ones. (Judged on their own,
+  the newest of them, with one interval or none, would stay LIR and block
+  the test for every page behind it.)
 - **The split.** Reads at the two boundaries move it, one page at a time, the
   way ARC and utility-based cache partitioning weigh two parts by their
   marginal hits: a read of one of the `share_band` oldest entries of S's
@@ -53,21 +58,25 @@ class LIRSAdaptation:
 
     def _init_adaptation(self) -> None:
         self._now = 0
+        self._finished_read = -1
         self._last: dict[Hashable, int] = {}  # key -> clock at its last read
         self._gap: dict[Hashable, int] = {}  # key -> its last reuse interval
         self._gap2: dict[Hashable, int] = {}  # key -> the one before
         self._hir_now = self.hir_share
         self._lir_share = 1 - self.hir_share
 
-    def _stamp(self, key: Hashable) -> None:
-        """The key was read (or admitted) now."""
+    def _stamp(self, key: Hashable, at: int | None = None) -> None:
+        """The key was read (or admitted) at `at`: now, or when its lookup began."""
+        now = self._now if at is None else at
         last = self._last.get(key)
         if last is not None:
+            if last == now:  # twice in one lookup
+                return
             gap = self._gap.get(key)
             if gap is not None:
                 self._gap2[key] = gap
-            self._gap[key] = self._now - last
-        self._last[key] = self._now
+            self._gap[key] = now - last
+        self._last[key] = now
         self._now += 1
 
     def _release(self, key: Hashable) -> None:
@@ -114,11 +123,14 @@ class LIRSAdaptation:
             if top[next(iter(top))] != _LIR:
                 self._split()
             key = next(iter(top))
-            gap2 = self._gap2.get(key)
-            if gap2 is None:
-                return
-            if self._now - self._last[key] <= self.stale_factor * max(gap2, self._gap[key]):
-                return
+            last = self._last[key]
+            if last != self._finished_read:
+                gap2 = self._gap2.get(key)
+                if gap2 is None:
+                    return
+                if self._now - last <= self.stale_factor * max(gap2, self._gap[key]):
+                    return
+                self._finished_read = last
             del top[key]
             self._lirs -= 1
             if key not in self._held:

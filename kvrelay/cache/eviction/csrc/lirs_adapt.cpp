@@ -8,13 +8,15 @@
 
 namespace kvrelay::eviction {
 
-void LirsState::stamp(int32_t i) {
+void LirsState::stamp(int32_t i, int64_t at) {
   Node& node = nodes_[i];
   if (node.last >= 0) {
+    if (node.last == at) return;  // twice in one lookup
     if (node.gap) node.gap2 = node.gap;
-    node.gap = now_ - node.last;
+    node.gap = at - node.last;
   }
-  node.last = now_++;
+  node.last = at;
+  ++now_;
 }
 
 // Marks S's `share_band` oldest upper entries that are LIR (BAND_LIR) and Q's
@@ -58,9 +60,12 @@ void LirsState::expire() {
     if (nodes_[top_.head].code != LIR) split();
     int32_t i = top_.head;
     const Node& node = nodes_[i];
-    if (!node.gap2) return;
-    double limit = params_.stale_factor * static_cast<double>(std::max(node.gap2, node.gap));
-    if (static_cast<double>(now_ - node.last) <= limit) return;
+    if (node.last != finished_read_) {
+      if (!node.gap2) return;
+      double limit = params_.stale_factor * static_cast<double>(std::max(node.gap2, node.gap));
+      if (static_cast<double>(now_ - node.last) <= limit) return;
+      finished_read_ = node.last;
+    }
     s_remove(i);
     --lirs_;
     if (!nodes_[i].held) q_push(i, nodes_[i].children ? Q_PARKED : Q_FRONT);

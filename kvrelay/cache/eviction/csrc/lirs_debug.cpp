@@ -74,6 +74,7 @@ PyObject* LirsState::debug_state() const {
       !put(out, "lirs", PyLong_FromSsize_t(lirs_)) ||
       !put(out, "ghosts", PyLong_FromSsize_t(ghosts_)) ||
       !put(out, "now", PyLong_FromLongLong(now_)) ||
+      !put(out, "finished_read", PyLong_FromLongLong(finished_read_)) ||
       !put(out, "hir_share", PyFloat_FromDouble(hir_now_))) {
     Py_DECREF(out);
     return nullptr;

@@ -84,7 +84,7 @@ bool LirsState::admit(PyObject* key, PyObject* parent, bool evictable) {
     }
   }
   if (i == NIL && (i = create(key)) == -2) return false;
-  stamp(i);
+  stamp(i, now_);
   Node& node = nodes_[i];
   node.resident = true;
   node.parent = p;
@@ -137,6 +137,7 @@ bool LirsState::touch_many(PyObject* const* keys, Py_ssize_t n) {
   int n_marked = mark_bands(marked);
   Py_ssize_t band_reads[3] = {0, 0, 0};
   bool ok = true;
+  const int64_t start = now_;  // the lookup's time: each of its pages' read
   for (Py_ssize_t j = 0; j < n; ++j) {
     int32_t i = find(keys[j]);
     if (i == -2) {
@@ -146,7 +147,7 @@ bool LirsState::touch_many(PyObject* const* keys, Py_ssize_t n) {
     batch_[j] = i;
     if (i == NIL) continue;
     ++band_reads[nodes_[i].band];
-    if (nodes_[i].resident) stamp(i);
+    if (nodes_[i].resident) stamp(i, start);
   }
   for (int k = 0; k < n_marked; ++k) nodes_[marked[k]].band = BAND_NONE;
   if (!ok) return false;  // (a key that cannot be hashed: nothing moved but times)

@@ -114,7 +114,7 @@ class LirsState {
   void read(const int32_t* nodes, Py_ssize_t n);
 
   // lirs_adapt.cpp: the clock, the finished-page test and the moving split.
-  void stamp(int32_t i);
+  void stamp(int32_t i, int64_t at);
   int mark_bands(int32_t* marked);  // the nodes marked, in `marked` (at most 2 x 64)
   void move_split(Py_ssize_t pages);
   void expire();
@@ -130,6 +130,7 @@ class LirsState {
   Py_ssize_t n_resident_ = 0, lirs_ = 0, ghosts_ = 0;
   LirsParams params_;
   int64_t now_ = 0;
+  int64_t finished_read_ = -1;  // when the last page found finished was read
   double hir_now_, lir_share_;
 };
 
