@@ -3,7 +3,8 @@
 Each trace line has `hash_ids`; a hash id stands for one block of
 `--block-tokens` (512) tokens whose content is deterministic per id, and its
 page key is the key chain of kvrelay.layout over those tokens (one page per
-block). Requests go round robin to `--workers` simulated prefill workers.
+full block: a partial last block, as `input_length` tells, is no page, since
+kvrelay caches full pages only). Requests go round robin to `--workers` simulated prefill workers.
 Per L2 capacity (total pages), side by side:
 
 - `infinite`: every page ever written stays (the optimum);
@@ -48,7 +49,13 @@ from pathlib import Path
 from kvrelay.bench import cache_policies
 from kvrelay.bench.cache_report import plot, print_tables, progress_bar
 from kvrelay.bench.cache_tiers import close_tiers, l3_dir, l3_stores, make_tiers, ring_shares
-from kvrelay.bench.cache_trace import NAMESPACE, KeyChain, load_trace, page_content
+from kvrelay.bench.cache_trace import (
+    NAMESPACE,
+    KeyChain,
+    full_block_ids,
+    load_trace,
+    page_content,
+)
 from kvrelay.bench.stats import machine_info, write_json
 from kvrelay.cache.eviction import DEFAULT_POLICY, POLICIES
 from kvrelay.cache.eviction.oracles import ORACLES
@@ -172,6 +179,19 @@ def _replay_infinite(requests, key_lists, args, progress) -> Counts:
     return counts
 
 
+def _key_lists(args: argparse.Namespace, requests: list[dict]) -> list[list[bytes]]:
+    """Per request, the page keys of its full blocks; SystemExit naming the
+    request if its ids are not its prompt's blocks."""
+    chain = KeyChain(args.block_tokens)
+    out = []
+    for number, request in enumerate(requests, 1):
+        try:
+            out.append(chain.keys(full_block_ids(request, args.block_tokens)))
+        except ValueError as e:
+            raise SystemExit(f"bench cache: {args.trace}, request {number}: {e}") from None
+    return out
+
+
 def _policy_names(args: argparse.Namespace) -> list[str]:
     """The online policies to replay: `lru` first (the baseline), the default among them."""
     names = [n for n in args.policies.split(",") if n]
@@ -191,8 +211,7 @@ def _capacities(args: argparse.Namespace, unique: int) -> list[int]:
 async def _run(args: argparse.Namespace) -> dict:
     """Long because the replays share the trace, the ring and the agent as closures."""
     requests = load_trace(args.trace, args.limit)
-    chain = KeyChain(args.block_tokens)
-    key_lists = [chain.keys(r["hash_ids"]) for r in requests]
+    key_lists = _key_lists(args, requests)
     distinct = {k for keys in key_lists for k in keys}
     unique = len(distinct)
     capacities = _capacities(args, unique)

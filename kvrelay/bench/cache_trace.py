@@ -22,6 +22,29 @@ def load_trace(path: str | Path, limit: int | None = None) -> list[dict]:
     return requests
 
 
+def full_block_ids(request: dict, block_tokens: int) -> list[int]:
+    """The request's hash ids that stand for full blocks: the pages a worker caches.
+
+    Mooncake traces give one id per block of the prompt, the last one partial
+    when `input_length` is not a multiple of the block; kvrelay keys full
+    pages only (a partial page is recomputed, never cached), so a partial
+    block is no page of the replay. ValueError if the ids cannot be the
+    prompt's blocks of `block_tokens` tokens (fewer than its full blocks, or
+    more than its blocks): a trace cut in other blocks than `--block-tokens`.
+    """
+    try:
+        ids, tokens = request["hash_ids"], request["input_length"]
+    except KeyError as e:
+        raise ValueError(f"no {e.args[0]!r} field") from None
+    full, blocks = tokens // block_tokens, -(-tokens // block_tokens)
+    if not full <= len(ids) <= blocks:
+        raise ValueError(
+            f"{len(ids)} hash ids for {tokens} input tokens: not blocks of {block_tokens} tokens"
+            f" ({full} full, {blocks} in all)"
+        )
+    return ids[:full]
+
+
 class KeyChain:
     """Page keys of hash-id sequences: sha256 over the parent key and the block's tokens."""
 

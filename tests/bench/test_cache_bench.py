@@ -15,14 +15,15 @@ from kvrelay.layout.ring import HashRing
 from kvrelay.transfer import create_agent
 
 
-def write_trace(path, requests: int = 60) -> None:
+def write_trace(path, requests: int = 60, short_by: int = 0) -> None:
     # Ten conversations, each request extending its conversation's prefix by
     # two blocks: requests of one conversation land on different workers.
+    # `short_by` tokens fewer than the blocks: the last block is partial.
     lines = []
     for r in range(requests):
         conv, turn = r % 10, r // 10
         ids = [conv * 1000 + i for i in range(2 + 2 * turn)]
-        lines.append(json.dumps({"timestamp": r, "input_length": 512 * len(ids) - 100,
+        lines.append(json.dumps({"timestamp": r, "input_length": 512 * len(ids) - short_by,
                                  "output_length": 4, "hash_ids": ids}))  # fmt: skip
     path.write_text("\n".join(lines) + "\n")
 
@@ -50,6 +51,50 @@ def test_bench_cache_replays_and_reports(tmp_path, capsys):
     assert large["shared"]["token_hit_rate"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "shared/inf" in capsys.readouterr().out
+
+
+def test_a_partial_last_block_is_no_page(tmp_path):
+    # Each request's last block is 412 tokens: turn t has 1 + 2t full pages
+    # and finds the 2t - 1 of turn t-1 (its partial block was never cached).
+    trace = tmp_path / "trace.jsonl"
+    write_trace(trace, short_by=100)
+    out = tmp_path / "out.json"
+    main(["bench", "cache", "--trace", str(trace), "--workers", "4", "--servers", "2",
+          "--capacities", "400", "--l3", "none", "--policies", "lru", "--cost-rounds", "1",
+          "--json", str(out), "--no-progress"])  # fmt: skip
+    payload = json.loads(out.read_text())
+    assert payload["unique_pages"] == 10 * 11
+    hits = sum(2 * t - 1 for t in range(1, 6))
+    assert payload["infinite"]["block_hit_rate"] == pytest.approx(hits / sum(range(1, 12, 2)))
+    tokens = sum(512 * (2 + 2 * t) - 100 for t in range(6))
+    assert payload["infinite"]["token_hit_rate"] == pytest.approx(512 * hits / tokens)
+    (entry,) = payload["capacities"]
+    assert entry["policies"]["lru"]["block_hit_rate"] == payload["infinite"]["block_hit_rate"]
+
+
+@pytest.mark.parametrize(
+    ("tokens", "ids", "pages"),
+    [(1024, 2, 2), (1000, 2, 1), (1025, 3, 2), (300, 1, 0), (0, 0, 0)],
+)
+def test_full_blocks_are_the_pages(tokens, ids, pages):
+    request = {"input_length": tokens, "hash_ids": list(range(ids))}
+    assert cache_bench.full_block_ids(request, 512) == list(range(pages))
+
+
+@pytest.mark.parametrize(
+    ("request_", "reason"),
+    [
+        ({"input_length": 1024, "hash_ids": [1]}, "1 hash ids for 1024 input tokens"),
+        ({"input_length": 1000, "hash_ids": [1, 2, 3]}, "3 hash ids for 1000 input tokens"),
+        ({"hash_ids": [1]}, "no 'input_length' field"),
+    ],
+)
+def test_ids_that_are_not_the_prompts_blocks_are_refused(tmp_path, request_, reason):
+    trace = tmp_path / "trace.jsonl"
+    good = {"input_length": 512, "hash_ids": [7]}
+    trace.write_text(json.dumps(good) + "\n" + json.dumps(request_) + "\n")
+    with pytest.raises(SystemExit, match=f"request 2: {reason}"):
+        main(["bench", "cache", "--trace", str(trace), "--l3", "none", "--no-progress"])
 
 
 def test_bench_cache_with_l3_reaches_the_optimum_at_small_l2(tmp_path):
