@@ -4,7 +4,8 @@ Each trace line has `hash_ids`; a hash id stands for one block of
 `--block-tokens` (512) tokens whose content is deterministic per id, and its
 page key is the key chain of kvrelay.layout over those tokens (one page per
 full block: a partial last block, as `input_length` tells, is no page, since
-kvrelay caches full pages only). Requests go round robin to `--workers` simulated prefill workers.
+kvrelay caches full pages only). Requests go round robin to `--workers`
+simulated prefill workers.
 Per L2 capacity (total pages), side by side:
 
 - `infinite`: every page ever written stays (the optimum);
