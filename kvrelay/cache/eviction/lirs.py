@@ -4,7 +4,7 @@ LIRS's reuse-distance order, kept prefix-aware.
 
 LIRS (Jiang and Zhang, 2002) ranks a page by its *inter-reference recency*:
 how many other pages were read between its last two reads. Pages with a
-short one are LIR and hold at most 70 % of the cache; the rest are HIR, in
+short one are LIR and hold 70-98 % of the cache; the rest are HIR, in
 a FIFO `Q` whose head is the next victim. A recency stack `S` remembers
 recent reads, of resident pages and of evicted ones (ghosts: only the key):
 a HIR page read again while still in `S` turns LIR, and when LIR pages are

@@ -8,7 +8,7 @@ enough new pages have been re-read to push them out; and its HIR share is a
 constant, where sessions that take turns over more pages than the cache
 holds want almost all of it LIR (a fixed part of them stays and hits every
 turn; HIR pages are gone before their next turn) and a stream of one-off
-requests with long, irregular reuse wants a large HIR part, the probation
+requests with long, irregular reuse wants a longer HIR part, the probation
 that new pages pass through.
 
 - **Finished pages.** Each page keeps, in the policy's own clock (one tick per
@@ -28,8 +28,14 @@ that new pages pass through.
   marginal hits: a read of one of the `share_band` oldest entries of S's
   upper part that are LIR (a page a smaller LIR part would have lost) moves
   it toward LIR; a read of one of the `share_band` next victims in Q (a page a
-  smaller Q would have lost) toward HIR. The HIR share stays within
-  `share_bounds`; it starts at `hir_share`.
+  smaller Q would have lost) toward HIR. The HIR share starts at
+  `hir_share`, the top of `share_bounds`, and stays within them. The cap
+  is for sharded tiers: a server holds a slice of every session's prefix,
+  and on a server of a few dozen pages a short run of reads at Q's head
+  would carry the split to most of its pages HIR. The session pages that
+  excursion demotes and evicts break prefixes that the other servers still
+  hold, since a lookup stops at the first server's miss. Most of the time
+  the split sits at its floor, near the 1 % that LIRS fixes.
 
 A page's times live as long as the policy tracks its key (resident, in S, or
 the parent of a resident page), as do the compiled policy's.
@@ -52,7 +58,7 @@ class LIRSAdaptation:
     the moving split (the state lives in the policy's own fields)."""
 
     hir_share = 0.3  # at the start; then within share_bounds
-    share_bounds = (0.05, 0.7)
+    share_bounds = (0.02, 0.3)
     share_band = 4
     stale_factor = 1.5
 
