@@ -4,13 +4,23 @@ Mooncake-format trace for `kvrelay bench cache --trace`.
 Sessions come from the demo's workload generator (`kvrelay.demo.workload`):
 one system prompt shared by all, a task per session, then turns that append
 the answer and a tool output and resend everything. At most `--concurrent`
-sessions are live; turns go round robin over the live ones, and a session
-that finishes hands its place to the next, so the trace mixes new sessions
-(the shared prompt hit, their own pages cold) with long-running ones.
-Answers are token ids drawn per (session, turn) from the workload's seed:
-the trace is the same on every run.
+sessions are live, and a session that finishes hands its place to the next,
+so the trace mixes new sessions (the shared prompt hit, their own pages
+cold) with long-running ones.
 
-Each line: `timestamp` (ms, the request's order), `input_length` (prompt
+Each session is a closed loop, as an agent is: its next turn is sent one
+think time (the model's answer and the tool's run) after its last. With
+`--think-jitter 0` every think time is `--concurrent` ms: the live sessions
+take turns round robin, one request a millisecond while `--concurrent` are
+live. A real agent's tool runs
+vary (a file read against a test suite), so `--think-jitter SIGMA` draws
+each think time from a lognormal of that sigma around the same median: the
+turns of the live sessions interleave irregularly, and a session may come
+back after many of the others' turns or before any. Answers and think times
+are drawn per (session, turn) from the workload's seed: the trace is the
+same on every run.
+
+Each line: `timestamp` (ms, when the request is sent), `input_length` (prompt
 tokens), `output_length` (the answer's), `hash_ids`: one id per full
 `--block-tokens` page of the prompt, from kvrelay's page key chain (the same
 id for the same prefix page in any request), as Mooncake traces number
@@ -20,8 +30,9 @@ blocks.
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
-from collections import deque
+import math
 from pathlib import Path
 
 import numpy as np
@@ -37,30 +48,58 @@ def _answer(config: WorkloadConfig, session: int, turn: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, config.vocab, config.answer_tokens).tolist()
 
 
-def agentic_requests(config: WorkloadConfig, concurrent: int, block_tokens: int) -> list[dict]:
-    """The workload's turns in arrival order, as Mooncake trace records."""
+def _think_ms(config: WorkloadConfig, concurrent: int, jitter: float, session: int, turn: int):
+    """Milliseconds from a session's turn to its next (or to the next session's first)."""
+    if jitter == 0:
+        return float(concurrent)
+    rng = np.random.default_rng([config.seed, 11, session, turn])
+    return concurrent * math.exp(jitter * rng.standard_normal())
+
+
+def agentic_requests(
+    config: WorkloadConfig, concurrent: int, block_tokens: int, think_jitter: float = 0.0
+) -> list[dict]:
+    """The workload's turns in the order they are sent, as Mooncake trace records."""
     if concurrent < 1 or block_tokens < 1:
         raise ValueError("concurrent and block_tokens must be >= 1")
-    waiting = deque(Session(i, config) for i in range(config.sessions))
-    live: deque[Session] = deque()
+    if not think_jitter >= 0:
+        raise ValueError(f"think_jitter must be >= 0, got {think_jitter}")
+    sessions = [Session(i, config) for i in range(config.sessions)]
+    # (when its next turn is sent, tie-break, session): the first `concurrent`
+    # sessions start a millisecond apart, the rest when a place frees.
+    due = [(float(i), i, i) for i in range(min(concurrent, len(sessions)))]
+    started = len(due)
     ids: dict[bytes, int] = {}
     records: list[dict] = []
-    while waiting or live:
-        while waiting and len(live) < concurrent:
-            live.append(waiting.popleft())
-        session = live.popleft()
+    while due:
+        at, _, index = heapq.heappop(due)
+        session = sessions[index]
         prompt = session.prompt()
         keys = page_keys(_ROOT, prompt, block_tokens)
         records.append({
-            "timestamp": len(records),
+            "timestamp": round(at),
             "input_length": len(prompt),
             "output_length": config.answer_tokens,
             "hash_ids": [ids.setdefault(k, len(ids)) for k in keys],
         })  # fmt: skip
+        think = _think_ms(config, concurrent, think_jitter, index, session.turn)
         session.answered(_answer(config, session.index, session.turn))
         if not session.done:
-            live.append(session)
+            heapq.heappush(due, (at + think, len(records), index))
+        elif started < len(sessions):
+            heapq.heappush(due, (at + think, len(records), started))
+            started += 1
     return records
+
+
+def _sigma(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +112,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-tokens", type=int, default=1536)
     parser.add_argument("--answer-tokens", type=int, default=64)
     parser.add_argument("--block-tokens", type=int, default=512)
+    parser.add_argument(
+        "--think-jitter", type=_sigma, default=0.0, metavar="SIGMA",
+        help="lognormal sigma of each session's think time between turns (0: round robin)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -82,7 +125,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         user_tokens=args.user_tokens, tool_tokens=args.tool_tokens,
         answer_tokens=args.answer_tokens, seed=args.seed,
     )  # fmt: skip
-    records = agentic_requests(config, args.concurrent, args.block_tokens)
+    records = agentic_requests(config, args.concurrent, args.block_tokens, args.think_jitter)
     path = Path(args.out)
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     pages = len({i for r in records for i in r["hash_ids"]})

@@ -218,7 +218,9 @@ def test_agentic_trace_is_the_demo_workload_in_mooncake_format(tmp_path, capsys)
           "--tool-tokens", "512", "--answer-tokens", "16", "--block-tokens", "256"])  # fmt: skip
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 9 and "9 requests" in capsys.readouterr().out
-    assert [r["timestamp"] for r in records] == list(range(9))
+    # Think times of 2 ms: a request a millisecond while two sessions are
+    # live, one every 2 ms once the last one runs alone.
+    assert [r["timestamp"] for r in records] == [0, 1, 2, 3, 4, 5, 6, 8, 10]
     # The shared system prompt: 4 blocks, the same ids in every request.
     assert all(r["hash_ids"][:4] == [0, 1, 2, 3] for r in records)
     # Two sessions live at once, turns round robin; the third starts when one ends.
@@ -233,6 +235,60 @@ def test_agentic_trace_is_the_demo_workload_in_mooncake_format(tmp_path, capsys)
             assert after["hash_ids"][: len(before["hash_ids"])] == before["hash_ids"]
             assert len(after["hash_ids"]) == after["input_length"] // 256
     assert [len(r["hash_ids"]) for r in records[:3]] == [5, 5, 7]
+
+
+def test_agentic_trace_with_think_jitter_interleaves_closed_loop_sessions(tmp_path):
+    def trace(name, *extra):
+        out = tmp_path / name
+        main(["bench", "agentic-trace", "--out", str(out), "--sessions", "12",
+              "--concurrent", "4", "--turns", "6", "--system-tokens", "1024",
+              "--user-tokens", "300", "--tool-tokens", "512", "--answer-tokens", "16",
+              "--block-tokens", "256", *extra])  # fmt: skip
+        return [json.loads(line) for line in out.read_text().splitlines()]
+
+    steady = trace("steady.jsonl")
+    jittered = trace("jittered.jsonl", "--think-jitter", "1.0")
+    assert trace("again.jsonl", "--think-jitter", "1.0") == jittered  # seeded
+    assert trace("other.jsonl", "--think-jitter", "1.0", "--seed", "1") != jittered
+    assert len(jittered) == len(steady) == 72
+    assert [r["timestamp"] for r in steady] == list(range(72))
+    stamps = [r["timestamp"] for r in jittered]
+    assert stamps == sorted(stamps)
+
+    def turns_by_session(records):
+        sessions: dict[int, list[int]] = {}
+        for number, r in enumerate(records):
+            sessions.setdefault(r["hash_ids"][4], []).append(number)
+        return sessions
+
+    # The same sessions, each still a growing chain of 6 turns ...
+    sessions = turns_by_session(jittered)
+    assert sorted(len(numbers) for numbers in sessions.values()) == [6] * 12
+    for numbers in sessions.values():
+        for before, after in itertools.pairwise(numbers):
+            a, b = jittered[before]["hash_ids"], jittered[after]["hash_ids"]
+            assert b[: len(a)] == a and len(b) > len(a)
+    # ... at most 4 live at once ...
+    spans = [(numbers[0], numbers[-1]) for numbers in sessions.values()]
+    assert max(sum(first <= n <= last for first, last in spans) for n in range(72)) == 4
+
+    # ... but no longer round robin: the other sessions' turns between two of
+    # one session's vary, where round robin always has 3 between them.
+    def gaps(records):
+        sessions = turns_by_session(records).values()
+        return {b - a - 1 for numbers in sessions for a, b in itertools.pairwise(numbers)}
+
+    assert gaps(steady) == {3}
+    assert len(gaps(jittered)) > 3
+
+
+@pytest.mark.parametrize("sigma", ["-0.5", "nan", "abc"])
+def test_agentic_trace_refuses_a_bad_think_jitter(tmp_path, sigma, capsys):
+    with pytest.raises(SystemExit):
+        out = str(tmp_path / "t.jsonl")
+        main(["bench", "agentic-trace", "--out", out, "--think-jitter", sigma])
+    assert "--think-jitter: must be a number >= 0" in capsys.readouterr().err
+    assert not (tmp_path / "t.jsonl").exists()
 
 
 def test_each_file_l3_holds_its_servers_share_of_the_working_set(tmp_path):
