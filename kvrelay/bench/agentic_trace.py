@@ -49,7 +49,8 @@ def _answer(config: WorkloadConfig, session: int, turn: int) -> list[int]:
 
 
 def _think_ms(config: WorkloadConfig, concurrent: int, jitter: float, session: int, turn: int):
-    """Milliseconds from a session's turn to its next (or to the next session's first)."""
+    """The think time after a session's turn, in ms: until its next turn, or
+    after its last turn until the first turn of the session taking its place."""
     if jitter == 0:
         return float(concurrent)
     rng = np.random.default_rng([config.seed, 11, session, turn])
