@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvrelay.bench.arg_types import at_least, non_negative_float
 from kvrelay.demo.workload import Session, WorkloadConfig
 from kvrelay.layout.keys import page_keys
 
@@ -93,28 +94,19 @@ def agentic_requests(
     return records
 
 
-def _sigma(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not value >= 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="the JSONL trace to write")
-    parser.add_argument("--sessions", type=int, default=64)
-    parser.add_argument("--concurrent", type=int, default=8, help="sessions live at once")
-    parser.add_argument("--turns", type=int, default=12)
-    parser.add_argument("--system-tokens", type=int, default=8192)
-    parser.add_argument("--user-tokens", type=int, default=512)
-    parser.add_argument("--tool-tokens", type=int, default=1536)
-    parser.add_argument("--answer-tokens", type=int, default=64)
-    parser.add_argument("--block-tokens", type=int, default=512)
+    positive, non_negative = at_least(1), at_least(0)
+    parser.add_argument("--sessions", type=positive, default=64)
+    parser.add_argument("--concurrent", type=positive, default=8, help="sessions live at once")
+    parser.add_argument("--turns", type=positive, default=12)
+    parser.add_argument("--system-tokens", type=positive, default=8192)
+    parser.add_argument("--user-tokens", type=non_negative, default=512)
+    parser.add_argument("--tool-tokens", type=non_negative, default=1536)
+    parser.add_argument("--answer-tokens", type=positive, default=64)
+    parser.add_argument("--block-tokens", type=positive, default=512)
     parser.add_argument(
-        "--think-jitter", type=_sigma, default=0.0, metavar="SIGMA",
+        "--think-jitter", type=non_negative_float, default=0.0, metavar="SIGMA",
         help="lognormal sigma of each session's think time between turns (0: round robin)",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)

@@ -48,6 +48,7 @@ import tempfile
 from pathlib import Path
 
 from kvrelay.bench import cache_policies
+from kvrelay.bench.arg_types import at_least, ints_at_least
 from kvrelay.bench.cache_report import plot, print_tables, progress_bar
 from kvrelay.bench.cache_tiers import close_tiers, l3_dir, l3_stores, make_tiers, ring_shares
 from kvrelay.bench.cache_trace import (
@@ -205,13 +206,12 @@ def _policy_names(args: argparse.Namespace) -> list[str]:
 def _capacities(args: argparse.Namespace, unique: int) -> list[int]:
     """`--capacities`, or 5 % to 100 % of the trace's distinct pages."""
     if args.capacities:
-        return [int(c) for c in args.capacities.split(",")]
+        return list(args.capacities)
     return [max(args.workers, int(unique * f)) for f in (0.05, 0.1, 0.25, 0.5, 1.0)]
 
 
-async def _run(args: argparse.Namespace) -> dict:
+async def _run(args: argparse.Namespace, requests: list[dict]) -> dict:
     """Long because the replays share the trace, the ring and the agent as closures."""
-    requests = load_trace(args.trace, args.limit)
     key_lists = _key_lists(args, requests)
     distinct = {k for keys in key_lists for k in keys}
     unique = len(distinct)
@@ -318,24 +318,43 @@ def _wrong_pages(payload: dict) -> int:
     return wrong
 
 
+_L3_URLS = ("valkey://", "redis://", "valkey-cluster://", "redis-cluster://")
+
+
+def _l3(text: str) -> str:
+    """`--l3`: one of the forms its help names."""
+    if text in ("file", "none", "valkey-cluster") or (
+        text.startswith(_L3_URLS) and text.split("://", 1)[1]
+    ):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"must be file, none, valkey-cluster or a {'/'.join(_L3_URLS)} URL, got {text!r}"
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", required=True, help="Mooncake-format JSONL")
-    parser.add_argument("--limit", type=int, default=None, help="replay only the first N")
-    parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--servers", type=int, default=4)
-    parser.add_argument("--capacities", default="", help="total pages, comma-separated")
-    parser.add_argument("--block-tokens", type=int, default=512)
+    positive = at_least(1)
+    parser.add_argument("--limit", type=positive, default=None, help="replay only the first N")
+    parser.add_argument("--workers", type=positive, default=8)
+    parser.add_argument("--servers", type=positive, default=4)
     parser.add_argument(
-        "--page-bytes", type=int, default=64 << 20, help="bytes of one page (for bytes moved)"
+        "--capacities", type=ints_at_least(1), default=None,
+        help="total pages, comma-separated (default: 5, 10, 25, 50 and 100 %% of the"
+        " trace's distinct pages)",
+    )  # fmt: skip
+    parser.add_argument("--block-tokens", type=positive, default=512)
+    parser.add_argument(
+        "--page-bytes", type=positive, default=64 << 20, help="bytes of one page (for bytes moved)"
     )
     parser.add_argument(
-        "--l3", default="file",
+        "--l3", type=_l3, default="file",
         help="L3 of the shared tier: file (per-server stores in a temp dir), valkey://HOST:PORT"
         " (one shared server), valkey-cluster://HOST:PORT[,...] (a cluster; valkey-cluster"
         " alone starts a local one of 3 primaries + 3 replicas), or none",
     )  # fmt: skip
     parser.add_argument(
-        "--l3-pages", type=int, default=None,
+        "--l3-pages", type=positive, default=None,
         help="total file L3 capacity in pages, split evenly (default: each server "
         "the distinct pages the ring places on it)",
     )  # fmt: skip
@@ -343,7 +362,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--l3-dir", default=None, help="directory for the file L3 stores (default: /dev/shm)"
     )
     parser.add_argument(
-        "--slot-bytes", type=int, default=256,
+        "--slot-bytes", type=positive, default=256,
         help="bytes of a page in the replay (L2 slots, L3 records); hit rates do not depend on it",
     )  # fmt: skip
     parser.add_argument(
@@ -352,7 +371,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f" default, {DEFAULT_POLICY}, always run); Belady's bound is computed besides",
     )  # fmt: skip
     parser.add_argument(
-        "--cost-rounds", type=int, default=3,
+        "--cost-rounds", type=positive, default=3,
         help="rounds of the index cost measurement (median reported)",
     )  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="write the results here")
@@ -361,9 +380,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    try:  # before any server starts
+        requests = load_trace(args.trace, args.limit)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"bench cache: {args.trace}: {e}") from None
     with local_l3(args.l3) as url:
         args.l3 = url
-        payload = asyncio.run(_run(args))
+        payload = asyncio.run(_run(args, requests))
     if args.json:
         write_json(args.json, payload)
     if args.plot:

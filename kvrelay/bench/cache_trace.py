@@ -12,13 +12,24 @@ NAMESPACE = hashlib.sha256(b"kvrelay bench cache").digest()
 
 
 def load_trace(path: str | Path, limit: int | None = None) -> list[dict]:
+    """The trace's requests (the first `limit`); ValueError naming the line if
+    one is not a JSON object, or if there is none (OSError if unreadable)."""
     requests = []
     with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                requests.append(json.loads(line))
-                if limit is not None and len(requests) >= limit:
-                    break
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                request = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"line {number}: not JSON ({e.msg})") from None
+            if not isinstance(request, dict):
+                raise ValueError(f"line {number}: not a JSON object")
+            requests.append(request)
+            if limit is not None and len(requests) >= limit:
+                break
+    if not requests:
+        raise ValueError("no requests")
     return requests
 
 

@@ -211,6 +211,46 @@ def test_bench_cache_refuses_an_unknown_policy(tmp_path):
         main(["bench", "cache", "--trace", str(trace), "--policies", "fifo", "--no-progress"])
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "reason"),
+    [
+        ("--capacities", "0", "must be comma-separated integers >= 1"),
+        ("--capacities", "8,,30", "must be comma-separated integers >= 1"),
+        ("--capacities", "x", "must be comma-separated integers >= 1"),
+        ("--limit", "-3", "must be an integer >= 1"),
+        ("--servers", "0", "must be an integer >= 1"),
+        ("--workers", "0", "must be an integer >= 1"),
+        ("--block-tokens", "0", "must be an integer >= 1"),
+        ("--cost-rounds", "0", "must be an integer >= 1"),
+        ("--slot-bytes", "0", "must be an integer >= 1"),
+        ("--l3-pages", "0", "must be an integer >= 1"),
+        ("--l3", "bogus", "must be file, none, valkey-cluster or"),
+        ("--l3", "valkey://", "must be file, none, valkey-cluster or"),
+    ],
+)
+def test_bench_cache_refuses_bad_flags_by_name(tmp_path, capsys, flag, value, reason):
+    trace = tmp_path / "trace.jsonl"
+    write_trace(trace, 10)
+    out = tmp_path / "out.json"
+    with pytest.raises(SystemExit):
+        main(["bench", "cache", "--trace", str(trace), "--json", str(out), flag, value])
+    assert f"argument {flag}: {reason}" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [(None, "No such file"), ("", "no requests"), ('{"a":\n', "line 1: not JSON"),
+     ('{"hash_ids": [1]}\n[1, 2]\n', "line 2: not a JSON object")],
+)  # fmt: skip
+def test_bench_cache_refuses_an_unreadable_trace_naming_it(tmp_path, content, reason):
+    trace = tmp_path / "trace.jsonl"
+    if content is not None:
+        trace.write_text(content)
+    with pytest.raises(SystemExit, match=f"bench cache: {trace}: .*{reason}"):
+        main(["bench", "cache", "--trace", str(trace), "--l3", "none", "--no-progress"])
+
+
 def test_agentic_trace_is_the_demo_workload_in_mooncake_format(tmp_path, capsys):
     out = tmp_path / "agentic.jsonl"
     main(["bench", "agentic-trace", "--out", str(out), "--sessions", "3", "--concurrent", "2",
@@ -280,6 +320,20 @@ def test_agentic_trace_with_think_jitter_interleaves_closed_loop_sessions(tmp_pa
 
     assert gaps(steady) == {3}
     assert len(gaps(jittered)) > 3
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "minimum"),
+    [("--concurrent", "0", 1), ("--sessions", "-1", 1), ("--turns", "0", 1),
+     ("--system-tokens", "0", 1), ("--answer-tokens", "x", 1), ("--block-tokens", "0", 1),
+     ("--tool-tokens", "-5", 0), ("--user-tokens", "-1", 0)],
+)  # fmt: skip
+def test_agentic_trace_refuses_bad_counts_by_name(tmp_path, capsys, flag, value, minimum):
+    out = tmp_path / "t.jsonl"
+    with pytest.raises(SystemExit):
+        main(["bench", "agentic-trace", "--out", str(out), flag, value])
+    assert f"argument {flag}: must be an integer >= {minimum}" in capsys.readouterr().err
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("sigma", ["-0.5", "nan", "abc"])
