@@ -102,7 +102,7 @@ def test_lirs_batched_reads_match_the_loop_spelled_out():
             assert list(fast._tail.items()) == list(plain._tail.items()), seed
 
 
-def test_lirs_queues_a_parent_at_the_head_when_its_last_child_leaves():
+def test_lirs_queues_a_parent_at_the_front_when_its_last_child_leaves():
     # Chains of one-off pages leave tail first, each parent right after its
     # child; a pinned parent waits and then queues at Q's tail.
     index = PageIndex(16, policy=make_policy(DEFAULT_POLICY))
@@ -135,22 +135,43 @@ def test_the_policy_state_stays_bounded(policy_cls):
     assert len(state["children"]) <= len(index)
 
 
-@pytest.mark.parametrize("policy_cls", [PrefixLIRSReference, CompiledPrefixLIRSPolicy])
-def test_a_finished_prefix_leaves_whole_and_first(policy_cls):
-    # Ten one-off pages, then X read four times (its last page only in the
-    # last of them, so that page has one reuse interval: too few to judge it
-    # by), then only Y is read. X's oldest page, unread for longer than its
-    # intervals, is finished, and so is every page its last lookup read with
-    # it: X leaves whole, deepest page first, before the one-offs. (Judged
-    # page by page, X's last page would stay LIR, holding its parents parked.)
-    index = PageIndex(16, policy=policy_cls())
-    x, y, *_ = chains(index, 2, 3, *[1] * 10)
+def read_x_then_y(index: PageIndex, x: list[bytes], y: list[bytes], between=()) -> None:
+    """X read four times (its last page only in the last of them, so that page
+    has one reuse interval: too few to judge it by), then the pages `between`
+    admitted, then only Y read, long enough for X to be taken for finished."""
     for _ in range(3):
         assert index.lookup(x).hits == 2
     x.append(key(99))
     index.insert(x[2], 99, sealed=True, parent=x[1])
     assert index.lookup(x).hits == 3
+    for number, page in enumerate(between):
+        index.insert(page, 100 + number, sealed=True)
     for _ in range(12):
         assert index.lookup(y).hits == 3
+
+
+@pytest.mark.parametrize("policy_cls", [PrefixLIRSReference, CompiledPrefixLIRSPolicy])
+def test_a_finished_prefix_leaves_whole_and_before_newer_pages(policy_cls):
+    # X's oldest page, unread for longer than its intervals, is finished, and
+    # so is every page its last lookup read with it: X leaves whole, deepest
+    # page first, before the one-off pages that came after its last read.
+    # (Judged page by page, X's last page would stay LIR, holding its parents
+    # parked.)
+    index = PageIndex(16, policy=policy_cls())
+    x, y = chains(index, 2, 3)
+    read_x_then_y(index, x, y, between=[key(100 + i) for i in range(10)])
+    assert [v.key for v in index.evict(3)] == x[::-1]
+    assert index.lookup(y).hits == 3
+
+
+@pytest.mark.parametrize("policy_cls", [PrefixLIRSReference, CompiledPrefixLIRSPolicy])
+def test_a_finished_prefix_waits_behind_pages_read_before_it(policy_cls):
+    # The same X, but the one-off pages came before its reads: each is older
+    # than X's last read, so they go first, in arrival order, as LRU would
+    # take them; a page taken for finished may be a live session's.
+    index = PageIndex(16, policy=policy_cls())
+    x, y, *ones = chains(index, 2, 3, *[1] * 10)
+    read_x_then_y(index, x, y)
+    assert [v.key for v in index.evict(10)] == [one[0] for one in ones]
     assert [v.key for v in index.evict(3)] == x[::-1]
     assert index.lookup(y).hits == 3

@@ -22,7 +22,10 @@ it, as LRU does.
 
 Prefix-awareness: a HIR page with a resident child (a later page of its
 chain) is parked out of `Q` until its last child leaves, then queues at the
-head: the child just went as the coldest page. Parked pages are victims
+front: the child just went as the coldest page. A page at the front (there
+too: a LIR page taken for finished, `lirs_adapt.py`) goes before the rest
+of `Q` unless the head of the rest was read before it; then that head, the
+older page, goes first, as LRU would take it. Parked pages are victims
 only when nothing else can go. Held pages (pinned, being written) are
 never in `Q` nor parked, so they are never victims. Chains are counted by
 key: a page's key names its whole prefix, so a parent that leaves and comes
@@ -38,8 +41,8 @@ lookup and one move, as in LRU (a batch of them is one loop of those; S's
 oldest LIR page was among them if it is no longer first). An ordered dict
 pays for a node whenever a key enters it, so what needs no order in both
 directions is a plain dict, ordered by insertion: the parked pages, and the
-pages queued at the head of `Q` (a stack: the page whose child just left
-goes next, and a chain leaves tail first), in front of the rest of `Q`. The
+pages queued at the front of `Q` (a stack: the page whose child just left
+goes next, and a chain leaves tail first), before the rest of `Q`. The
 state is plain dicts of keys and small ints, no object per page for the
 cyclic collector to scan.
 """
@@ -210,7 +213,11 @@ class PrefixLIRSReference(LIRSAdaptation, EvictionPolicy):
 
     def victim(self) -> Hashable | None:
         front, queue = self._front, self._queue
-        if front:
+        # The page at the front goes first unless the queue's head was read
+        # before it: then the head is the older page, the one LRU would take
+        # (a page taken for finished may be a live session's, idle a while).
+        last = self._last
+        if front and not (queue and last[next(iter(queue))] < last[next(reversed(front))]):
             key = front.popitem()[0]
         elif queue:
             key = queue.popitem(last=False)[0]
@@ -241,7 +248,7 @@ class PrefixLIRSReference(LIRSAdaptation, EvictionPolicy):
                 children[parent] = count
             else:
                 del children[parent]
-                # `parent` has no resident child left: from the parked pages to the head of Q.
+                # `parent` has no resident child left: from the parked pages to the front of Q.
                 if self._parked.pop(parent, 0) is None:
                     front[parent] = None
                 self._release(parent)
@@ -274,7 +281,7 @@ class PrefixLIRSReference(LIRSAdaptation, EvictionPolicy):
             queue = self._queue
             if key in queue:
                 queue.move_to_end(key)
-            elif self._front.pop(key, 0) is None:  # from Q's head to its tail
+            elif self._front.pop(key, 0) is None:  # from Q's front to its tail
                 queue[key] = None
             return
         top[key] = _LIR
@@ -294,7 +301,7 @@ class PrefixLIRSReference(LIRSAdaptation, EvictionPolicy):
 
     def _orphan(self, parent: Hashable) -> None:
         """A child of `parent` is gone: if it was the last resident one, the
-        parent leaves the parked pages for the head of Q."""
+        parent leaves the parked pages for the front of Q."""
         children = self._children
         count = children[parent] - 1
         if count:
@@ -305,7 +312,7 @@ class PrefixLIRSReference(LIRSAdaptation, EvictionPolicy):
         self._release(parent)
 
     def _unpark(self, parent: Hashable) -> None:
-        """`parent` has no resident child left: from the parked pages to the head of Q."""
+        """`parent` has no resident child left: from the parked pages to the front of Q."""
         if self._parked.pop(parent, 0) is None:
             self._front[parent] = None
 

@@ -15,8 +15,12 @@ that new pages pass through.
   page admitted or read; a lookup's pages are all read at the time it
   began), when it was last read and its last two reuse intervals. The
   oldest LIR page, once not read for `stale_factor` times the longer of its
-  last two intervals, is presumed finished: it turns HIR at the head of Q,
-  the next victim (parked instead while a later page of its chain stays).
+  last two intervals, is presumed finished: it turns HIR at the front of
+  Q, the next victim unless the head of the rest of Q was read before it (parked
+  instead while a later page of its chain stays). A live session's pages
+  can wait longer than their last intervals (an agent's tool run that takes
+  longer than the last ones), so a page presumed finished does not jump a
+  page that has waited longer.
   Two intervals, so that one short gap does not condemn a page whose reuse
   is irregular. The LIR pages its last lookup read with it follow it
   whatever their history: they are the later pages of its prefix, and a
@@ -123,7 +127,7 @@ class LIRSAdaptation:
         self._lir_share = 1 - self._hir_now
 
     def _expire(self) -> None:
-        """S's oldest LIR pages, while presumed finished, turn HIR at Q's head."""
+        """S's oldest LIR pages, while presumed finished, turn HIR at Q's front."""
         top = self._top
         while self._lirs:
             if top[next(iter(top))] != _LIR:

@@ -215,7 +215,9 @@ bool LirsState::forget(PyObject* key) {
 
 PyObject* LirsState::victim() {
   int32_t i;
-  if (front_.size) {
+  // The page at the front goes first unless the queue's head was read
+  // before it (as the reference: the older of the two goes).
+  if (front_.size && !(queue_.size && nodes_[queue_.head].last < nodes_[front_.tail].last)) {
     i = pop_back(front_);
   } else if (queue_.size) {
     i = pop_front(queue_);
@@ -270,7 +272,7 @@ void LirsState::leave(int32_t i) {
 }
 
 // A child of `parent` is gone: if it was the last resident one, the parent
-// leaves the parked pages for the head of Q.
+// leaves the parked pages for the front of Q.
 void LirsState::orphan(int32_t parent) {
   if (--nodes_[parent].children) return;
   if (nodes_[parent].q == Q_PARKED) {
@@ -291,7 +293,7 @@ void LirsState::read_hir(int32_t i, uint8_t code) {
     if (nodes_[i].q == Q_QUEUE) {
       unlink(queue_, i);
       push_back(queue_, i);
-    } else if (nodes_[i].q == Q_FRONT) {  // from Q's head to its tail
+    } else if (nodes_[i].q == Q_FRONT) {  // from Q's front to its tail
       q_remove(i);
       q_push(i, Q_QUEUE);
     }
