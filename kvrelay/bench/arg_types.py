@@ -33,13 +33,8 @@ def ints_at_least(minimum: int) -> Callable[[str], list[int]]:
     one = at_least(minimum)
 
     def parse(text: str) -> list[int]:
-        parts = [p.strip() for p in text.split(",")]
-        if not all(parts):
-            raise argparse.ArgumentTypeError(
-                f"must be comma-separated integers >= {minimum}, got {text!r}"
-            )
-        try:
-            return [one(p) for p in parts]
+        try:  # an empty part ("8,,30") is no integer either
+            return [one(part) for part in text.split(",")]
         except argparse.ArgumentTypeError:
             raise argparse.ArgumentTypeError(
                 f"must be comma-separated integers >= {minimum}, got {text!r}"

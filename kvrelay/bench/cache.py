@@ -50,7 +50,14 @@ from pathlib import Path
 from kvrelay.bench import cache_policies
 from kvrelay.bench.arg_types import at_least, ints_at_least
 from kvrelay.bench.cache_report import plot, print_tables, progress_bar
-from kvrelay.bench.cache_tiers import close_tiers, l3_dir, l3_stores, make_tiers, ring_shares
+from kvrelay.bench.cache_tiers import (
+    L3_URLS,
+    close_tiers,
+    l3_dir,
+    l3_stores,
+    make_tiers,
+    ring_shares,
+)
 from kvrelay.bench.cache_trace import (
     NAMESPACE,
     KeyChain,
@@ -318,17 +325,14 @@ def _wrong_pages(payload: dict) -> int:
     return wrong
 
 
-_L3_URLS = ("valkey://", "redis://", "valkey-cluster://", "redis-cluster://")
-
-
 def _l3(text: str) -> str:
     """`--l3`: one of the forms its help names."""
     if text in ("file", "none", "valkey-cluster") or (
-        text.startswith(_L3_URLS) and text.split("://", 1)[1]
+        text.startswith(L3_URLS) and text.split("://", 1)[1]
     ):
         return text
     raise argparse.ArgumentTypeError(
-        f"must be file, none, valkey-cluster or a {'/'.join(_L3_URLS)} URL, got {text!r}"
+        f"must be file, none, valkey-cluster or a {'/'.join(L3_URLS)} URL, got {text!r}"
     )
 
 

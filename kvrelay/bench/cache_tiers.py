@@ -31,6 +31,10 @@ def ring_shares(keys, route, servers: int) -> list[int]:
     return shares
 
 
+# The `--l3` forms that name a valkey server or cluster (the rest: file, none).
+L3_URLS = ("valkey://", "redis://", "valkey-cluster://", "redis-cluster://")
+
+
 def l3_stores(args, directory: Path, shares: list[int], run: int, number: int = 0) -> list[L3Store]:
     """One L3 per shared server: file stores in `directory` holding `--l3-pages` split
     evenly, or each server's share of the working set (`shares`: the distinct pages the
@@ -38,7 +42,7 @@ def l3_stores(args, directory: Path, shares: list[int], run: int, number: int = 
     flushed of the bench's pages first. `run` and `number` (capacity and policy) name
     fresh directories."""
     count = len(shares)
-    if args.l3.startswith(("valkey://", "redis://", "valkey-cluster://", "redis-cluster://")):
+    if args.l3.startswith(L3_URLS):
         stores = [open_store(args.l3) for _ in range(count)]
         stores[0].flush(NAMESPACE)
         return stores
