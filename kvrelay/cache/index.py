@@ -255,8 +255,8 @@ class PageIndex:
             if entry is None or not entry.sealed:
                 break
             hits.append(entry)
-        if hits:
-            self.policy.touch_many(keys[: len(hits)])
+        # Called with no hits too: a policy may count lookups as its clock.
+        self.policy.touch_many(keys[: len(hits)])
         lease = None
         if lease_s is not None and hits:
             lease = self._grant([e.key for e in hits], lease_s)

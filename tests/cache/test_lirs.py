@@ -175,3 +175,35 @@ def test_a_finished_prefix_waits_behind_pages_read_before_it(policy_cls):
     assert [v.key for v in index.evict(10)] == [one[0] for one in ones]
     assert [v.key for v in index.evict(3)] == x[::-1]
     assert index.lookup(y).hits == 3
+
+
+def lookups_until_taken_for_finished(policy_cls, y_pages: int) -> int:
+    """Chain Y of `y_pages` pages read in two lookups, then chain X, four
+    times; then Y alone: the lookups of Y after X's last read until X's
+    first page is taken for finished."""
+    policy = policy_cls()
+    index = PageIndex(16, policy=policy)
+    x, y, *_ = chains(index, 2, y_pages, *[1] * 20)  # one-off pages: room for LIR pages
+    for _ in range(4):
+        for _ in range(2):
+            assert index.lookup(y).hits == y_pages
+        assert index.lookup(x).hits == 2
+    for n in range(1, 50):
+        assert index.lookup(y).hits == y_pages
+        compiled = policy_cls is not PrefixLIRSReference
+        state = policy.debug_state() if compiled else reference_state(policy)
+        if x[0] in state["parked"] or x[0] in state["front"]:
+            return n
+    raise AssertionError("X was never taken for finished")
+
+
+@pytest.mark.parametrize("policy_cls", [PrefixLIRSReference, CompiledPrefixLIRSPolicy])
+def test_the_finished_test_counts_lookups_not_pages(policy_cls):
+    # Two servers that answer the same lookups but hold different shares of
+    # Y's chain judge X finished at the same lookup: its reads were three
+    # lookups apart, so it is finished once unread for more than
+    # stale_factor x 3 of them. (Counted in pages, the server holding more
+    # of Y would judge X sooner: the servers would disagree about a session.)
+    expected = int(policy_cls.stale_factor * 3) + 1
+    assert lookups_until_taken_for_finished(policy_cls, 1) == expected
+    assert lookups_until_taken_for_finished(policy_cls, 6) == expected

@@ -10,7 +10,9 @@ never frees anything itself. The owner tells it what happens to each page:
   prefix-aware policy can keep a page while a later page of its chain stays;
 - `make_evictable(key)` / `hold(key)`: the page may (sealed and unpinned) or
   may not (pinned by a lease, being written) be a victim;
-- `touch(key)` / `touch_many(keys)`: the page(s) were read (hits);
+- `touch(key)` / `touch_many(keys)`: the page(s) were read (hits); the
+  index calls `touch_many` once per lookup, with no keys when nothing hit,
+  so a policy can count lookups as time;
 - `forget(key)`: the page left for another reason (removed, flushed, dropped);
 - `victim()`: pick an evictable page, forget it and return its key.
 
@@ -46,7 +48,7 @@ class EvictionPolicy(abc.ABC):
         """The resident page was read."""
 
     def touch_many(self, keys: Sequence[Hashable]) -> None:
-        """`touch` each key, in order (a lookup's hits: one call per lookup)."""
+        """`touch` each key, in order (a lookup's hits, maybe none: one call per lookup)."""
         for key in keys:
             self.touch(key)
 

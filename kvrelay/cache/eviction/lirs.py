@@ -152,12 +152,15 @@ class PrefixLIRSReference(LIRSAdaptation, EvictionPolicy):
         self.touch_many((key,))
 
     def touch_many(self, keys: Sequence[Hashable]) -> None:
+        self._now += 1  # a lookup: one tick of the clock, with hits or none
+        if not keys:
+            self._expire()
+            return
         self._balance(keys)
         resident = self._resident
-        start = self._now
         for key in keys:
             if key in resident:
-                self._stamp(key, start)
+                self._stamp(key)
         self._read(keys)
         self._expire()
 

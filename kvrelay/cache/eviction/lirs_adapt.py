@@ -12,8 +12,8 @@ requests with long, irregular reuse wants a longer HIR part, the probation
 that new pages pass through.
 
 - **Finished pages.** Each page keeps, in the policy's own clock (one tick per
-  page admitted or read; a lookup's pages are all read at the time it
-  began), when it was last read and its last two reuse intervals. The
+  lookup, with hits or none; a page admitted is stamped at the current
+  tick), when it was last read and its last two reuse intervals. The
   oldest LIR page, once not read for `stale_factor` times the longer of its
   last two intervals, is presumed finished: it turns HIR at the front of
   Q, the next victim unless the head of the rest of Q was read before it (parked
@@ -22,9 +22,16 @@ that new pages pass through.
   longer than the last ones), so a page presumed finished does not jump a
   page that has waited longer.
   Two intervals, so that one short gap does not condemn a page whose reuse
-  is irregular. The LIR pages its last lookup read with it follow it
-  whatever their history: they are the later pages of its prefix, and a
-  later page is never read without the earlier ones. (Judged on their own,
+  is irregular. Lookups, not pages, because a sharded tier's servers
+  must agree: a request's lookup reaches every server that holds a page
+  of its chain, so each counts about the same lookups between two turns
+  of a session, where the pages of those lookups that it holds vary with
+  how the ring split each chain. Counted in pages, a server holding more
+  of the busy sessions' pages took a quiet session for finished sooner
+  than the others, and its eviction ended the session's next lookup
+  there whatever the others kept. The LIR pages its last lookup read with
+  it follow it whatever their history: they are the later pages of its
+  prefix, and a later page is never read without the earlier ones. (Judged on their own,
   the newest of them, with one interval or none, would stay LIR and block
   the test for every page behind it.)
 - **The split.** Reads at the two boundaries move it, one page at a time, the
@@ -75,19 +82,18 @@ class LIRSAdaptation:
         self._hir_now = self.hir_share
         self._lir_share = 1 - self.hir_share
 
-    def _stamp(self, key: Hashable, at: int | None = None) -> None:
-        """The key was read (or admitted) at `at`: now, or when its lookup began."""
-        now = self._now if at is None else at
+    def _stamp(self, key: Hashable) -> None:
+        """The key was read (or admitted) now."""
+        now = self._now
         last = self._last.get(key)
         if last is not None:
-            if last == now:  # twice in one lookup
+            if last == now:  # twice in one tick: one use
                 return
             gap = self._gap.get(key)
             if gap is not None:
                 self._gap2[key] = gap
             self._gap[key] = now - last
         self._last[key] = now
-        self._now += 1
 
     def _release(self, key: Hashable) -> None:
         """The key may have stopped being tracked: its times go with it."""

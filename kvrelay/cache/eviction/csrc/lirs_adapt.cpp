@@ -8,15 +8,14 @@
 
 namespace kvrelay::eviction {
 
-void LirsState::stamp(int32_t i, int64_t at) {
+void LirsState::stamp(int32_t i) {
   Node& node = nodes_[i];
   if (node.last >= 0) {
-    if (node.last == at) return;  // twice in one lookup
+    if (node.last == now_) return;  // twice in one tick: one use
     if (node.gap) node.gap2 = node.gap;
-    node.gap = at - node.last;
+    node.gap = now_ - node.last;
   }
-  node.last = at;
-  ++now_;
+  node.last = now_;
 }
 
 // Marks S's `share_band` oldest upper entries that are LIR (BAND_LIR) and Q's

@@ -84,7 +84,7 @@ bool LirsState::admit(PyObject* key, PyObject* parent, bool evictable) {
     }
   }
   if (i == NIL && (i = create(key)) == -2) return false;
-  stamp(i, now_);
+  stamp(i);
   Node& node = nodes_[i];
   node.resident = true;
   node.parent = p;
@@ -132,12 +132,16 @@ bool LirsState::touch_many(PyObject* const* keys, Py_ssize_t n) {
   // indices stay valid (a node freed meanwhile reads as not resident).
   // One pass finds each key, counts the reads at the split's two boundaries
   // and stamps the resident pages (the reference's `_balance`, then its stamps).
+  ++now_;  // a lookup: one tick of the clock, with hits or none
+  if (n == 0) {
+    expire();
+    return true;
+  }
   batch_.resize(static_cast<size_t>(n));
   int32_t marked[2 * 64];
   int n_marked = mark_bands(marked);
   Py_ssize_t band_reads[3] = {0, 0, 0};
   bool ok = true;
-  const int64_t start = now_;  // the lookup's time: each of its pages' read
   for (Py_ssize_t j = 0; j < n; ++j) {
     int32_t i = find(keys[j]);
     if (i == -2) {
@@ -147,7 +151,7 @@ bool LirsState::touch_many(PyObject* const* keys, Py_ssize_t n) {
     batch_[j] = i;
     if (i == NIL) continue;
     ++band_reads[nodes_[i].band];
-    if (nodes_[i].resident) stamp(i, start);
+    if (nodes_[i].resident) stamp(i);
   }
   for (int k = 0; k < n_marked; ++k) nodes_[marked[k]].band = BAND_NONE;
   if (!ok) return false;  // (a key that cannot be hashed: nothing moved but times)

@@ -114,7 +114,7 @@ class LirsState {
   void read(const int32_t* nodes, Py_ssize_t n);
 
   // lirs_adapt.cpp: the clock, the finished-page test and the moving split.
-  void stamp(int32_t i, int64_t at);
+  void stamp(int32_t i);  // read or admitted now
   int mark_bands(int32_t* marked);  // the nodes marked, in `marked` (at most 2 x 64)
   void move_split(Py_ssize_t pages);
   void expire();
