@@ -11,29 +11,28 @@ turn; HIR pages are gone before their next turn) and a stream of one-off
 requests with long, irregular reuse wants a longer HIR part, the probation
 that new pages pass through.
 
-- **Finished pages.** Each page keeps, in the policy's own clock (one tick per
-  lookup, with hits or none; a page admitted is stamped at the current
-  tick), when it was last read and its last two reuse intervals. The
-  oldest LIR page, once not read for `stale_factor` times the longer of its
-  last two intervals, is presumed finished: it turns HIR at the front of
-  Q, the next victim unless the head of the rest of Q was read before it (parked
-  instead while a later page of its chain stays). A live session's pages
-  can wait longer than their last intervals (an agent's tool run that takes
+- **Finished pages.** Each page keeps, in the policy's own clock (one tick
+  per lookup, with hits or none; a page admitted is stamped at the current
+  tick), when it was last read and its last two reuse intervals. The oldest
+  LIR page, once not read for `stale_factor` times the longer of its last
+  two intervals, is presumed finished: it turns HIR at the front of Q, the
+  next victim unless the head of the rest of Q was read before it (parked
+  instead while a later page of its chain stays). A live session's pages can
+  wait longer than their last intervals (an agent's tool run that takes
   longer than the last ones), so a page presumed finished does not jump a
-  page that has waited longer.
-  Two intervals, so that one short gap does not condemn a page whose reuse
-  is irregular. Lookups, not pages, because a sharded tier's servers
-  must agree: a request's lookup reaches every server that holds a page
-  of its chain, so each counts about the same lookups between two turns
-  of a session, where the pages of those lookups that it holds vary with
-  how the ring split each chain. Counted in pages, a server holding more
-  of the busy sessions' pages took a quiet session for finished sooner
-  than the others, and its eviction ended the session's next lookup
-  there whatever the others kept. The LIR pages its last lookup read with
-  it follow it whatever their history: they are the later pages of its
-  prefix, and a later page is never read without the earlier ones. (Judged on their own,
-  the newest of them, with one interval or none, would stay LIR and block
-  the test for every page behind it.)
+  page that has waited longer. Two intervals, so that one short gap does not
+  condemn a page whose reuse is irregular. Lookups, not pages, because a
+  sharded tier's servers must agree: a request's lookup reaches every server
+  that holds a page of its chain, so each counts about the same lookups
+  between two turns of a session, where the pages of those lookups that it
+  holds vary with how the ring split each chain. Counted in pages, a server
+  holding more of the busy sessions' pages would take a quiet session for
+  finished sooner than the others, and its eviction would end the session's
+  next lookup there whatever the others kept. The LIR pages its last lookup read with it
+  follow it whatever their history: they are the later pages of its prefix,
+  and a later page is never read without the earlier ones. (Judged on their
+  own, the newest of them, with one interval or none, would stay LIR and
+  block the test for every page behind it.)
 - **The split.** Reads at the two boundaries move it, one page at a time, the
   way ARC and utility-based cache partitioning weigh two parts by their
   marginal hits: a read of one of the `share_band` oldest entries of S's
