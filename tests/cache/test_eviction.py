@@ -299,6 +299,47 @@ def test_a_parent_goes_first_only_when_nothing_else_can(name):
     assert [v.key for v in index.evict(1)] == [a[2]]
 
 
+def test_prefix_lru_keeps_a_parent_read_after_its_child_in_recency_order():
+    # In a sharded tier a lookup can read a server's page of a chain and stop
+    # at another server's miss before reaching that server's next page: the
+    # parent is then newer than its child and than pages read in between.
+    index = PageIndex(16, policy=make_policy("prefix-lru"))
+    a, b = chains(index, 2, 1)
+    index.lookup(a[:1])  # a[0] is now the most recent page; a[1] the least
+    victims = [v.key for v in index.evict(3)]
+    assert victims == [a[1], b[0], a[0]]
+
+
+def test_prefix_lru_is_least_recently_used_among_leaves():
+    # Against the rule spelled out, over lookups, inserts and evictions: the
+    # victim is the least recently read (or admitted) page with no resident
+    # child; pages of one lookup share a time, and only its chain's last is a leaf.
+    for seed in range(30):
+        rng = random.Random(seed)
+        index = PageIndex(64, policy=make_policy("prefix-lru"))
+        last: dict[bytes, int] = {}
+        parent_of: dict[bytes, bytes] = {}
+        for clock in range(400):
+            if rng.random() < 0.5 or not len(index):
+                path = [(rng.randrange(6),)]
+                for _ in range(rng.randrange(4)):
+                    path.append(path[-1] + (rng.randrange(2),))
+                keys = [hashlib.sha256(repr(p).encode()).digest() for p in path]
+                hits = index.lookup(keys).hits
+                for k in keys[:hits]:
+                    last[k] = clock
+                for i in range(hits, min(len(keys), hits + 64 - len(index))):
+                    parent = keys[i - 1] if i else None
+                    index.insert(keys[i], i, sealed=True, parent=parent)
+                    last[keys[i]], parent_of[keys[i]] = clock, parent
+                continue
+            resident = {e.key for e in index.entries()}
+            leaves = resident - {parent_of[k] for k in resident}
+            (victim,) = [v.key for v in index.evict(1)]
+            assert victim in leaves, seed
+            assert last[victim] == min(last[k] for k in leaves), seed
+
+
 def test_lru_ignores_chains():
     index = PageIndex(16, policy=make_policy("lru"))
     (a,) = chains(index, 3)

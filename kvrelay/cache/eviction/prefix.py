@@ -2,28 +2,41 @@
 
 A prefix hit needs every page before it, so evicting a chain's middle page
 makes every page after it dead weight. Pages are *leaves* (no resident
-child) or *inner* pages; only leaves queue for eviction. An inner page
-waits, parked, until its last resident child leaves, and then queues at the
-head: the child just went as the coldest page and its parent was read with
-it, so the parent is the coldest page now. Parked pages are victims only
-when no leaf can go (every leaf held by a pin or a writer).
+child) or *inner* pages; only leaves are victims. An inner page waits,
+parked, until its last resident child leaves, and then queues at the head.
+Parked pages are victims only when no leaf can go (every leaf held by a pin
+or a writer).
 
 Among leaves, two orders:
 
 - `prefix-lru`: least recently used first (SGLang's radix cache evicts this
-  way);
+  way). Inner pages keep their place in the recency order and are parked
+  only when they reach its head, so the order stays the pages' own: one
+  parked there was the least recently used page and is unread since, so
+  when its last child leaves it is older than every page queued since and
+  goes back to the head; one read while parked returns to the tail, as
+  a read leaf does; and one whose last child leaves while it is still
+  queued keeps its place. (Parking a parent as soon as a child arrives and
+  queuing it at the head when the child leaves would evict, right after a
+  page, its parent, however recently read: in a sharded tier a lookup
+  reads a server's page of a chain and stops at another server's miss
+  before that server's next page, so a parent is often newer than its
+  child.)
 - `prefix-s3fifo`: S3-FIFO's queues: new pages enter a small probation FIFO
   (a tenth of the pages); a page read while there moves to the main FIFO on
   its way out, one never read leaves (a finished one-off request's tail)
   and its key is remembered in a ghost FIFO, so a page that comes back soon
   goes straight to main. Main gives a page read since its last pass
   another pass (up to three). Reads only bump a counter: no reordering.
+  It parks a page as soon as a child arrives and queues it at the head
+  when its last child leaves.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Sequence
+from typing import ClassVar
 
 from kvrelay.cache.eviction.base import EvictionPolicy
 
@@ -47,6 +60,10 @@ class _Page:
 class _PrefixPolicy(EvictionPolicy):
     """Chain bookkeeping shared by both orders; subclasses own the leaf queues."""
 
+    # Parked when it reaches the head of the queues (the subclass's
+    # `_pop_leaf` parks it), not when a child arrives.
+    parks_at_head: ClassVar[bool] = False
+
     def __init__(self) -> None:
         self._pages: dict[Hashable, _Page] = {}
         self._parked: OrderedDict[Hashable, _Page] = OrderedDict()
@@ -65,7 +82,7 @@ class _PrefixPolicy(EvictionPolicy):
         self._pages[key] = page
         if up is not None:
             up.children += 1
-            if up.where in (_SMALL, _MAIN):
+            if not self.parks_at_head and up.where in (_SMALL, _MAIN):
                 self._dequeue(up)
                 up.where = _PARKED
                 self._parked[up.key] = up
@@ -74,7 +91,7 @@ class _PrefixPolicy(EvictionPolicy):
         page = self._pages.get(key)
         if page is None or page.where != _HELD:
             return
-        if page.children:
+        if page.children and not self.parks_at_head:
             page.where = _PARKED
             self._parked[key] = page
         else:
@@ -146,14 +163,27 @@ class _PrefixPolicy(EvictionPolicy):
 
 class PrefixLRUPolicy(_PrefixPolicy):
     name = "prefix-lru"
+    parks_at_head = True
 
     def __init__(self) -> None:
         super().__init__()
+        # The evictable pages in recency order, least recent first, but for
+        # the inner pages parked on reaching the head.
         self._leaves: OrderedDict[Hashable, _Page] = OrderedDict()
 
     def touch(self, key: Hashable) -> None:
-        if key in self._leaves:
-            self._leaves.move_to_end(key)
+        self.touch_many((key,))
+
+    def touch_many(self, keys: Sequence[Hashable]) -> None:
+        leaves, parked = self._leaves, self._parked
+        move = leaves.move_to_end
+        for key in keys:
+            if key in leaves:
+                move(key)
+            elif key in parked:  # read while parked: back in the order, at its tail
+                page = parked.pop(key)
+                page.where = _SMALL
+                leaves[key] = page
 
     def _enqueue(self, page: _Page, head: bool) -> None:
         page.where = _SMALL
@@ -165,9 +195,14 @@ class PrefixLRUPolicy(_PrefixPolicy):
         del self._leaves[page.key]
 
     def _pop_leaf(self) -> _Page | None:
-        if not self._leaves:
-            return None
-        return self._leaves.popitem(last=False)[1]
+        leaves = self._leaves
+        while leaves:
+            key, page = leaves.popitem(last=False)
+            if not page.children:
+                return page
+            page.where = _PARKED  # an inner page at the head waits for its children
+            self._parked[key] = page
+        return None
 
 
 class PrefixS3FIFOPolicy(_PrefixPolicy):
