@@ -188,10 +188,10 @@ def lookups_until_taken_for_finished(policy_cls, y_pages: int) -> int:
         for _ in range(2):
             assert index.lookup(y).hits == y_pages
         assert index.lookup(x).hits == 2
+    state_of = reference_state if policy_cls is PrefixLIRSReference else type(policy).debug_state
     for n in range(1, 50):
         assert index.lookup(y).hits == y_pages
-        compiled = policy_cls is not PrefixLIRSReference
-        state = policy.debug_state() if compiled else reference_state(policy)
+        state = state_of(policy)
         if x[0] in state["parked"] or x[0] in state["front"]:
             return n
     raise AssertionError("X was never taken for finished")

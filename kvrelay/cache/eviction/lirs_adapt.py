@@ -28,11 +28,11 @@ that new pages pass through.
   holds vary with how the ring split each chain. Counted in pages, a server
   holding more of the busy sessions' pages would take a quiet session for
   finished sooner than the others, and its eviction would end the session's
-  next lookup there whatever the others kept. The LIR pages its last lookup read with it
-  follow it whatever their history: they are the later pages of its prefix,
-  and a later page is never read without the earlier ones. (Judged on their
-  own, the newest of them, with one interval or none, would stay LIR and
-  block the test for every page behind it.)
+  next lookup there whatever the others kept. The LIR pages its last lookup
+  read with it follow it whatever their history: they are the later pages
+  of its prefix, and a later page is never read without the earlier ones.
+  (Judged on their own, the newest of them, with one interval or none,
+  would stay LIR and block the test for every page behind it.)
 - **The split.** Reads at the two boundaries move it, one page at a time, the
   way ARC and utility-based cache partitioning weigh two parts by their
   marginal hits: a read of one of the `share_band` oldest entries of S's
