@@ -39,35 +39,17 @@ def partial_page_key(parent: bytes, tokens) -> bytes:
     return hashlib.sha256(b"kvrelay-partial-page" + parent + data).digest()
 
 
-class PagedKVPool:
-    def __init__(
-        self,
-        *,
-        num_pages: int,
-        page_size: int,
-        num_layers: int,
-        num_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        if min(num_pages, page_size, num_layers, num_heads, head_dim) <= 0:
+class PagePool:
+    """Page bookkeeping shared by every pool kind: reference counts, the free
+    list, the local prefix index and the eviction order. A subclass owns the
+    storage (`copy_tokens`) and sets `device` and `dtype`."""
+
+    def __init__(self, *, num_pages: int, page_size: int, num_layers: int) -> None:
+        if min(num_pages, page_size, num_layers) <= 0:
             raise ValueError("pool dimensions must be positive")
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_layers = num_layers
-        self.num_heads = num_heads
-        self.head_dim = head_dim
-        self.dtype = dtype
-        # One allocation; per-layer K and V are views with identical strides,
-        # as the page copy ops require.
-        slots = num_pages * page_size
-        self.storage = torch.zeros(
-            num_layers, 2, slots, num_heads, head_dim, dtype=dtype, device=device
-        )
-        self.device = self.storage.device
-        self.k_layers = [self.storage[layer, 0] for layer in range(num_layers)]
-        self.v_layers = [self.storage[layer, 1] for layer in range(num_layers)]
         self.ref_counts = [0] * num_pages
         self._free: deque[int] = deque(range(num_pages))
         self._key_of_page: dict[int, bytes] = {}
@@ -151,6 +133,45 @@ class PagedKVPool:
             del self._page_of_key[self._key_of_page.pop(page)]
             self._free.append(page)
 
+    # -- addressing -------------------------------------------------------
+    def slots(self, pages: list[int], num_tokens: int, start: int = 0) -> torch.Tensor:
+        """int64 slots of tokens [start, num_tokens) of a sequence on `pages`."""
+        table = torch.as_tensor(pages, dtype=torch.int64)
+        positions = torch.arange(start, num_tokens, dtype=torch.int64)
+        return table[positions // self.page_size] * self.page_size + positions % self.page_size
+
+
+class PagedKVPool(PagePool):
+    """Multi-head attention storage: per layer, K and V of [slots, local
+    heads, head_dim]."""
+
+    def __init__(
+        self,
+        *,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        num_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__(num_pages=num_pages, page_size=page_size, num_layers=num_layers)
+        if min(num_heads, head_dim) <= 0:
+            raise ValueError("pool dimensions must be positive")
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        # One allocation; per-layer K and V are views with identical strides,
+        # as the page copy ops require.
+        slots = num_pages * page_size
+        self.storage = torch.zeros(
+            num_layers, 2, slots, num_heads, head_dim, dtype=dtype, device=device
+        )
+        self.device = self.storage.device
+        self.k_layers = [self.storage[layer, 0] for layer in range(num_layers)]
+        self.v_layers = [self.storage[layer, 1] for layer in range(num_layers)]
+
     def copy_tokens(self, source: int, destination: int, count: int) -> None:
         """K and V of the first `count` tokens of page `source` into page
         `destination`, every layer and head (a private copy of a shared page)."""
@@ -158,10 +179,3 @@ class PagedKVPool:
         src = slice(source * ps, source * ps + count)
         dst = slice(destination * ps, destination * ps + count)
         self.storage[:, :, dst] = self.storage[:, :, src]
-
-    # -- addressing -------------------------------------------------------
-    def slots(self, pages: list[int], num_tokens: int, start: int = 0) -> torch.Tensor:
-        """int64 slots of tokens [start, num_tokens) of a sequence on `pages`."""
-        table = torch.as_tensor(pages, dtype=torch.int64)
-        positions = torch.arange(start, num_tokens, dtype=torch.int64)
-        return table[positions // self.page_size] * self.page_size + positions % self.page_size
