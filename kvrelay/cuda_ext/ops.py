@@ -107,6 +107,11 @@ def rect_geometry(spec: ModelKVSpec, rect: Rectangle, *, compact: bool = False) 
     rank that stages just its share.
     """
     rect.check_inside(spec)
+    if not spec.uniform:
+        raise LayoutError(
+            "the page ops take blocks of one size; pages with indexer keys are copied "
+            "by kvrelay.model.latent_page_copy"
+        )
     if compact:
         return {
             "page_heads": rect.num_heads,

@@ -120,11 +120,11 @@ class Rectangle:
         layers is a single run, whatever its heads.
         """
         self.check_inside(spec)
-        block = spec.block_bytes
-        length = self.num_layers * block
+        first = spec.layer_offset(self.layer_start)
+        length = spec.layer_offset(self.layer_end) - first
         runs: list[tuple[int, int]] = []
         for head in range(self.head_start, self.head_end):
-            offset = (head * spec.num_layers + self.layer_start) * block
+            offset = head * spec.head_bytes + first
             if runs and runs[-1][0] + runs[-1][1] == offset:
                 runs[-1] = (runs[-1][0], runs[-1][1] + length)
             else:
@@ -132,7 +132,8 @@ class Rectangle:
         return runs
 
     def num_bytes(self, spec: ModelKVSpec) -> int:
-        return self.num_heads * self.num_layers * spec.block_bytes
+        layers = spec.layer_offset(self.layer_end) - spec.layer_offset(self.layer_start)
+        return self.num_heads * layers
 
 
 def stage_layers(spec: ModelKVSpec, parallel: ParallelConfig) -> tuple[int, int]:

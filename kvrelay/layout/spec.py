@@ -86,6 +86,16 @@ class ModelKVSpec:
     # How page keys derive from token ids (`kvrelay.layout.keys`): "kvrelay",
     # or "sglang" to share pages with SGLang through its HiCache adapter.
     key_scheme: str = "kvrelay"
+    # MLA: the trailing RoPE part of the latent row (k_head_dim = compressed
+    # KV width + rope_head_dim). Named in the namespace, not in the bytes.
+    rope_head_dim: int = 0
+    # DeepSeek sparse attention: the layers whose indexer runs carry its key
+    # per token after their latent rows, `index_head_dim` wide in
+    # `index_dtype`; `index_topk` changes every later layer's bytes.
+    index_head_dim: int = 0
+    index_dtype: str | None = None
+    index_layers: tuple[int, ...] = ()
+    index_topk: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_id, str) or not self.model_id:
@@ -118,6 +128,42 @@ class ModelKVSpec:
             raise LayoutError(f"key_scheme must be one of {KEY_SCHEMES}, got {self.key_scheme!r}")
         if self.draft_positions not in (None, *DRAFT_POSITION_CONVENTIONS):
             raise LayoutError(f"draft_positions must be one of {DRAFT_POSITION_CONVENTIONS}")
+        self._check_sparse_fields()
+
+    def _check_sparse_fields(self) -> None:
+        for name in ("rope_head_dim", "index_head_dim", "index_topk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise LayoutError(f"{name} must be a non-negative int, got {value!r}")
+        if self.rope_head_dim and (
+            self.attention_kind != "mla" or self.rope_head_dim >= self.k_head_dim
+        ):
+            raise LayoutError("rope_head_dim is the RoPE part of an MLA latent row")
+        layers = self.index_layers
+        if not isinstance(layers, tuple) or any(
+            not isinstance(layer, int) or isinstance(layer, bool) for layer in layers
+        ):
+            raise LayoutError(f"index_layers must be a tuple of layer indices, got {layers!r}")
+        if list(layers) != sorted(set(layers)) or (
+            layers and not 0 <= layers[0] <= layers[-1] < self.num_layers
+        ):
+            raise LayoutError(
+                f"index_layers {layers} must be increasing layer indices below {self.num_layers}"
+            )
+        indexed = bool(self.index_head_dim)
+        if indexed != bool(layers) or indexed != bool(self.index_topk):
+            raise LayoutError(
+                "a sparse-attention spec has index_head_dim, index_layers and index_topk"
+            )
+        if indexed and self.attention_kind != "mla":
+            raise LayoutError("indexer keys ride in MLA pages only")
+        if self.index_dtype is not None:
+            if not indexed:
+                raise LayoutError("index_dtype without indexer layers")
+            if self.index_dtype not in KV_DTYPE_ITEMSIZE:
+                raise LayoutError(
+                    f"index_dtype {self.index_dtype!r} is not one of {sorted(KV_DTYPE_ITEMSIZE)}"
+                )
 
     # -- geometry ---------------------------------------------------------
     @property
@@ -134,19 +180,62 @@ class ModelKVSpec:
         return self.v_head_dim * self.itemsize
 
     @property
+    def index_itemsize(self) -> int:
+        return KV_DTYPE_ITEMSIZE[self.index_dtype or self.kv_dtype]
+
+    @property
+    def index_row_bytes(self) -> int:
+        """Bytes of one token's indexer key (0 without an indexer)."""
+        return self.index_head_dim * self.index_itemsize
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every (head, layer) block has the same size (no indexer layers)."""
+        return not self.index_layers
+
+    @property
     def block_bytes(self) -> int:
-        """Bytes of one (head, layer) block: all tokens' K then all tokens' V."""
+        """Bytes of one (head, layer) block: all tokens' K then all tokens' V.
+        Only a uniform spec has one block size (`layer_block_bytes` otherwise)."""
+        if not self.uniform:
+            raise LayoutError("blocks of a spec with indexer layers differ: use layer_block_bytes")
         return self.page_size * (self.k_row_bytes + self.v_row_bytes)
+
+    def layer_block_bytes(self, layer: int) -> int:
+        """Bytes of layer `layer`'s block of one head: the tokens' K (MLA: the
+        latent rows), then V, then the indexer keys where that layer's indexer runs."""
+        if not 0 <= layer < self.num_layers:
+            raise LayoutError(f"layer {layer} outside the page's {self.num_layers}")
+        extra = self.index_row_bytes if layer in self._index_set else 0
+        return self.page_size * (self.k_row_bytes + self.v_row_bytes + extra)
+
+    def layer_offset(self, layer: int) -> int:
+        """Byte offset of layer `layer`'s block inside one head's run of layers
+        (`layer == num_layers` gives the run's length)."""
+        if not 0 <= layer <= self.num_layers:
+            raise LayoutError(f"layer {layer} outside the page's {self.num_layers}")
+        plain = self.page_size * (self.k_row_bytes + self.v_row_bytes)
+        indexed = sum(1 for index_layer in self.index_layers if index_layer < layer)
+        return layer * plain + indexed * self.page_size * self.index_row_bytes
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one head's blocks of every layer."""
+        return self.layer_offset(self.num_layers)
 
     @property
     def page_bytes(self) -> int:
-        return self.num_kv_heads * self.num_layers * self.block_bytes
+        return self.num_kv_heads * self.head_bytes
 
     def block_offset(self, head: int, layer: int) -> int:
         """Byte offset of block (head, layer) inside a page object."""
         if not (0 <= head < self.num_kv_heads and 0 <= layer < self.num_layers):
             raise LayoutError(f"block ({head}, {layer}) outside the page")
-        return (head * self.num_layers + layer) * self.block_bytes
+        return head * self.head_bytes + self.layer_offset(layer)
+
+    @property
+    def _index_set(self) -> frozenset[int]:
+        return frozenset(self.index_layers)
 
     # -- identity ---------------------------------------------------------
     def identity_fields(self) -> dict[str, object]:
@@ -169,6 +258,13 @@ class ModelKVSpec:
             fields["draft_positions"] = self.draft_positions
         if self.key_scheme != "kvrelay":  # absent by default: namespaces stay as they were
             fields["key_scheme"] = self.key_scheme
+        if self.rope_head_dim:
+            fields["rope_head_dim"] = self.rope_head_dim
+        if self.index_layers:
+            fields["index_head_dim"] = self.index_head_dim
+            fields["index_dtype"] = self.index_dtype or self.kv_dtype
+            fields["index_layers"] = list(self.index_layers)
+            fields["index_topk"] = self.index_topk
         return fields
 
     def namespace(self) -> bytes:
@@ -214,6 +310,11 @@ class ModelKVSpec:
         kv_dtype: str | None = None,
         attention_kind: str = "mha",
         positions: str = "target",
+        rope_head_dim: int = 0,
+        index_head_dim: int = 0,
+        index_dtype: str | None = None,
+        index_layers: tuple[int, ...] = (),
+        index_topk: int = 0,
     ) -> ModelKVSpec:
         """Spec of a draft (MTP) model whose pages ride beside this target's.
 
@@ -221,7 +322,8 @@ class ModelKVSpec:
         the target's and the draft's RoPE position convention. Draft page p is
         keyed by the target's key of page p and the first token of page p + 1
         (`kvrelay.layout.draft.draft_page_keys`), since its last slot depends
-        on that token.
+        on that token. An MLA draft (an MTP layer of a DeepSeek-shaped model)
+        carries its latent rows, and its indexer keys where its indexer runs.
         """
         return ModelKVSpec(
             model_id=model_id,
@@ -236,4 +338,9 @@ class ModelKVSpec:
             salt=self.salt,
             target_namespace=self.namespace(),
             draft_positions=positions,
+            rope_head_dim=rope_head_dim,
+            index_head_dim=index_head_dim,
+            index_dtype=index_dtype,
+            index_layers=index_layers,
+            index_topk=index_topk,
         )

@@ -20,17 +20,19 @@ import torch
 from kvrelay.cuda_ext import gather_pages, rect_geometry, scatter_pages
 from kvrelay.layout import ModelKVSpec, Rectangle
 from kvrelay.model.device import synchronize
+from kvrelay.model.latent_page_copy import gather_latent_rect, scatter_latent_rect
+from kvrelay.model.latent_pool import LatentKVPool
 from kvrelay.model.pool import PagedKVPool
 
 
-def gather_rect(pool: PagedKVPool, arena: torch.Tensor, rows: torch.Tensor,
+def gather_rect(pool: PagedKVPool | LatentKVPool, arena: torch.Tensor, rows: torch.Tensor,
                 slots: torch.Tensor, spec: ModelKVSpec, rect: Rectangle) -> None:  # fmt: skip
     """The pool KV of `slots` ([pages, page_size], -1 for none) into `rect` of
     arena rows `rows`."""
     _copy_rect(gather_pages, gather_through_bounce, pool, arena, rows, slots, spec, rect)
 
 
-def scatter_rect(pool: PagedKVPool, arena: torch.Tensor, rows: torch.Tensor,
+def scatter_rect(pool: PagedKVPool | LatentKVPool, arena: torch.Tensor, rows: torch.Tensor,
                  slots: torch.Tensor, spec: ModelKVSpec, rect: Rectangle) -> None:  # fmt: skip
     """`rect` of arena rows `rows` into the pool slots `slots` (-1 skipped)."""
     _copy_rect(scatter_pages, scatter_through_bounce, pool, arena, rows, slots, spec, rect)
@@ -38,7 +40,12 @@ def scatter_rect(pool: PagedKVPool, arena: torch.Tensor, rows: torch.Tensor,
 
 def _copy_rect(op, through_bounce, pool, arena, rows, slots, spec, rect) -> None:
     """`op` straight between pool and arena when both are on one device, else
-    `through_bounce`; returns once the copy is done."""
+    `through_bounce`; returns once the copy is done. An MLA pool's pages have
+    per-layer blocks of their own sizes (`latent_page_copy`)."""
+    if isinstance(pool, LatentKVPool):
+        latent_op = gather_latent_rect if op is gather_pages else scatter_latent_rect
+        latent_op(pool, arena, rows, slots, spec, rect)
+        return
     dev = pool.device
     if arena.device == dev:
         geometry = rect_geometry(spec, rect)
