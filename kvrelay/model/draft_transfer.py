@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from kvrelay.cuda_ext import gather_pages, rect_geometry, scatter_pages
 from kvrelay.layout import draft_page_keys, draft_rectangle
 from kvrelay.model.engine import Engine
+from kvrelay.model.page_copy import gather_rect, scatter_rect
 from kvrelay.model.page_export import _arena_rows, _export_rows, _import_rows, _slot_mapping
 
 
@@ -38,10 +38,9 @@ def export_draft_prefix(
     if not keys or draft.pool is None:  # no draft pages, or not on this rank
         return len(keys)
     rect = draft_rectangle(draft.spec, engine.parallel)
-    geometry = rect_geometry(draft.spec, rect)
 
     def gather(ids: torch.Tensor, slots: torch.Tensor) -> None:
-        gather_pages(draft.pool.k_layers, draft.pool.v_layers, arena, ids, slots, **geometry)
+        gather_rect(draft.pool, arena, ids, slots, draft.spec, rect)
 
     # Under CP every rank holds every draft page (the draft runs whole on
     # each); draft page i is written by CP rank i % cp, as target page i.
@@ -63,8 +62,8 @@ def import_draft_prefix(engine: Engine, tokens, arena: torch.Tensor, page_ids=No
 
     def scatter(fresh: list[int], cached: int, rows: torch.Tensor) -> None:
         slots = _slot_mapping(engine, fresh, cached, len(keys) * draft.page_size)
-        geometry = rect_geometry(draft.spec, draft_rectangle(draft.spec, engine.parallel))
-        scatter_pages(pool.k_layers, pool.v_layers, arena, rows, slots, **geometry)
+        rect = draft_rectangle(draft.spec, engine.parallel)
+        scatter_rect(pool, arena, rows, slots, draft.spec, rect)
 
     _import_rows(pool, keys, ids, scatter)
     return len(keys)
