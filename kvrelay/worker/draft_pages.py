@@ -10,11 +10,12 @@ draft namespace, which is derived from the target's, so the tier stores them
 beside the target's pages with no other change.
 
 A draft page is one layer of the target's KV geometry, so it fits in a
-staging row (rows are `target page_bytes`, a multiple of the draft's): the
-draft page of a row sits at the row's start, and the staging arena viewed as
-rows of the draft's page bytes gives the gather/scatter ops their arena
-(row r is draft row r * stride). The tier's slots are the target's page size;
-a draft page fills the start of one.
+staging row (rows are `target page_bytes`): the draft page of a row sits at
+the row's start. Where the draft's page bytes divide the row, the staging
+arena viewed as rows of the draft's page bytes gives the gather/scatter ops
+their arena (row r is draft row r * stride); an MLA draft with indexer keys
+need not divide it, and takes the rows' starts as a strided view. The
+tier's slots are the target's page size; a draft page fills the start of one.
 
 Only ranks of the last PP stage hold the MTP layer (`active`); the others
 take no draft rows and contribute nothing but agreement. Everything here is
@@ -55,10 +56,17 @@ class DraftPages:
         self.rect = draft_rectangle(self.spec, engine.parallel)
         self.runs = self.rect.byte_runs(self.spec)
         self.namespace = self.spec.namespace()
-        if rt.page_bytes % self.spec.page_bytes:
-            raise ValueError("a draft page must divide a target page's bytes")
-        self.stride = rt.page_bytes // self.spec.page_bytes
-        self.view = rt.staging.view(-1, self.spec.page_bytes)
+        if self.spec.page_bytes > rt.page_bytes:
+            raise ValueError("a draft page must fit in a target page's staging row")
+        if rt.page_bytes % self.spec.page_bytes == 0:
+            self.stride = rt.page_bytes // self.spec.page_bytes
+            self.view = rt.staging.view(-1, self.spec.page_bytes)
+        else:
+            # An MLA draft whose indexer keys make it no divisor of the target
+            # page: each row's start, viewed with the row's stride (the latent
+            # page copy indexes any strided arena).
+            self.stride = 1
+            self.view = rt.staging[:, : self.spec.page_bytes]
         if rt.options.cache:
             config = CacheClientConfig(rt.options.cache, rt.options.token)
             self.cache = CacheClient(
