@@ -19,6 +19,7 @@ from kvrelay.model.decoder import DecoderShard
 from kvrelay.model.device import parse_device
 from kvrelay.model.engine import DEFAULT_MAX_PREFILL_TOKENS, Engine
 from kvrelay.model.errors import ModelLoadError
+from kvrelay.model.mla_loader import is_mla_model, load_mla_engine
 from kvrelay.model.mtp import MtpLayer, draft_kv_spec, load_mtp_weights
 from kvrelay.model.paged_attention import DEFAULT_CHUNK_TOKENS, PagedOnlineSoftmaxBackend
 from kvrelay.model.pool import PagedKVPool
@@ -100,6 +101,14 @@ def load_engine(
     parallel = parallel or ParallelConfig()
     if not isinstance(speculative, int) or speculative < 0:
         raise ModelLoadError(f"speculative must be a non-negative int, got {speculative!r}")
+    if is_mla_model(model_dir):
+        # The MLA path computes each query row's attention in one pass over its
+        # context (`mla_attention`): there is no block split to make invariant.
+        return load_mla_engine(
+            model_dir, dtype=dtype, page_size=page_size, num_pages=num_pages, parallel=parallel,
+            comm=comm, device=parse_device(device), max_prefill_tokens=max_prefill_tokens,
+            speculative=speculative, mtp_positions=mtp_positions, key_scheme=key_scheme,
+        )  # fmt: skip
     config = ModelConfig.from_dir(model_dir)
     try:
         spec = kv_spec(model_dir, config, dtype, page_size, key_scheme)

@@ -193,7 +193,8 @@ def _describe(engine) -> dict:
         "kv_heads": (plan.kv_head_start, plan.kv_head_start + plan.num_kv_heads),
         "q_heads": (plan.q_head_start, plan.q_head_start + plan.num_q_heads),
         "pool_layers": engine.pool.num_layers,
-        "pool_heads": engine.pool.num_heads,
+        # An MLA pool holds one latent head (replicated over TP).
+        "pool_heads": getattr(engine.pool, "num_heads", 1),
     }
 
 

@@ -1,0 +1,92 @@
+"""The DeepSeek sparse attention (DSA) indexer: per query, the top-k earlier
+tokens an MLA layer attends to.
+
+Per new token the indexer writes one key (`k_norm(wk(x))`, RoPE on its
+first `qk_rope_head_dim` dims; GLM-5 rotates interleaved, V3.2 half-split)
+into the pool in the model dtype, as transformers' cache holds it. A query
+scores every visible token of its sequence, reading those keys from the
+pool's pages only (prefix pages may come from another worker):
+
+    score[t] = sum_h w_h * relu(q_h . k_t * D^-0.5),   w = weights_proj(x) * H^-0.5
+
+in float32 whatever the model dtype, with transformers' own operand shapes
+(a batched matmul over queries), so the float32 sums, and hence the
+top-k, are the ones transformers computes. A query with at most `index_topk`
+visible tokens sees them all.
+
+The selection is returned as token indices `[rows, index_topk]` (-1 pads):
+a fixed shape, so a PP stage can hand it to the next one when that stage
+starts with a layer that reuses it ("shared" layers of GLM-5).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvrelay.model.attention import AttentionBatch
+from kvrelay.model.mla_config import MlaConfig
+from kvrelay.model.mla_rope import rotate
+from kvrelay.model.mla_weights import IndexerWeights
+
+# Score elements per block of queries ([rows, heads, context] float32).
+SCORE_BLOCK_ELEMENTS = 1 << 24
+
+
+def context_rows(layer: torch.Tensor, table: torch.Tensor, tokens: int, page_size: int):
+    """Rows [0, tokens) of a sequence from one pool layer [slots, width]."""
+    pages = -(-tokens // page_size)
+    paged = layer.view(-1, page_size, layer.size(-1))
+    return paged.index_select(0, table[:pages]).flatten(0, 1)[:tokens]
+
+
+def _split_rope(x: torch.Tensor, rope: int, cos, sin, interleaved: bool) -> torch.Tensor:
+    """RoPE on the first `rope` dims of [tokens, heads, dim] (rot first, then pass)."""
+    return torch.cat([rotate(x[..., :rope], cos, sin, interleaved), x[..., rope:]], dim=-1)
+
+
+def index_keys(x, w: IndexerWeights, cos, sin, config: MlaConfig) -> torch.Tensor:
+    """[tokens, index_head_dim] keys of the new tokens, in the model dtype."""
+    d = config.index_head_dim
+    k = F.layer_norm(F.linear(x, w.wk), (d,), w.k_norm, w.k_norm_bias, eps=1e-6)
+    rope = config.qk_rope_head_dim
+    return _split_rope(k[:, None], rope, cos, sin, config.indexer_rope_interleave)[:, 0]
+
+
+def index_queries(q_resid, x, w: IndexerWeights, cos, sin, config: MlaConfig):
+    """(queries [tokens, heads, dim], head weights float32 [tokens, heads])."""
+    tokens, heads = q_resid.size(0), config.index_n_heads
+    q = F.linear(q_resid, w.wq_b).view(tokens, heads, config.index_head_dim)
+    q = _split_rope(q, config.qk_rope_head_dim, cos, sin, config.indexer_rope_interleave)
+    weights = F.linear(x.to(w.weights_proj.dtype), w.weights_proj).float() * heads**-0.5
+    return q, weights
+
+
+def select_topk(q, weights, key_layer, attention: AttentionBatch, config: MlaConfig):
+    """int64 [rows, index_topk] of each query's selected token positions (-1 pads)."""
+    topk, ps = config.index_topk, attention.page_size
+    scale = config.index_head_dim**-0.5
+    out = torch.full((q.size(0), topk), -1, dtype=torch.int64, device=q.device)
+    for start, length, context, table in attention.sequences():
+        keys = context_rows(key_layer, table, context, ps).float().T[None, None]
+        block = max(1, SCORE_BLOCK_ELEMENTS // (q.size(1) * context))
+        for r0 in range(0, length, block):
+            r1 = min(length, r0 + block)
+            rows = slice(start + r0, start + r1)
+            scores = F.relu(torch.matmul(q[rows].float()[None], keys) * scale)
+            summed = torch.matmul(weights[rows][None].unsqueeze(-2), scores).squeeze(-2)[0]
+            position = context - length + torch.arange(r0, r1, device=q.device)
+            visible = torch.arange(context, device=q.device)[None, :] <= position[:, None]
+            summed = summed.masked_fill(~visible, float("-inf"))
+            k = min(topk, context)
+            out[rows, :k] = summed.topk(k, dim=-1).indices
+    return out
+
+
+def selection_mask(topk: torch.Tensor, rows: slice, context: int) -> torch.Tensor:
+    """bool [rows, context]: the tokens each query's top-k names."""
+    chosen = topk[rows]
+    mask = torch.zeros(chosen.size(0), context + 1, dtype=torch.bool, device=chosen.device)
+    # -1 pads land in the spare last column, dropped.
+    mask.scatter_(1, torch.where(chosen < 0, context, chosen), True)
+    return mask[:, :context]
