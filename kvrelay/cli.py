@@ -34,7 +34,7 @@ def _info(_: argparse.Namespace) -> None:
 _COMMANDS = (
     (("generate",), "generate tokens with the reference runner",
      "kvrelay.model.commands", "add_generate_arguments", "run_generate"),
-    (("make-model",), "write a random Llama/Qwen2 model in HF format (config + safetensors)",
+    (("make-model",), "write a random Llama/Qwen2/GLM-5/DeepSeek model (HF config + safetensors)",
      "kvrelay.model.commands", "add_make_model_arguments", "run_make_model"),
     (("demo",), "a local cluster replaying an agentic multi-turn workload, per cache mode",
      "kvrelay.demo.command", "add_arguments", "run"),

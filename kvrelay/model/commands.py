@@ -10,10 +10,12 @@ import json
 import sys
 
 from kvrelay.layout import DEFAULT_PAGE_SIZE, LayoutError, ParallelConfig
-from kvrelay.model.config import TORCH_DTYPES, ModelConfig
+from kvrelay.model.config import TORCH_DTYPES
 from kvrelay.model.cross_config import open_runner, parse_parallel, prefix_unified_pages
 from kvrelay.model.engine import DEFAULT_MAX_PREFILL_TOKENS, Request
 from kvrelay.model.errors import ModelLoadError, PoolExhausted, RequestError
+from kvrelay.model.loader import load_config
+from kvrelay.model.make_mla_model import MLA_ARCHS, add_mla_arguments, mla_spec_of, write_mla_model
 from kvrelay.model.make_model import add_shape_arguments, shape_spec, write_model
 from kvrelay.model.sampling import SamplingParams
 
@@ -120,7 +122,7 @@ def _generate(args: argparse.Namespace) -> dict:
         raise SystemExit(f"--reuse-prefix must lie in [0, {len(prompt)}]")
     if args.speculative < 0:
         raise SystemExit("--speculative must be >= 0")
-    config = ModelConfig.from_dir(args.model)
+    config = load_config(args.model)
     stops = config.eos_token_ids if args.stop_ids is None else tuple(args.stop_ids)
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
@@ -187,8 +189,9 @@ def _print_result(result, as_json: bool) -> None:
 
 
 def add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--arch", choices=["llama", "qwen2"], required=True)
+    parser.add_argument("--arch", choices=["llama", "qwen2", *MLA_ARCHS], required=True)
     add_shape_arguments(parser)
+    add_mla_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--intermediate", type=int, help="MLP width (default 2 x hidden)")
     parser.add_argument("--head-dim", type=int, help="default hidden / heads")
@@ -221,6 +224,16 @@ def add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_make_model(args: argparse.Namespace) -> None:
+    if args.arch in MLA_ARCHS:
+        if args.mtp_fit_steps:
+            raise SystemExit("--mtp-fit-steps is for llama and qwen2")
+        spec = mla_spec_of(args)
+        try:
+            path = write_mla_model(args.dir, spec)
+        except ValueError as bad:
+            raise SystemExit(str(bad)) from None
+        print(f"wrote {spec.arch} model ({spec.layers} layers, hidden {spec.hidden}) to {path}")
+        return
     spec = shape_spec(
         args,
         arch=args.arch,

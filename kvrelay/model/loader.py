@@ -19,7 +19,13 @@ from kvrelay.model.decoder import DecoderShard
 from kvrelay.model.device import parse_device
 from kvrelay.model.engine import DEFAULT_MAX_PREFILL_TOKENS, Engine
 from kvrelay.model.errors import ModelLoadError
-from kvrelay.model.mla_loader import is_mla_model, load_mla_engine
+from kvrelay.model.mla_config import MlaConfig
+from kvrelay.model.mla_loader import (
+    is_mla_model,
+    load_mla_engine,
+    mla_config_from_dir,
+    mla_kv_spec,
+)
 from kvrelay.model.mtp import MtpLayer, draft_kv_spec, load_mtp_weights
 from kvrelay.model.paged_attention import DEFAULT_CHUNK_TOKENS, PagedOnlineSoftmaxBackend
 from kvrelay.model.pool import PagedKVPool
@@ -44,6 +50,22 @@ def kv_spec(
         page_size=page_size,
         key_scheme=key_scheme,
     )
+
+
+def load_config(model_dir: str | Path) -> ModelConfig | MlaConfig:
+    """The model's config, whichever family (Llama/Qwen2 or the MLA family)."""
+    if is_mla_model(model_dir):
+        return mla_config_from_dir(model_dir)
+    return ModelConfig.from_dir(model_dir)
+
+
+def model_kv_spec(
+    model_dir: str | Path, dtype: str, page_size: int, key_scheme: str = "kvrelay"
+) -> ModelKVSpec:
+    """The unified page spec of the model in `model_dir`, whichever family."""
+    if is_mla_model(model_dir):
+        return mla_kv_spec(model_dir, mla_config_from_dir(model_dir), dtype, page_size, key_scheme)
+    return kv_spec(model_dir, ModelConfig.from_dir(model_dir), dtype, page_size, key_scheme)
 
 
 def shard_plan(config: ModelConfig, spec: ModelKVSpec, parallel: ParallelConfig) -> ShardPlan:

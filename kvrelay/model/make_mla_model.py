@@ -244,6 +244,49 @@ def _copy_first_layer(spec: MlaModelSpec, tensors: dict) -> dict[str, torch.Tens
     return out
 
 
+def add_mla_arguments(parser) -> None:
+    """make-model flags of the MLA family (defaults: `MlaModelSpec`'s)."""
+    d = MlaModelSpec()
+    group = parser.add_argument_group("glm5 / deepseek_v32 / deepseek_v3")
+    for flag, value, text in (
+        ("--experts", d.experts, "routed experts"),
+        ("--shared-experts", d.shared_experts, "shared experts"),
+        ("--experts-per-token", d.experts_per_token, "num_experts_per_tok"),
+        ("--groups", d.groups, "expert groups (n_group)"),
+        ("--topk-groups", d.topk_groups, "groups kept per token (topk_group)"),
+        ("--moe-intermediate", d.moe_intermediate, "each expert's width"),
+        ("--first-dense", d.first_dense, "first_k_dense_replace"),
+        ("--q-lora-rank", d.q_lora_rank, "0: plain q_proj (deepseek_v3 only)"),
+        ("--kv-lora-rank", d.kv_lora_rank, "compressed KV width"),
+        ("--qk-nope-dim", d.qk_nope, "qk_nope_head_dim"),
+        ("--qk-rope-dim", d.qk_rope, "qk_rope_head_dim"),
+        ("--v-head-dim", d.v_head_dim, "v_head_dim"),
+        ("--index-topk", d.index_topk, "DSA: tokens each query attends to"),
+        ("--index-heads", d.index_heads, "DSA indexer heads"),
+        ("--index-head-dim", d.index_head_dim, "DSA indexer key width"),
+        ("--index-topk-freq", d.index_topk_freq, "glm5: indexer on every N-th layer"),
+    ):
+        group.add_argument(flag, type=int, default=value, help=text)
+
+
+def mla_spec_of(args) -> MlaModelSpec:
+    """The MlaModelSpec of parsed make-model arguments."""
+    return MlaModelSpec(
+        arch=args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,
+        vocab=args.vocab, intermediate=args.intermediate or 2 * args.hidden,
+        moe_intermediate=args.moe_intermediate, experts=args.experts,
+        shared_experts=args.shared_experts, experts_per_token=args.experts_per_token,
+        groups=args.groups, topk_groups=args.topk_groups, first_dense=args.first_dense,
+        q_lora_rank=args.q_lora_rank or None, kv_lora_rank=args.kv_lora_rank,
+        qk_nope=args.qk_nope_dim, qk_rope=args.qk_rope_dim, v_head_dim=args.v_head_dim,
+        index_topk=args.index_topk, index_heads=args.index_heads,
+        index_head_dim=args.index_head_dim, index_topk_freq=args.index_topk_freq,
+        rope_theta=args.rope_theta, max_positions=args.max_positions,
+        tie_embeddings=args.tie_embeddings, std=args.std, seed=args.seed, dtype=args.dtype,
+        shards=args.shards, mtp=args.mtp, mtp_init=args.mtp_init,
+    )  # fmt: skip
+
+
 def write_mla_model(directory: str | Path, spec: MlaModelSpec) -> Path:
     """Writes the model into `directory` (created if missing) and returns it."""
     if spec.arch not in MLA_ARCHS:
