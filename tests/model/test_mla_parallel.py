@@ -1,0 +1,85 @@
+"""GLM-5, DeepSeek-V3.2 and DeepSeek-V3 under TP, PP, TP x PP and CP (spawned
+gloo ranks, float64): the greedy tokens of transformers, each rank's pool one
+latent head of its stage's layers, and unified pages exchanged both ways
+with a single-process engine (written by one config, read by another)."""
+
+import pytest
+import torch
+
+from kvrelay.model import Request, SamplingParams, load_engine
+from kvrelay.model.page_export import export_prefix, import_prefix
+from kvrelay.model.parallel import ParallelEngine
+from tests.model.mla_support import hf_mla_model
+from tests.model.oracle import hf_greedy
+from tests.support.models import prompt_tokens
+
+PAGE = 16
+PROMPT = 150  # above index_topk (32): the indexer decides what attention sees
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def baselines(mla_dirs):
+    """Per arch: model dir, prompt, transformers' greedy tokens, and the
+    prompt's unified pages from a single-process engine."""
+    out = {}
+    for arch in ("glm5", "deepseek_v32", "deepseek_v3"):
+        model_dir = mla_dirs(arch)
+        prompt = prompt_tokens(PROMPT, seed=31)
+        want = hf_greedy(hf_mla_model(model_dir), prompt, NEW).tokens
+        engine = load_engine(model_dir, dtype="float64", page_size=PAGE, num_pages=32)
+        assert engine.generate([Request(prompt, SamplingParams(NEW))])[0].tokens == want
+        engine.generate([Request(prompt, SamplingParams(1))])
+        pages = -(-PROMPT // PAGE)
+        arena = torch.zeros(pages, engine.spec.page_bytes, dtype=torch.uint8)
+        assert export_prefix(engine, prompt, arena) == pages
+        out[arch] = (model_dir, prompt, want, arena)
+    return out
+
+
+# GLM-5 (layers full, full, shared): PP=2 cuts before the shared layer, whose
+# stage receives the top-k of the stage before.
+@pytest.mark.parametrize(
+    ("arch", "tp", "pp", "cp"),
+    [
+        ("glm5", 2, 1, 1),
+        ("glm5", 1, 2, 1),
+        ("glm5", 2, 2, 1),
+        ("deepseek_v32", 2, 2, 1),
+        ("deepseek_v3", 2, 1, 1),
+        ("deepseek_v3", 1, 2, 1),
+        ("glm5", 1, 1, 2),
+        ("deepseek_v32", 2, 1, 2),
+    ],
+)
+def test_mla_parallel_configs_match_hf_and_exchange_pages(baselines, arch, tp, pp, cp):
+    model_dir, prompt, want, tp1_pages = baselines[arch]
+    with ParallelEngine(
+        model_dir, tp=tp, pp=pp, cp=cp, dtype="float64", page_size=PAGE, num_pages=32,
+        timeout_s=120,
+    ) as group:  # fmt: skip
+        for info in group.describe():
+            assert info["pool_heads"] == 1
+            assert info["pool_layers"] == info["layers"][1] - info["layers"][0]
+        assert group.generate([Request(prompt, SamplingParams(NEW))])[0].tokens == want
+
+        group.generate([Request(prompt, SamplingParams(1))])
+        exported = group.export_prefix(prompt)
+        # Latents and indexer keys equal the single process's up to the
+        # order of the TP all-reduce sums.
+        torch.testing.assert_close(
+            exported.view(torch.float64), tp1_pages.view(torch.float64), rtol=0, atol=1e-9
+        )
+        # Pages written by one process, read by this config as a decode
+        # worker would: nothing of the prompt is computed.
+        group.clear_cache()
+        assert group.import_prefix(prompt, tp1_pages) == len(tp1_pages)
+        again = group.generate([Request(prompt + want[:1], SamplingParams(NEW - 1))])[0]
+        assert again.cached_tokens == PROMPT
+        assert again.tokens == want[1:]
+
+    reader = load_engine(model_dir, dtype="float64", page_size=PAGE, num_pages=32)
+    import_prefix(reader, prompt, exported)
+    out = reader.generate([Request(prompt + want[:1], SamplingParams(NEW - 1))])[0]
+    assert out.cached_tokens == PROMPT
+    assert out.tokens == want[1:]
