@@ -96,15 +96,23 @@ def ucx_extension():
     ]
 
 
-def eviction_extension():
-    """The compiled prefix-LIRS eviction policy: plain CPython, no torch."""
+def eviction_extensions():
+    """The compiled eviction policies (prefix-LRU, prefix-LIRS): plain CPython, no torch."""
     csrc = Path("kvrelay/cache/eviction/csrc")
-    return Extension(
-        "kvrelay.cache.eviction._lirs",
-        [str(path) for path in sorted(csrc.glob("*.cpp"))],
-        include_dirs=[str(ROOT / csrc)],
-        extra_compile_args={"cxx": ["-O3", "-std=c++17", "-Wall"]},
-    )
+    flags = {"cxx": ["-O3", "-std=c++17", "-Wall"]}
+    return [
+        Extension(
+            "kvrelay.cache.eviction._prefix_lru",
+            [str(csrc / "prefix_lru.cpp")],
+            extra_compile_args=flags,
+        ),
+        Extension(
+            "kvrelay.cache.eviction._lirs",
+            [str(path) for path in sorted(csrc.glob("lirs_*.cpp"))],
+            include_dirs=[str(ROOT / csrc)],
+            extra_compile_args=flags,
+        ),
+    ]
 
 
 def run_copy_extension():
@@ -141,7 +149,7 @@ setup(
         "tokenizers",
         "jinja2",
     ],
-    ext_modules=extensions() + ucx_extension() + [run_copy_extension(), eviction_extension()],
+    ext_modules=extensions() + ucx_extension() + [run_copy_extension(), *eviction_extensions()],
     cmdclass={"build_ext": IncrementalBuildExt},
     entry_points={"console_scripts": ["kvrelay=kvrelay.cli:main"]},
 )

@@ -50,8 +50,10 @@ from pathlib import Path
 from kvrelay.bench import cache_policies
 from kvrelay.bench.arg_types import at_least, ints_at_least
 from kvrelay.bench.cache_report import plot, print_tables, progress_bar
+from kvrelay.bench.cache_sweep import run_sweep
 from kvrelay.bench.cache_tiers import (
     L3_URLS,
+    Counts,
     close_tiers,
     l3_dir,
     l3_stores,
@@ -65,6 +67,7 @@ from kvrelay.bench.cache_trace import (
     load_trace,
     page_content,
 )
+from kvrelay.bench.cache_workloads import help_text, workload_names
 from kvrelay.bench.stats import machine_info, write_json
 from kvrelay.cache.eviction import DEFAULT_POLICY, POLICIES
 from kvrelay.cache.eviction.oracles import ORACLES
@@ -72,60 +75,6 @@ from kvrelay.cache.l3.local_server import local_l3
 from kvrelay.cache.tier import CacheTier
 from kvrelay.layout.ring import HashRing
 from kvrelay.transfer import create_agent
-
-
-class Counts:
-    """One policy's replay: hits of the global prefix and bytes moved, per tier."""
-
-    __slots__ = (
-        "bytes_in", "bytes_out", "checksum_failures", "clean_evictions", "demotions",
-        "hit_pages", "hit_tokens", "l2_hit_pages", "l3_bytes_in", "l3_bytes_out", "l3_hit_pages",
-        "pages", "promotions", "tokens", "wrong_pages",
-    )  # fmt: skip
-
-    def __init__(self) -> None:
-        for name in self.__slots__:
-            setattr(self, name, 0)
-
-    def add(self, pages: int, hits: int, input_tokens: int, block_tokens: int, page_bytes: int):
-        self.pages += pages
-        self.hit_pages += hits
-        self.tokens += input_tokens
-        self.hit_tokens += min(hits * block_tokens, input_tokens)
-        self.bytes_in += hits * page_bytes
-        self.bytes_out += (pages - hits) * page_bytes
-
-    def add_tiers(self, tiers: list[CacheTier]) -> None:
-        """The tiers' own L3 counters (promotions also count pages past the prefix)."""
-        for tier in tiers:
-            self.promotions += tier.stats.promotions
-            self.demotions += tier.stats.demotions
-            self.clean_evictions += tier.stats.clean_evictions
-            if tier.l3 is not None:
-                self.l3_bytes_in += tier.l3.stats.bytes_in
-                self.l3_bytes_out += tier.l3.stats.bytes_out
-                self.checksum_failures += tier.l3.stats.checksum_failures
-
-    def to_json(self, page_bytes: int) -> dict:
-        return {
-            "block_hit_rate": self.hit_pages / max(self.pages, 1),
-            "token_hit_rate": self.hit_tokens / max(self.tokens, 1),
-            "bytes_pulled": self.bytes_in,
-            "bytes_written": self.bytes_out,
-            "l2_hit_pages": self.l2_hit_pages,
-            "l3_hit_pages": self.l3_hit_pages,  # prefix pages promoted from L3
-            "l3_promotions": self.promotions,
-            "l3_demotions": self.demotions,
-            "l3_clean_evictions": self.clean_evictions,  # promoted pages: nothing to write
-            # Counted at the nominal page size, like the L2 bytes ...
-            "l3_bytes_demoted": self.demotions * page_bytes,
-            "l3_bytes_promoted": self.promotions * page_bytes,
-            # ... and the replay's slot bytes the store really moved.
-            "l3_store_bytes_in": self.l3_bytes_in,
-            "l3_store_bytes_out": self.l3_bytes_out,
-            "l3_checksum_failures": self.checksum_failures,
-            "wrong_pages": self.wrong_pages,
-        }
 
 
 def _replay_tiers(tiers: list[CacheTier], route, requests, key_lists, args, progress) -> Counts:
@@ -337,11 +286,16 @@ def _l3(text: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", required=True, help="Mooncake-format JSONL")
+    parser.add_argument("--trace", help="Mooncake-format JSONL")
+    parser.add_argument("--workloads", type=_workloads, default=None, help=help_text())
     positive = at_least(1)
     parser.add_argument("--limit", type=positive, default=None, help="replay only the first N")
     parser.add_argument("--workers", type=positive, default=8)
-    parser.add_argument("--servers", type=positive, default=4)
+    parser.add_argument(
+        "--servers", type=ints_at_least(1), default=[4],
+        help="cache servers of the host tier; several (comma-separated), or --workloads,"
+        " report every policy against LRU per workload, server count and capacity",
+    )  # fmt: skip
     parser.add_argument(
         "--capacities", type=ints_at_least(1), default=None,
         help="total pages, comma-separated (default: 5, 10, 25, 50 and 100 %% of the"
@@ -383,16 +337,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
+def _workloads(text: str) -> list[str]:
+    try:
+        return workload_names(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def run(args: argparse.Namespace) -> dict:
-    try:  # before any server starts
-        requests = load_trace(args.trace, args.limit)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"bench cache: {args.trace}: {e}") from None
+    if args.trace is None and not args.workloads:
+        raise SystemExit("bench cache: give --trace, --workloads or both")
+    requests = None
+    if args.trace is not None:
+        try:  # before any server starts
+            requests = load_trace(args.trace, args.limit)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"bench cache: {args.trace}: {e}") from None
+    names = _policy_names(args)
     with local_l3(args.l3) as url:
         args.l3 = url
-        payload = asyncio.run(_run(args, requests))
+        if args.workloads or len(args.servers) > 1:
+            payload = run_sweep(args, requests, names, _replay_tiers, _replay_infinite,
+                                lambda r: _key_lists(args, r))  # fmt: skip
+        else:
+            args.servers = args.servers[0]
+            payload = asyncio.run(_run(args, requests))
     if args.json:
         write_json(args.json, payload)
-    if args.plot:
+    if args.plot and "capacities" in payload:
         plot(payload, args.plot)
     return payload

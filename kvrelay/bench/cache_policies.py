@@ -6,8 +6,8 @@ The cost is the real `PageIndex` under each policy, replaying the trace's
 own stream of lookups and inserts at one capacity, the policies
 interleaved round by round so that a noisy neighbour slows them alike;
 the median of the rounds is reported. Beside the policies replayed for hit
-rates, the cost table has the Python reference of the compiled default
-(`prefix-lirs-reference`: the same choices, so no hit rate of its own).
+rates, the cost table has the Python reference of each compiled one
+(`prefix-lru-reference`, `prefix-lirs-reference`: the same choices).
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ import statistics
 import time
 from collections.abc import Sequence
 
-from kvrelay.cache.eviction import DEFAULT_POLICY, POLICIES, make_policy
+from kvrelay.cache.eviction import POLICIES, make_policy
 from kvrelay.cache.eviction.belady import belady_hits
 from kvrelay.cache.eviction.lirs import PrefixLIRSReference
 from kvrelay.cache.eviction.oracles import oracle_hits
+from kvrelay.cache.eviction.prefix import PrefixLRUReference
 from kvrelay.cache.index import PageIndex
 
 
@@ -39,14 +40,16 @@ def offline_bounds(key_lists, capacities: Sequence[int], route, requests, args, 
     return out
 
 
-# Measured for their cost only: the reference of the compiled default.
-REFERENCES = {"prefix-lirs-reference": PrefixLIRSReference}
+# Measured for their cost only: the references of the compiled policies
+# (the same choices, so no hit rates of their own).
+REFERENCES = {"prefix-lru-reference": PrefixLRUReference,
+              "prefix-lirs-reference": PrefixLIRSReference}  # fmt: skip
 
 
 def cost_names(names: Sequence[str]) -> list[str]:
-    """`names`, then the default's reference if the default is compiled."""
-    compiled = POLICIES[DEFAULT_POLICY] is not PrefixLIRSReference
-    return [*names, *(REFERENCES if compiled and DEFAULT_POLICY in names else ())]
+    """`names`, then the reference of each compiled one among them."""
+    refs = [f"{n}-reference" for n in names if f"{n}-reference" in REFERENCES]
+    return [*names, *(r for r in refs if POLICIES[r[: -len("-reference")]] is not REFERENCES[r])]
 
 
 def _make(name: str):

@@ -74,3 +74,57 @@ def close_tiers(tiers: list[CacheTier]) -> None:
         if tier.l3 is not None:
             tier.l3.flush(NAMESPACE)
             tier.l3.close()
+
+
+class Counts:
+    """One policy's replay: hits of the global prefix and bytes moved, per tier."""
+
+    __slots__ = (
+        "bytes_in", "bytes_out", "checksum_failures", "clean_evictions", "demotions",
+        "hit_pages", "hit_tokens", "l2_hit_pages", "l3_bytes_in", "l3_bytes_out", "l3_hit_pages",
+        "pages", "promotions", "tokens", "wrong_pages",
+    )  # fmt: skip
+
+    def __init__(self) -> None:
+        for name in self.__slots__:
+            setattr(self, name, 0)
+
+    def add(self, pages: int, hits: int, input_tokens: int, block_tokens: int, page_bytes: int):
+        self.pages += pages
+        self.hit_pages += hits
+        self.tokens += input_tokens
+        self.hit_tokens += min(hits * block_tokens, input_tokens)
+        self.bytes_in += hits * page_bytes
+        self.bytes_out += (pages - hits) * page_bytes
+
+    def add_tiers(self, tiers: list[CacheTier]) -> None:
+        """The tiers' own L3 counters (promotions also count pages past the prefix)."""
+        for tier in tiers:
+            self.promotions += tier.stats.promotions
+            self.demotions += tier.stats.demotions
+            self.clean_evictions += tier.stats.clean_evictions
+            if tier.l3 is not None:
+                self.l3_bytes_in += tier.l3.stats.bytes_in
+                self.l3_bytes_out += tier.l3.stats.bytes_out
+                self.checksum_failures += tier.l3.stats.checksum_failures
+
+    def to_json(self, page_bytes: int) -> dict:
+        return {
+            "block_hit_rate": self.hit_pages / max(self.pages, 1),
+            "token_hit_rate": self.hit_tokens / max(self.tokens, 1),
+            "bytes_pulled": self.bytes_in,
+            "bytes_written": self.bytes_out,
+            "l2_hit_pages": self.l2_hit_pages,
+            "l3_hit_pages": self.l3_hit_pages,  # prefix pages promoted from L3
+            "l3_promotions": self.promotions,
+            "l3_demotions": self.demotions,
+            "l3_clean_evictions": self.clean_evictions,  # promoted pages: nothing to write
+            # Counted at the nominal page size, like the L2 bytes ...
+            "l3_bytes_demoted": self.demotions * page_bytes,
+            "l3_bytes_promoted": self.promotions * page_bytes,
+            # ... and the replay's slot bytes the store really moved.
+            "l3_store_bytes_in": self.l3_bytes_in,
+            "l3_store_bytes_out": self.l3_bytes_out,
+            "l3_checksum_failures": self.checksum_failures,
+            "wrong_pages": self.wrong_pages,
+        }

@@ -199,19 +199,26 @@ class PageIndex:
         return entry
 
     def evict(
-        self, count: int, where: Callable[[PageEntry], bool] | None = None
+        self,
+        count: int,
+        where: Callable[[PageEntry], bool] | None = None,
+        inner: bool = False,
     ) -> list[PageEntry]:
         """Remove up to `count` sealed, unpinned pages in the policy's order.
 
         `where` restricts the choice (e.g. to one namespace; a scan of every
         evictable page, in no promised order); the caller frees or demotes
-        what comes back.
+        what comes back. `inner`: when the policy keeps the rest for held
+        pages of their chains, take those too (`victim_inner`: a caller that
+        demotes them to L3 loses nothing).
         """
         self.expire_leases()
         victims: list[PageEntry] = []
         if where is None:
             while len(victims) < count:
                 key = self.policy.victim()
+                if key is None and inner:
+                    key = self.policy.victim_inner()
                 if key is None:
                     break
                 victims.append(self._entries.pop(key))

@@ -194,7 +194,10 @@ class CacheTier:
         slot = self.arena.alloc()
         if slot is not None:
             return slot
-        for entry in self.index.evict(1):
+        # With an L3 a page the policy keeps for a held later page of its
+        # chain can go too: it is demoted (or there already), and promotion
+        # brings it back; without one, refusing keeps the prefix those need.
+        for entry in self.index.evict(1, inner=self.l3 is not None):
             self.stats.evictions += 1
             self._demote(entry)
             self.arena.free(entry.slot)

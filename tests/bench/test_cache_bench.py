@@ -175,13 +175,13 @@ def test_bench_cache_reports_every_policy_and_belady(tmp_path, capsys):
     write_trace(trace)
     out, png = tmp_path / "out.json", tmp_path / "hit.png"
     main(["bench", "cache", "--trace", str(trace), "--workers", "2", "--servers", "1",
-          "--capacities", "12,30", "--policies", "prefix-lru,prefix-s3fifo",
+          "--capacities", "12,30", "--policies", "prefix-lirs",
           "--cost-rounds", "1", "--json", str(out), "--plot", str(png),
           "--no-progress"])  # fmt: skip
     payload = json.loads(out.read_text())
     default = payload["default_policy"]
     assert default == DEFAULT_POLICY
-    names = {"lru", default, "prefix-lru", "prefix-s3fifo"}
+    names = {"lru", default, "prefix-lirs"}
     assert set(payload["online_policies"]) == names
     for entry in payload["capacities"]:
         rates = {n: r["block_hit_rate"] for n, r in entry["policies"].items()}
@@ -196,7 +196,8 @@ def test_bench_cache_reports_every_policy_and_belady(tmp_path, capsys):
     assert cost[default]["ns_per_lookup"] > 0 and cost[default]["gc_off"]["ns_per_insert"] > 0
     assert cost["lru"]["insert_ratio_min"] == cost["lru"]["insert_ratio_max"] == 1.0
     assert cost[default]["lookup_ratio_min"] <= cost[default]["lookup_ratio_max"]
-    # The compiled default's Python reference is timed beside it.
+    # The compiled policies' Python references are timed beside them.
+    assert cost["prefix-lru-reference"]["ns_per_lookup"] > 0
     assert cost["prefix-lirs-reference"]["ns_per_lookup"] > 0
     printed = capsys.readouterr().out
     assert "belady" in printed and "ns/page looked up" in printed
@@ -218,7 +219,8 @@ def test_bench_cache_refuses_an_unknown_policy(tmp_path):
         ("--capacities", "8,,30", "must be comma-separated integers >= 1"),
         ("--capacities", "x", "must be comma-separated integers >= 1"),
         ("--limit", "-3", "must be an integer >= 1"),
-        ("--servers", "0", "must be an integer >= 1"),
+        ("--servers", "0", "must be comma-separated integers >= 1"),
+        ("--workloads", "flood", "unknown workloads ['flood']"),
         ("--workers", "0", "must be an integer >= 1"),
         ("--block-tokens", "0", "must be an integer >= 1"),
         ("--cost-rounds", "0", "must be an integer >= 1"),
@@ -355,3 +357,34 @@ def test_each_file_l3_holds_its_servers_share_of_the_working_set(tmp_path):
     args.l3_pages = 10
     stores = l3_stores(args, tmp_path, [3, 7], run=1)
     assert [s.config.capacity_bytes for s in stores] == [5 * record_bytes, 5 * record_bytes]
+
+
+def test_bench_cache_sweeps_workloads_and_servers_against_lru(tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    main(["bench", "cache", "--workloads", "short-sessions,scan", "--servers", "1,2",
+          "--capacities", "100,400", "--policies", "prefix-lirs", "--json", str(out),
+          "--no-progress"])  # fmt: skip
+    payload = json.loads(out.read_text())
+    rows = payload["rows"]
+    assert {(r["workload"], r["servers"], r["capacity_pages"]) for r in rows} == {
+        (w, s, c) for w in ("short-sessions", "scan") for s in (1, 2) for c in (100, 400)
+    }
+    for row in rows:
+        assert set(row["rates"]) == {"lru", DEFAULT_POLICY, "prefix-lirs"}
+        assert row["diff"]["lru"] == 0.0
+        assert row["belady"] >= row["oracle-dead"] - 1e-12
+        # A file L3 of each server's share of the working set: the optimum.
+        assert row["default_l3"] >= 0.97 * row["infinite"]
+    worst = payload["worst"][DEFAULT_POLICY]
+    assert worst["diff"] == min(r["diff"][DEFAULT_POLICY] for r in rows)
+    printed = capsys.readouterr().out
+    assert "worst difference from LRU" in printed and "short-sessions" in printed
+
+
+def test_bench_cache_workloads_are_named_in_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "cache", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name in ("agentic", "agentic-jitter", "floods", "scan", "short-sessions",
+                 "long-sessions", "system-prompts"):  # fmt: skip
+        assert f"{name}:" in text

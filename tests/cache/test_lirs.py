@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvrelay.cache.eviction import DEFAULT_POLICY, make_policy
+from kvrelay.cache.eviction import make_policy
 from kvrelay.cache.eviction.compiled import CompiledPrefixLIRSPolicy, reference_state
 from kvrelay.cache.eviction.lirs import _LIR, PrefixLIRSReference
 from kvrelay.cache.index import PageIndex
@@ -29,11 +29,11 @@ def loop_hits(name: str, pages: int, capacity: int, rounds: int) -> int:
 
 def test_lirs_keeps_part_of_a_loop_larger_than_the_cache():
     assert loop_hits("lru", 10, 8, 20) == 0
-    assert loop_hits(DEFAULT_POLICY, 10, 8, 20) >= 19 * 4
+    assert loop_hits("prefix-lirs", 10, 8, 20) >= 19 * 4
 
 
 def test_pages_read_once_leave_in_arrival_order():
-    index = PageIndex(16, policy=make_policy(DEFAULT_POLICY))
+    index = PageIndex(16, policy=make_policy("prefix-lirs"))
     for i in range(6):
         index.insert(key(i), i, sealed=True)
     assert [v.key for v in index.evict(6)] == [key(i) for i in range(6)]
@@ -42,7 +42,7 @@ def test_pages_read_once_leave_in_arrival_order():
 def test_a_one_off_tail_leaves_before_a_shared_prompt_read_by_every_request():
     # A prompt read by three requests, then a one-off request that reads it and
     # writes two pages of its own: they are the newest, yet they go first.
-    for name, first_out in ((DEFAULT_POLICY, "tail"), ("lru", "prompt")):
+    for name, first_out in (("prefix-lirs", "tail"), ("lru", "prompt")):
         index = PageIndex(16, policy=make_policy(name))
         (prompt,) = chains(index, 4)
         for _ in range(3):
@@ -58,7 +58,7 @@ def test_a_one_off_tail_leaves_before_a_shared_prompt_read_by_every_request():
 def test_a_returning_parent_is_kept_for_the_child_that_stayed():
     # A parent that had to go while its child was pinned, and comes back (the
     # same key is the same prefix), stays while that child does.
-    index = PageIndex(16, policy=make_policy(DEFAULT_POLICY))
+    index = PageIndex(16, policy=make_policy("prefix-lirs"))
     parent, child, lone = key(0), key(1), key(2)
     index.insert(parent, 0, sealed=True)
     index.insert(child, 1, sealed=True, parent=parent)
@@ -105,7 +105,7 @@ def test_lirs_batched_reads_match_the_loop_spelled_out():
 def test_lirs_queues_a_parent_at_the_front_when_its_last_child_leaves():
     # Chains of one-off pages leave tail first, each parent right after its
     # child; a pinned parent waits and then queues at Q's tail.
-    index = PageIndex(16, policy=make_policy(DEFAULT_POLICY))
+    index = PageIndex(16, policy=make_policy("prefix-lirs"))
     a, b = chains(index, 3, 3)
     assert [v.key for v in index.evict(3)] == a[::-1]
     lease = index.pin([b[1]], lease_s=60)

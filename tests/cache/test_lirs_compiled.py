@@ -8,7 +8,7 @@ import weakref
 
 import pytest
 
-from kvrelay.cache.eviction import DEFAULT_POLICY, POLICIES, make_policy
+from kvrelay.cache.eviction import POLICIES, make_policy
 from kvrelay.cache.eviction.compiled import CompiledPrefixLIRSPolicy, reference_state
 from kvrelay.cache.eviction.lirs import PrefixLIRSReference
 from kvrelay.cache.index import PageIndex
@@ -157,10 +157,10 @@ def test_an_index_replay_evicts_the_same_pages_in_the_same_order():
         assert mine[0] and mine[1]
 
 
-def test_the_default_is_the_compiled_policy():
+def test_prefix_lirs_is_the_compiled_policy():
     # A build that lost the module would fall back to the reference silently.
-    assert POLICIES[DEFAULT_POLICY] is CompiledPrefixLIRSPolicy
-    assert isinstance(make_policy(), CompiledPrefixLIRSPolicy)
+    assert POLICIES["prefix-lirs"] is CompiledPrefixLIRSPolicy
+    assert isinstance(make_policy("prefix-lirs"), CompiledPrefixLIRSPolicy)
 
 
 def test_bad_keys_and_arguments_are_refused():

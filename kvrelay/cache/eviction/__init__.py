@@ -1,22 +1,21 @@
 """Eviction policies behind one interface (`EvictionPolicy`), chosen by name.
 
-`lru` is blind to chains and frequency; `prefix-lirs` (the default, compiled),
-`prefix-lru` and `prefix-s3fifo` keep a page while a later page of its
-chain stays, and order the rest by reuse distance, recency or frequency; `belady` (the offline
-bound, `kvrelay.cache.eviction.belady`) is a replay, not a policy.
+`lru` is blind to chains; `prefix-lru` (the default) and `prefix-lirs` keep
+a page while a later page of its chain stays and order the rest by recency
+or by reuse distance (both compiled); `belady` and the oracles
+(`belady.py`, `oracles.py`) are the bench's offline bounds, not policies.
 """
 
 from __future__ import annotations
 
 from kvrelay.cache.eviction.base import EvictionPolicy
-from kvrelay.cache.eviction.compiled import PrefixLIRSPolicy
+from kvrelay.cache.eviction.compiled import PrefixLIRSPolicy, PrefixLRUPolicy
 from kvrelay.cache.eviction.lru import LRUPolicy
-from kvrelay.cache.eviction.prefix import PrefixLRUPolicy, PrefixS3FIFOPolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
-    cls.name: cls for cls in (LRUPolicy, PrefixLIRSPolicy, PrefixLRUPolicy, PrefixS3FIFOPolicy)
+    cls.name: cls for cls in (LRUPolicy, PrefixLRUPolicy, PrefixLIRSPolicy)
 }
-DEFAULT_POLICY = "prefix-lirs"
+DEFAULT_POLICY = "prefix-lru"
 
 __all__ = ["DEFAULT_POLICY", "POLICIES", "EvictionPolicy", "make_policy"]
 

@@ -14,7 +14,10 @@ never frees anything itself. The owner tells it what happens to each page:
   index calls `touch_many` once per lookup, with no keys when nothing hit,
   so a policy can count lookups as time;
 - `forget(key)`: the page left for another reason (removed, flushed, dropped);
-- `victim()`: pick an evictable page, forget it and return its key.
+- `victim()`: pick an evictable page, forget it and return its key;
+- `victim_inner()`: when `victim()` found none, an evictable page that a
+  prefix-aware policy keeps because a held page of its chain depends on it
+  (an owner with a lower tier to demote it into loses nothing by taking it).
 
 A held page is never in the evictable set, so pins and leases can never make
 a page a victim. Every call is O(1) amortised.
@@ -59,6 +62,11 @@ class EvictionPolicy(abc.ABC):
     @abc.abstractmethod
     def victim(self) -> Hashable | None:
         """Forget and return the page to evict next; None if none is evictable."""
+
+    def victim_inner(self) -> Hashable | None:
+        """Forget and return an evictable page `victim` keeps for a held later
+        page of its chain; None if there is none (the default: `victim` keeps none)."""
+        return None
 
     @abc.abstractmethod
     def evictable(self) -> Iterator[Hashable]:

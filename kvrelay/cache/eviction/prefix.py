@@ -1,107 +1,102 @@
-"""Prefix-aware eviction: a page is not a victim while a later page of its chain is held.
+"""`prefix-lru`, the reference: LRU among the pages no later page of their chain depends on.
 
-A prefix hit needs every page before it, so evicting a chain's middle page
-makes every page after it dead weight. Pages are *leaves* (no resident
-child) or *inner* pages; only leaves are victims. An inner page waits,
-parked, until its last resident child leaves, and then queues at the head.
-Parked pages are victims only when no leaf can go (every leaf held by a pin
-or a writer).
+A prefix hit needs every page before it, so a page whose chain parent is
+gone is never hit until the parent returns. Pages are *leaves* (no resident
+child) or *inner* pages, and the victim is always the least recently used
+leaf; an inner page is never a victim. When every leaf is held (pinned by a
+reader, or being written), nothing goes: the owner's write finds no room,
+and the pages it would have displaced, ancestors of held pages, stay,
+unless the owner asks for one (`victim_inner`: a tier with an L3 demotes it
+there and loses nothing; the oldest parked page).
 
-Among leaves, two orders:
+Why that is never worse than LRU, one server at a time: a lookup reads a
+chain's resident prefix parent first, so a page is never read later than
+its child's read in the same lookup, and a request's pages last read by
+the same lookup form one tail of its chain. LRU, taking the least recently
+read page, takes that tail's shallowest page first and leaves the deeper
+ones dead; this order takes its deepest first, which is the only place the
+two differ, so every page LRU holds with its whole prefix this order holds
+too. Refusing to evict an ancestor for a page being written gives up that
+page only, which could never be hit without the ancestor.
 
-- `prefix-lru`: least recently used first (SGLang's radix cache evicts this
-  way). Inner pages keep their place in the recency order and are parked
-  only when they reach its head, so the order stays the pages' own: one
-  parked there was the least recently used page and is unread since, so
-  when its last child leaves it is older than every page queued since and
-  goes back to the head; one read while parked returns to the tail, as
-  a read leaf does; and one whose last child leaves while it is still
-  queued keeps its place. (Parking a parent as soon as a child arrives and
-  queuing it at the head when the child leaves would evict, right after a
-  page, its parent, however recently read: in a sharded tier a lookup
-  reads a server's page of a chain and stops at another server's miss
-  before that server's next page, so a parent is often newer than its
-  child.)
-- `prefix-s3fifo`: S3-FIFO's queues: new pages enter a small probation FIFO
-  (a tenth of the pages); a page read while there moves to the main FIFO on
-  its way out, one never read leaves (a finished one-off request's tail)
-  and its key is remembered in a ghost FIFO, so a page that comes back soon
-  goes straight to main. Main gives a page read since its last pass
-  another pass (up to three). Reads only bump a counter: no reordering.
-  It parks a page as soon as a child arrives and queues it at the head
-  when its last child leaves.
+The order: inner pages keep their place in the recency order and are parked
+only when they reach its head, so the order stays the pages' own (in a
+sharded tier a lookup can read a server's page of a chain and stop at
+another server's miss before that server's next page, so a parent can be
+newer than its child). A parked page was the least recently used page and
+is unread since: when its last child leaves it goes back to the head; read
+while parked, it returns to the tail, as a read leaf does.
+
+The index runs the compiled twin (`compiled.py`); this is the reference it
+is tested against, call for call.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
-from typing import ClassVar
 
 from kvrelay.cache.eviction.base import EvictionPolicy
 
-_HELD, _SMALL, _MAIN, _PARKED = 0, 1, 2, 3
-_MAX_FREQ = 3
+_HELD, _ORDER, _PARKED = 0, 1, 2
 
 
 class _Page:
-    __slots__ = ("children", "freq", "gone", "key", "main", "parent", "where")
+    __slots__ = ("children", "gone", "key", "parent", "where")
 
-    def __init__(self, key: Hashable, parent: _Page | None, main: bool) -> None:
+    def __init__(self, key: Hashable, parent: _Page | None) -> None:
         self.key = key
         self.parent = parent
         self.children = 0
-        self.freq = 0
         self.where = _HELD
-        self.main = main  # queues in main (a ghost hit, or read in probation)
+        # Children hold their parent object: once it has left they must not
+        # count against a later page of the same key.
         self.gone = False
 
 
-class _PrefixPolicy(EvictionPolicy):
-    """Chain bookkeeping shared by both orders; subclasses own the leaf queues."""
-
-    # Parked when it reaches the head of the queues (the subclass's
-    # `_pop_leaf` parks it), not when a child arrives.
-    parks_at_head: ClassVar[bool] = False
+class PrefixLRUReference(EvictionPolicy):
+    name = "prefix-lru"
 
     def __init__(self) -> None:
         self._pages: dict[Hashable, _Page] = {}
+        # Evictable pages, least recently used first, but for inner pages
+        # parked on reaching the head.
+        self._order: OrderedDict[Hashable, _Page] = OrderedDict()
         self._parked: OrderedDict[Hashable, _Page] = OrderedDict()
-
-    # -- the interface -------------------------------------------------------------
 
     def admit(self, key: Hashable, parent: Hashable | None = None, evictable: bool = False) -> None:
         if key not in self._pages:
-            self._admit(key, parent)
+            up = self._pages.get(parent) if parent is not None else None
+            self._pages[key] = _Page(key, up)
+            if up is not None:
+                up.children += 1
         if evictable:
             self.make_evictable(key)
 
-    def _admit(self, key: Hashable, parent: Hashable | None) -> None:
-        up = self._pages.get(parent) if parent is not None else None
-        page = _Page(key, up, self._from_ghost(key))
-        self._pages[key] = page
-        if up is not None:
-            up.children += 1
-            if not self.parks_at_head and up.where in (_SMALL, _MAIN):
-                self._dequeue(up)
-                up.where = _PARKED
-                self._parked[up.key] = up
-
     def make_evictable(self, key: Hashable) -> None:
         page = self._pages.get(key)
-        if page is None or page.where != _HELD:
-            return
-        if page.children and not self.parks_at_head:
-            page.where = _PARKED
-            self._parked[key] = page
-        else:
-            self._enqueue(page, head=False)
+        if page is not None and page.where == _HELD:
+            page.where = _ORDER
+            self._order[key] = page
 
     def hold(self, key: Hashable) -> None:
         page = self._pages.get(key)
-        if page is not None and page.where != _HELD:
+        if page is not None:
             self._dequeue(page)
-            page.where = _HELD
+
+    def touch(self, key: Hashable) -> None:
+        self.touch_many((key,))
+
+    def touch_many(self, keys: Sequence[Hashable]) -> None:
+        order, parked = self._order, self._parked
+        move = order.move_to_end
+        for key in keys:
+            if key in order:
+                move(key)
+            elif key in parked:  # read while parked: back in the order, at its tail
+                page = parked.pop(key)
+                page.where = _ORDER
+                order[key] = page
 
     def forget(self, key: Hashable) -> None:
         page = self._pages.pop(key, None)
@@ -110,15 +105,26 @@ class _PrefixPolicy(EvictionPolicy):
             self._gone(page)
 
     def victim(self) -> Hashable | None:
-        page = self._pop_leaf()
-        if page is None:
-            if not self._parked:
-                return None
-            # Nothing else can go: the oldest parked page.
-            _, page = self._parked.popitem(last=False)
-        del self._pages[page.key]
+        order = self._order
+        while order:
+            key, page = order.popitem(last=False)
+            if not page.children:
+                page.where = _HELD
+                del self._pages[key]
+                self._gone(page)
+                return key
+            page.where = _PARKED  # an inner page at the head waits for its children
+            self._parked[key] = page
+        return None  # every leaf is held: no ancestor of theirs goes
+
+    def victim_inner(self) -> Hashable | None:
+        if not self._parked:
+            return None
+        key, page = self._parked.popitem(last=False)  # the least recently used
+        page.where = _HELD
+        del self._pages[key]
         self._gone(page)
-        return page.key
+        return key
 
     def evictable(self) -> Iterator[Hashable]:
         return iter([k for k, p in self._pages.items() if p.where != _HELD])
@@ -129,127 +135,37 @@ class _PrefixPolicy(EvictionPolicy):
     def __contains__(self, key: Hashable) -> bool:
         return key in self._pages
 
-    # -- internals -----------------------------------------------------------------
+    def _dequeue(self, page: _Page) -> None:
+        if page.where == _ORDER:
+            del self._order[page.key]
+        elif page.where == _PARKED:
+            del self._parked[page.key]
+        page.where = _HELD
 
     def _gone(self, page: _Page) -> None:
         page.gone = True
-        page.where = _HELD
         up = page.parent
         if up is None or up.gone:
             return
         up.children -= 1
         if up.children == 0 and up.where == _PARKED:
+            # Parked at the head and unread since: the least recently used.
             del self._parked[up.key]
-            self._enqueue(up, head=True)
-
-    def _dequeue(self, page: _Page) -> None:
-        if page.where == _PARKED:
-            del self._parked[page.key]
-        elif page.where != _HELD:
-            self._leaf_dequeue(page)
-
-    def _from_ghost(self, key: Hashable) -> bool:
-        return False
-
-    def _enqueue(self, page: _Page, head: bool) -> None:
-        raise NotImplementedError
-
-    def _leaf_dequeue(self, page: _Page) -> None:
-        raise NotImplementedError
-
-    def _pop_leaf(self) -> _Page | None:
-        raise NotImplementedError
+            up.where = _ORDER
+            self._order[up.key] = up
+            self._order.move_to_end(up.key, last=False)
 
 
-class PrefixLRUPolicy(_PrefixPolicy):
-    name = "prefix-lru"
-    parks_at_head = True
-
-    def __init__(self) -> None:
-        super().__init__()
-        # The evictable pages in recency order, least recent first, but for
-        # the inner pages parked on reaching the head.
-        self._leaves: OrderedDict[Hashable, _Page] = OrderedDict()
-
-    def touch(self, key: Hashable) -> None:
-        self.touch_many((key,))
-
-    def touch_many(self, keys: Sequence[Hashable]) -> None:
-        leaves, parked = self._leaves, self._parked
-        move = leaves.move_to_end
-        for key in keys:
-            if key in leaves:
-                move(key)
-            elif key in parked:  # read while parked: back in the order, at its tail
-                page = parked.pop(key)
-                page.where = _SMALL
-                leaves[key] = page
-
-    def _enqueue(self, page: _Page, head: bool) -> None:
-        page.where = _SMALL
-        self._leaves[page.key] = page
-        if head:
-            self._leaves.move_to_end(page.key, last=False)
-
-    def _leaf_dequeue(self, page: _Page) -> None:
-        del self._leaves[page.key]
-
-    def _pop_leaf(self) -> _Page | None:
-        leaves = self._leaves
-        while leaves:
-            key, page = leaves.popitem(last=False)
-            if not page.children:
-                return page
-            page.where = _PARKED  # an inner page at the head waits for its children
-            self._parked[key] = page
-        return None
-
-
-class PrefixS3FIFOPolicy(_PrefixPolicy):
-    name = "prefix-s3fifo"
-    small_share = 0.1
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._small: OrderedDict[Hashable, _Page] = OrderedDict()
-        self._main: OrderedDict[Hashable, _Page] = OrderedDict()
-        self._ghost: OrderedDict[Hashable, None] = OrderedDict()
-
-    def touch(self, key: Hashable) -> None:
-        page = self._pages.get(key)
-        if page is not None and page.freq < _MAX_FREQ:
-            page.freq += 1
-
-    def _from_ghost(self, key: Hashable) -> bool:
-        return self._ghost.pop(key, 0) is None
-
-    def _enqueue(self, page: _Page, head: bool) -> None:
-        queue = self._main if page.main else self._small
-        page.where = _MAIN if page.main else _SMALL
-        queue[page.key] = page
-        if head:
-            queue.move_to_end(page.key, last=False)
-
-    def _leaf_dequeue(self, page: _Page) -> None:
-        del (self._main if page.where == _MAIN else self._small)[page.key]
-
-    def _pop_leaf(self) -> _Page | None:
-        small, main = self._small, self._main
-        while small or main:
-            if small and (not main or len(small) >= self.small_share * len(self._pages)):
-                _, page = small.popitem(last=False)
-                if page.freq:
-                    page.freq, page.main, page.where = 0, True, _MAIN
-                    main[page.key] = page
-                    continue
-                self._ghost[page.key] = None
-                while len(self._ghost) > len(self._pages):
-                    self._ghost.popitem(last=False)
-                return page
-            _, page = main.popitem(last=False)
-            if page.freq:
-                page.freq -= 1
-                main[page.key] = page
-                continue
-            return page
-        return None
+def reference_state(policy: PrefixLRUReference) -> dict:
+    """The reference's state as the compiled policy's `debug_state` gives it."""
+    pages = policy._pages
+    return {
+        "order": list(policy._order),
+        "parked": list(policy._parked),
+        "held": [k for k, p in pages.items() if p.where == _HELD],
+        "children": {k: p.children for k, p in pages.items()},
+        "parent": {
+            k: (p.parent.key if p.parent is not None and not p.parent.gone else None)
+            for k, p in pages.items()
+        },
+    }
