@@ -62,10 +62,9 @@ def ensure_model(path: Path, mtp: int = 0, profile: str = "default") -> Path:
 
 
 def page_bytes_of(model_dir: Path, dtype: str, page_size: int) -> int:
-    from kvrelay.model.config import ModelConfig
-    from kvrelay.model.loader import kv_spec
+    from kvrelay.model.loader import model_kv_spec
 
-    return kv_spec(model_dir, ModelConfig.from_dir(model_dir), dtype, page_size).page_bytes
+    return model_kv_spec(model_dir, dtype, page_size).page_bytes
 
 
 def optimum_by_turn(config: WorkloadConfig, records: list[TurnRecord], page_size: int) -> dict:

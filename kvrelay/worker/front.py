@@ -17,8 +17,8 @@ import logging
 from pathlib import Path
 
 from kvrelay import rpc
-from kvrelay.model.config import ModelConfig
 from kvrelay.model.errors import RequestError
+from kvrelay.model.loader import load_config
 from kvrelay.model.parallel import ParallelEngine
 from kvrelay.rpc.worker_ops import (
     Decode,
@@ -79,7 +79,7 @@ class WorkerFront:
             rank_setup=functools.partial(self._rank_setup, c.rank_options()),
         )
         self.spec = self.engine.spec
-        self.vocab = ModelConfig.from_dir(c.model_dir).vocab_size
+        self.vocab = load_config(c.model_dir).vocab_size
         self._lock = asyncio.Lock()
         host, port = rpc.split_address(c.listen)
         self._server = rpc.Server(
