@@ -166,6 +166,7 @@ def _worker(
         "export_draft": lambda tokens, arena: export_draft_prefix(engine, tokens, arena),
         "import_draft": lambda tokens, arena: import_draft_prefix(engine, tokens, arena),
         "free_pages": lambda: engine.pool.free_pages,
+        "draft_page_bytes": lambda: engine.draft.spec.page_bytes if engine.draft else 0,
         "clear_cache": engine.pool.clear_cache,
         "describe": lambda: _describe(engine),
     }
@@ -293,10 +294,11 @@ class ParallelEngine:
         return self._call("import", list(tokens), arena)[0]
 
     def export_draft_prefix(self, tokens: list[int]) -> torch.Tensor:
-        """The draft pages of `tokens` (`kvrelay.model.draft_transfer`): one
-        layer of the target's heads and dims per page."""
+        """The draft pages of `tokens` (`kvrelay.model.draft_transfer`), in
+        the draft spec's page layout."""
         num_pages = max(0, (len(tokens) - 1) // self.spec.page_size)
-        page_bytes = self.spec.num_kv_heads * self.spec.block_bytes
+        # The draft's own spec (an MLA draft's page is not one target layer).
+        page_bytes = max(self._call("draft_page_bytes"))
         arena = torch.zeros(num_pages, page_bytes, dtype=torch.uint8).share_memory_()
         self._call("export_draft", list(tokens), arena)
         return arena
