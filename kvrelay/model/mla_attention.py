@@ -6,17 +6,16 @@ value W_UV[h] c_t (W_UK, W_UV: kv_b_proj's rows of that head). Attention
 reads each sequence's latent rows from the pool's pages and nothing else, so
 a prefix whose pages came from another worker attends the same.
 
-Two exact ways to compute it, picked per sequence by arithmetic cost:
+Three exact ways to compute it (the same sums in another order; in float64
+they agree with transformers to rounding):
 - expanded: K and V of every context token through kv_b_proj, then ordinary
-  attention (cheap when many queries share a context: prefill);
+  causal attention (cheap when many queries share a context: prefill);
 - absorbed: q_nope folded into W_UK (q_lat = W_UK[h]^T q_nope), scores
   against the latent rows directly, the weighted latent sum then through
-  W_UV (cheap for a few queries over a long context: decode). Both are the
-  same sums in another order; in float64 they agree with transformers to
-  rounding.
-
-With DSA a query attends only to the tokens its indexer selected
-(`dsa_indexer.select_topk`), always within the causal window.
+  W_UV (cheap for a few queries over a long context: decode);
+- sparse (DSA, context longer than index_topk): each query gathers only the
+  latent rows its indexer selected and attends to them in the absorbed
+  form, so its cost does not grow with the context.
 """
 
 from __future__ import annotations
@@ -24,15 +23,21 @@ from __future__ import annotations
 import torch
 
 from kvrelay.model.attention import AttentionBatch
-from kvrelay.model.dsa_indexer import context_rows, selection_mask
+from kvrelay.model.dsa_indexer import context_rows
 from kvrelay.model.paged_attention import accumulation_dtype
 
-# Score elements per block of queries ([heads, rows, context]).
+# Score (or gathered-row) elements per block of queries, and the most
+# elements expanded K and V of one context may take before the absorbed form
+# is used instead: they bound memory whatever the context length.
 SCORE_BLOCK_ELEMENTS = 1 << 24
+EXPANDED_ELEMENTS = 1 << 26
 
 
 def absorbed_is_cheaper(queries: int, context: int, heads: int, nope: int, rank: int, v: int):
-    """Multiply-adds of the two forms for one sequence; rope terms are common."""
+    """Multiply-adds of the two dense forms for one sequence (rope terms are
+    common), or the absorbed form when the expanded K/V would not fit."""
+    if heads * context * (nope + v) > EXPANDED_ELEMENTS:
+        return True
     expanded = context * rank * (nope + v) + queries * context * (nope + v)
     absorbed = queries * rank * (nope + v) + 2 * queries * context * rank
     return absorbed < expanded
@@ -50,40 +55,84 @@ def mla_attend(
 ) -> torch.Tensor:
     """q_nope [rows, heads, nope], q_rot [rows, heads, rope]; latent_layer one
     pool layer [slots, rank + rope]; w_uk [heads, nope, rank], w_uv [heads, v,
-    rank]; topk the indexer's selection or None (dense causal). Returns
-    [rows, heads, v] in q's dtype."""
+    rank]; topk the indexer's selection [rows, index_topk] (-1 pads) or None
+    (dense causal). Returns [rows, heads, v] in q's dtype."""
     acc = accumulation_dtype(q_nope.dtype)
-    heads, nope, rank = w_uk.shape
-    v_dim = w_uv.size(1)
-    out = q_nope.new_empty(q_nope.size(0), heads, v_dim)
+    out = q_nope.new_empty(q_nope.size(0), w_uk.size(0), w_uv.size(1))
     w_uk, w_uv = w_uk.to(acc), w_uv.to(acc)
+    ps = attention.page_size
     for start, length, context, table in attention.sequences():
-        latent = context_rows(latent_layer, table, context, attention.page_size).to(acc)
-        c, k_rot = latent[:, :rank], latent[:, rank:]
-        absorbed = absorbed_is_cheaper(length, context, heads, nope, rank, v_dim)
-        if not absorbed:
-            k_nope = torch.matmul(c, w_uk.transpose(1, 2))  # [heads, context, nope]
-            values = torch.matmul(c, w_uv.transpose(1, 2))  # [heads, context, v]
-        block = max(1, SCORE_BLOCK_ELEMENTS // (heads * context))
-        for r0 in range(0, length, block):
-            r1 = min(length, r0 + block)
-            rows = slice(start + r0, start + r1)
-            qn = q_nope[rows].to(acc).transpose(0, 1)  # [heads, L, nope]
-            qr = q_rot[rows].to(acc).transpose(0, 1)
-            if absorbed:
-                scores = torch.matmul(torch.matmul(qn, w_uk), c.T)
-            else:
-                scores = torch.matmul(qn, k_nope.transpose(1, 2))
-            scores = (scores + torch.matmul(qr, k_rot.T)) * scale
-            position = context - length + torch.arange(r0, r1, device=scores.device)
-            visible = torch.arange(context, device=scores.device)[None, :] <= position[:, None]
-            if topk is not None:
-                visible = visible & selection_mask(topk, rows, context)
-            scores = scores.masked_fill(~visible, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            if absorbed:
-                result = torch.matmul(torch.matmul(probs, c), w_uv.transpose(1, 2))
-            else:
-                result = torch.matmul(probs, values)
-            out[rows] = result.transpose(0, 1).to(out.dtype)
+        rows = slice(start, start + length)
+        q = (q_nope[rows].to(acc), q_rot[rows].to(acc))
+        # A query with at most index_topk visible tokens sees them all.
+        if topk is not None and context > topk.size(1):
+            pages = (latent_layer, table, ps)
+            result = _sparse(q, pages, w_uk, w_uv, topk[rows], context - length, scale)
+        else:
+            latent = context_rows(latent_layer, table, context, ps).to(acc)
+            result = _dense(q, latent, w_uk, w_uv, context - length, scale)
+        out[rows] = result.to(out.dtype)
+    return out
+
+
+def _causal(cached: int, r0: int, r1: int, context: int, device) -> torch.Tensor:
+    position = cached + torch.arange(r0, r1, device=device)
+    return torch.arange(context, device=device)[None, :] <= position[:, None]
+
+
+def _dense(q, latent, w_uk, w_uv, cached: int, scale: float) -> torch.Tensor:
+    """Causal attention of one sequence's rows over all its context."""
+    q_nope, q_rot = q
+    heads, nope, rank = w_uk.shape
+    length, context = q_nope.size(0), latent.size(0)
+    c, k_rot = latent[:, :rank], latent[:, rank:]
+    absorbed = absorbed_is_cheaper(length, context, heads, nope, rank, w_uv.size(1))
+    if not absorbed:
+        k_nope = torch.matmul(c, w_uk.transpose(1, 2))  # [heads, context, nope]
+        values = torch.matmul(c, w_uv.transpose(1, 2))  # [heads, context, v]
+    out = q_nope.new_empty(length, heads, w_uv.size(1))
+    block = max(1, SCORE_BLOCK_ELEMENTS // (heads * context))
+    for r0 in range(0, length, block):
+        r1 = min(length, r0 + block)
+        qn = q_nope[r0:r1].transpose(0, 1)  # [heads, L, nope]
+        if absorbed:
+            scores = torch.matmul(torch.matmul(qn, w_uk), c.T)
+        else:
+            scores = torch.matmul(qn, k_nope.transpose(1, 2))
+        scores = (scores + torch.matmul(q_rot[r0:r1].transpose(0, 1), k_rot.T)) * scale
+        visible = _causal(cached, r0, r1, context, scores.device)
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        if absorbed:
+            result = torch.matmul(torch.matmul(probs, c), w_uv.transpose(1, 2))
+        else:
+            result = torch.matmul(probs, values)
+        out[r0:r1] = result.transpose(0, 1)
+    return out
+
+
+def _sparse(q, pages, w_uk, w_uv, topk, cached: int, scale: float) -> torch.Tensor:
+    """Each row attends to the latent rows of its selected tokens only,
+    read from the pool by slot (absorbed form); selections past a row's
+    position (a row with fewer visible tokens than index_topk) and -1 pads
+    are masked. pages: (pool layer, page table, page size)."""
+    latent_layer, table, ps = pages
+    q_nope, q_rot = q
+    rank = w_uk.size(2)
+    length, k = topk.shape
+    out = q_nope.new_empty(length, w_uk.size(0), w_uv.size(1))
+    block = max(1, SCORE_BLOCK_ELEMENTS // (k * max(w_uk.size(0), latent_layer.size(1))))
+    for r0 in range(0, length, block):
+        r1 = min(length, r0 + block)
+        chosen = topk[r0:r1]
+        position = cached + torch.arange(r0, r1, device=chosen.device)
+        valid = (chosen >= 0) & (chosen <= position[:, None])
+        tokens = chosen.clamp(min=0)
+        selected = latent_layer[table[tokens // ps] * ps + tokens % ps].to(w_uk.dtype)
+        c, k_rot = selected[..., :rank], selected[..., rank:]
+        q_lat = torch.matmul(q_nope[r0:r1].transpose(0, 1), w_uk).transpose(0, 1)  # [L, h, r]
+        scores = torch.matmul(q_lat, c.transpose(1, 2))  # [L, heads, k]
+        scores = (scores + torch.matmul(q_rot[r0:r1], k_rot.transpose(1, 2))) * scale
+        probs = torch.softmax(scores.masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
+        o_lat = torch.matmul(probs, c)  # [L, heads, rank]
+        out[r0:r1] = torch.matmul(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
     return out
