@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import signal
 import sys
+import threading
 
 
 def _info(_: argparse.Namespace) -> None:
@@ -110,10 +112,24 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _exit_on_sigterm(signum, _frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
-    args.func(args)
+    if args.command != "bench" or threading.current_thread() is not threading.main_thread():
+        args.func(args)
+        return 0
+    # SIGTERM unwinds like SIGINT's KeyboardInterrupt: the servers a bench
+    # started (an L3 cluster, cache servers) stop in its `finally` blocks, as
+    # on a normal exit, where the default action would leave them running.
+    before = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        args.func(args)
+    finally:
+        signal.signal(signal.SIGTERM, before)
     return 0
 
 

@@ -46,3 +46,30 @@ def descendants(pid: int) -> list[int]:
         for kid in kids:
             out += [kid, *descendants(kid)]
     return out
+
+
+def _prctl():
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+# Resolved here, not in the forked child: `die_with_parent` runs between fork
+# and exec, where as little as possible should happen.
+_PRCTL = _prctl()
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """For `subprocess.Popen(preexec_fn=...)`: the child gets SIGTERM when the
+    thread that started it dies, however it dies (SIGKILL too), so a server a
+    bench or test started cannot outlive it. Popen from the main thread only:
+    the kernel ties the signal to the starting thread. No-op off Linux."""
+    if _PRCTL is not None:
+        import signal
+
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)

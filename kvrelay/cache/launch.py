@@ -50,6 +50,8 @@ class CacheServerProcess:
              "--page-bytes", str(page_bytes), "--arena-gb", str(pages * page_bytes / (1 << 30)),
              "--listen", listen, "--backend", backend, *args],
             stdout=subprocess.PIPE,
+            # A test or bench killed outright takes its servers with it.
+            preexec_fn=procfs.die_with_parent,
         )  # fmt: skip
         ready, _, _ = select.select([self.process.stdout], [], [], start_timeout_s)
         if not ready:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import redis
 
+from kvrelay.procfs import die_with_parent
+
 BINARIES = ("valkey-server", "redis-server")
 
 
@@ -78,6 +80,8 @@ class LocalServer:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            # A bench or test killed outright takes its servers with it.
+            preexec_fn=die_with_parent,
         )  # fmt: skip
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
