@@ -48,6 +48,7 @@ def test_mtp_speculation_gives_hf_greedy_and_reuses_draft_pages(mla_dirs, arch):
         assert (warm.spec == cold.spec) != zero_draft
 
 
+@pytest.mark.cluster  # a TP=2 group of rank processes
 def test_draft_pages_from_a_tp2_prefill_keep_the_acceptance(mla_dirs, capsys):
     """`generate --speculative 2 --reuse-prefix K --prefix-parallel tp=2`:
     target and draft pages computed by a TP=2 group, imported by one process."""

@@ -6,12 +6,18 @@ with a single-process engine (written by one config, read by another)."""
 import pytest
 import torch
 
+from kvrelay.cli import build_parser
 from kvrelay.model import Request, SamplingParams, load_engine
+from kvrelay.model.commands import run_generate
+from kvrelay.model.cross_config import parse_parallel
 from kvrelay.model.page_export import export_prefix, import_prefix
 from kvrelay.model.parallel import ParallelEngine
 from tests.model.mla_support import hf_mla_model
 from tests.model.oracle import hf_greedy
 from tests.support.models import prompt_tokens
+
+# Spawns rank processes (as test_parallel.py): not in `make test-fast`.
+pytestmark = pytest.mark.cluster
 
 PAGE = 16
 PROMPT = 150  # above index_topk (32): the indexer decides what attention sees
@@ -83,3 +89,47 @@ def test_mla_parallel_configs_match_hf_and_exchange_pages(baselines, arch, tp, p
     out = reader.generate([Request(prompt + want[:1], SamplingParams(NEW - 1))])[0]
     assert out.cached_tokens == PROMPT
     assert out.tokens == want[1:]
+
+
+@pytest.mark.parametrize(
+    ("arch", "run", "prefix"),
+    [
+        ("glm5", [], "tp=2,pp=2"),
+        ("deepseek_v32", ["--pp", "2"], "cp=2"),
+        ("deepseek_v3", ["--cp", "2"], "tp=2"),
+    ],
+)
+def test_a_prefix_from_another_config_gives_hf_tokens(baselines, capsys, arch, run, prefix):
+    """`generate --reuse-prefix K --prefix-parallel ...`: pages (latents and
+    indexer keys, a partial page included) computed under one config and
+    imported by another."""
+    model_dir, prompt, want, _ = baselines[arch]
+    args = ["generate", "--model", str(model_dir), "--prompt-ids", ",".join(map(str, prompt))]
+    args += ["--max-new-tokens", str(NEW), "--dtype", "float64", "--page-size", str(PAGE)]
+    args = build_parser().parse_args([*args, "--json", *run, "--reuse-prefix", "123"])
+    args.prefix_parallel = parse_parallel(prefix)
+    out = run_generate(args)
+    capsys.readouterr()
+    assert out["cached_tokens"] == 123
+    assert out["tokens"] == want
+
+
+def test_mtp_speculation_under_tp_x_pp_and_cp(mla_dirs):
+    """The MTP layer on the last PP stage, its heads split over TP; under CP
+    the draft runs whole on every rank. Tokens are transformers' greedy ones,
+    proposals and acceptance those of one process."""
+    model_dir = mla_dirs("glm5", layers=2, mtp=1, mtp_init="copy")
+    prompt = prompt_tokens(PROMPT, seed=33)
+    want = hf_greedy(hf_mla_model(model_dir), prompt, NEW).tokens
+    one = load_engine(model_dir, dtype="float64", page_size=PAGE, num_pages=32, speculative=2)
+    cold = one.generate([Request(prompt, SamplingParams(NEW))])[0]
+    assert cold.tokens == want
+    assert cold.spec["accepted"] > 0
+    for sizes in ({"tp": 2, "pp": 2}, {"cp": 2}):
+        with ParallelEngine(
+            model_dir, **sizes, dtype="float64", page_size=PAGE, num_pages=32, speculative=2,
+            timeout_s=120,
+        ) as group:  # fmt: skip
+            got = group.generate([Request(prompt, SamplingParams(NEW))])[0]
+            assert got.tokens == want
+            assert got.spec == cold.spec
