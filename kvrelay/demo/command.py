@@ -25,6 +25,9 @@ from kvrelay.demo.report import MODE_LABELS, plot, summarize, table
 from kvrelay.demo.workload import Session, WorkloadConfig, optimum_hit_tokens
 from kvrelay.layout import DEFAULT_PAGE_SIZE
 
+# `kvrelay.model.make_mla_model.MLA_ARCHS`, named here so `--help` needs no torch.
+MLA_ARCHS = ("glm5", "deepseek_v32", "deepseek_v3")
+
 DEMO_MODEL = profiles.MODELS["default"]
 
 
@@ -34,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--modes", default="shared,local,none", help="comma list of: shared, local, none"
     )
+    parser.add_argument("--arch", default="llama", choices=["llama", *MLA_ARCHS],
+                        help="demo model family: llama (GQA) or a GLM-5 / DeepSeek-shaped "
+                        "model (MLA, DSA indexer, MoE) written to --model if absent")  # fmt: skip
     parser.add_argument("--speculative", type=int, default=0, metavar="K",
                         help="speculative mode: decode drafts K tokens per step with an MTP "
                         "layer (a demo model with --mtp 1; --model must have one)")  # fmt: skip
@@ -52,12 +58,18 @@ def _default_backend() -> str:
     return "ucx" if importlib.util.find_spec("kvrelay._ucx") else "tcp"
 
 
-def ensure_model(path: Path, mtp: int = 0, profile: str = "default") -> Path:
+def ensure_model(path: Path, mtp: int = 0, profile: str = "default", arch: str = "llama") -> Path:
     if not (path / "config.json").exists():
-        from kvrelay.model.make_model import RandomModelSpec, write_model
+        print(f"writing a random {arch} demo model to {path}", flush=True)
+        if arch in MLA_ARCHS:
+            from kvrelay.model.make_mla_model import MlaModelSpec, write_mla_model
 
-        print(f"writing a random demo model to {path}", flush=True)
-        write_model(path, RandomModelSpec(**profiles.MODELS[profile], mtp=mtp))
+            shape = profiles.MLA_MODELS[profile]
+            write_mla_model(path, MlaModelSpec(arch=arch, **shape, mtp=mtp))
+        else:
+            from kvrelay.model.make_model import RandomModelSpec, write_model
+
+            write_model(path, RandomModelSpec(**profiles.MODELS[profile], mtp=mtp))
     return path
 
 
@@ -226,10 +238,13 @@ def _prepare(args: argparse.Namespace) -> tuple[WorkloadConfig, list[str], Path]
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.speculative < 0 or args.sample < 0:
         raise SystemExit("kvrelay demo: --speculative and --sample must be >= 0")
-    if args.speculative and args.model == ".kvrelay-demo/model":
-        args.model = ".kvrelay-demo/model-mtp"  # the plain demo model has no MTP layer
+    if args.model == profiles.PROFILES[args.profile]["model"]:
+        # Each family's demo model in a directory of its own; the plain demo
+        # model has no MTP layer.
+        args.model += "" if args.arch == "llama" else "-" + args.arch
+        args.model += "-mtp" if args.speculative else ""
     model = ensure_model(Path(args.model), mtp=1 if args.speculative else 0,
-                         profile=args.profile)  # fmt: skip
+                         profile=args.profile, arch=args.arch)  # fmt: skip
     return workload, modes, model
 
 

@@ -23,6 +23,23 @@ MODELS = {
                  max_positions=(1 << 20) + (1 << 16)),
 }  # fmt: skip
 
+# The same profiles for a GLM-5-shaped model (`--arch glm5`; deepseek_v32 and
+# deepseek_v3 likewise): MLA with a 16 + 8 latent per token, a DSA indexer whose
+# top-k lies well below the profile's contexts (shared layers reuse the one
+# before), MoE. The long one keeps the per-token indexer and latent narrow, as
+# the Llama long model keeps its one head narrow.
+MLA_MODELS = {
+    "default": dict(layers=2, hidden=128, heads=4, vocab=256, kv_lora_rank=32, qk_nope=16,
+                    qk_rope=16, v_head_dim=16, q_lora_rank=64, index_topk=512,
+                    index_head_dim=32, index_heads=4, index_topk_freq=1, experts=8,
+                    max_positions=65536, std=0.2),
+    "long": dict(layers=1, hidden=32, heads=1, vocab=256, kv_lora_rank=16, qk_nope=8,
+                 qk_rope=8, v_head_dim=8, q_lora_rank=16, index_topk=2048, index_head_dim=16,
+                 index_heads=2, index_topk_freq=1, experts=4, intermediate=64,
+                 moe_intermediate=16, first_dense=0, max_positions=(1 << 20) + (1 << 16),
+                 std=0.2),
+}  # fmt: skip
+
 PROFILES = {
     "default": dict(
         model=".kvrelay-demo/model", sessions=4, turns=16, system_tokens=8192, user_tokens=256,
