@@ -64,12 +64,17 @@ _PRCTL = _prctl()
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
-    """For `subprocess.Popen(preexec_fn=...)`: the child gets SIGTERM when the
-    thread that started it dies, however it dies (SIGKILL too), so a server a
-    bench or test started cannot outlive it. Popen from the main thread only:
-    the kernel ties the signal to the starting thread. No-op off Linux."""
+def _die_with_parent() -> None:
     if _PRCTL is not None:
-        import signal
+        _PRCTL(_PR_SET_PDEATHSIG, 15, 0, 0, 0)  # SIGTERM
 
-        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+
+def die_with_parent():
+    """For `subprocess.Popen(preexec_fn=die_with_parent())`: the child gets
+    SIGTERM when this process dies, however it dies (SIGKILL too), so a server
+    a bench or test started cannot outlive it. None (nothing to run) off the
+    main thread: the kernel ties the signal to the thread that started the
+    child, and a worker thread's end is not the process's. No-op off Linux."""
+    import threading
+
+    return _die_with_parent if threading.current_thread() is threading.main_thread() else None

@@ -51,7 +51,7 @@ class CacheServerProcess:
              "--listen", listen, "--backend", backend, *args],
             stdout=subprocess.PIPE,
             # A test or bench killed outright takes its servers with it.
-            preexec_fn=procfs.die_with_parent,
+            preexec_fn=procfs.die_with_parent(),
         )  # fmt: skip
         ready, _, _ = select.select([self.process.stdout], [], [], start_timeout_s)
         if not ready:

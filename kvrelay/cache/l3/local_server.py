@@ -81,7 +81,7 @@ class LocalServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             # A bench or test killed outright takes its servers with it.
-            preexec_fn=die_with_parent,
+            preexec_fn=die_with_parent(),
         )  # fmt: skip
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
