@@ -61,6 +61,8 @@ class MlaModelSpec:
     rope_scaling: dict | None = None
     max_positions: int = 16384
     tie_embeddings: bool = False
+    attention_bias: bool = False  # q_a_proj, kv_a_proj_with_mqa and o_proj biases
+    rope_interleave: bool = True  # deepseek_v3 only (GLM-5 and V3.2 always interleave)
     std: float = 0.05
     seed: int = 0
     dtype: str = "float32"
@@ -105,7 +107,7 @@ class MlaModelSpec:
             "rms_norm_eps": 1e-6,
             "rope_theta": self.rope_theta,
             "rope_scaling": self.rope_scaling,
-            "attention_bias": False,
+            "attention_bias": self.attention_bias,
             "tie_word_embeddings": self.tie_embeddings,
             "torch_dtype": self.dtype,
             "bos_token_id": None,
@@ -121,7 +123,7 @@ class MlaModelSpec:
         if self.arch == "glm5":
             config |= {"index_topk_freq": self.index_topk_freq, "index_skip_topk_offset": 2}
         if self.arch == "deepseek_v3":
-            config["rope_interleave"] = True
+            config["rope_interleave"] = self.rope_interleave
         if self.mtp:
             config["num_nextn_predict_layers"] = self.mtp
         return config
@@ -191,6 +193,11 @@ def _layer(spec: MlaModelSpec, layer: int, sparse: bool, normal, norm) -> dict:
         t[a + "q_a_layernorm.weight"] = norm(spec.q_lora_rank)
         t[a + "q_b_proj.weight"] = normal(heads * qk, spec.q_lora_rank)
     t[a + "kv_a_proj_with_mqa.weight"] = normal(spec.kv_lora_rank + spec.qk_rope, hidden)
+    if spec.attention_bias:
+        t[a + "kv_a_proj_with_mqa.bias"] = normal(spec.kv_lora_rank + spec.qk_rope)
+        t[a + "o_proj.bias"] = normal(hidden)
+        if spec.q_lora_rank is not None:
+            t[a + "q_a_proj.bias"] = normal(spec.q_lora_rank)
     t[a + "kv_a_layernorm.weight"] = norm(spec.kv_lora_rank)
     t[a + "kv_b_proj.weight"] = normal(heads * (spec.qk_nope + spec.v_head_dim), spec.kv_lora_rank)
     t[a + "o_proj.weight"] = normal(hidden, heads * spec.v_head_dim)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvrelay.model import Request, SamplingParams, load_engine
+from kvrelay.model.loader import load_config
 from tests.model.mla_support import ARCHS, hf_mla_model
 from tests.model.oracle import hf_greedy
 from tests.support.models import prompt_tokens
@@ -74,3 +75,63 @@ def test_the_indexer_keys_in_the_pool_decide_the_tokens(mla_dirs, arch):
 
     dense = load_engine(mla_dirs(arch, index_topk=1024), dtype="float64", page_size=16)
     assert dense.generate([Request(prompt, SamplingParams(NEW))])[0].tokens != want
+
+
+YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.8,
+    "beta_fast": 32,
+    "beta_slow": 1,
+}
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [
+        ("glm5", {"rope_scaling": YARN, "shards": 3}),
+        ("deepseek_v32", {"attention_bias": True, "tie_embeddings": True}),
+        ("deepseek_v3", {"q_lora_rank": 48, "rope_interleave": False, "rope_scaling": YARN}),
+        ("deepseek_v3", {"attention_bias": True, "groups": 4, "topk_groups": 2}),
+    ],
+    ids=["glm5-yarn-sharded", "v32-bias-tied", "v3-qlora-halfsplit-yarn", "v3-bias-groups"],
+)
+def test_mla_variants_match_hf(mla_dirs, arch, overrides):
+    """yarn (its mscale in the softmax scale and the rotary tables), q LoRA or
+    plain q_proj, half-split MLA RoPE (V3's rope_interleave false), biases,
+    tied embeddings, sharded checkpoints, other expert groupings."""
+    model_dir = mla_dirs(arch, **overrides)
+    prompt = prompt_tokens(120, seed=5)
+    hf = hf_mla_model(model_dir)
+    if "rope_scaling" in overrides:  # read by both sides, not ignored by both
+        assert hf.config.rope_parameters["rope_type"] == "yarn"
+        assert load_config(model_dir).rope_type == "yarn"
+    oracle = hf_greedy(hf, prompt, NEW)
+    engine = load_engine(model_dir, dtype="float64", page_size=16, num_pages=32)
+    got = engine.generate([Request(prompt, SamplingParams(NEW), return_logits=True)])[0]
+    assert max_diff(got.prompt_logits, oracle.prompt_logits) < CLOSE
+    assert got.tokens == oracle.tokens
+
+
+def test_float32_and_bfloat16_run_close_to_float64(mla_dirs):
+    """float32 stays close to float64; bfloat16 weights and pool (the
+    indexer's scores and the router still float32) run, on the whole close
+    (a row whose routing flips at bfloat16 rounding may differ more)."""
+    model_dir = mla_dirs("glm5")
+    prompt = prompt_tokens(40, seed=9)
+    want = (
+        load_engine(model_dir, dtype="float64", page_size=16)
+        .generate([Request(prompt, SamplingParams(1), return_logits=True)])[0]
+        .prompt_logits
+    )
+    scale = float(want.abs().max())
+    for dtype, tolerance in ((torch.float32, 1e-3), (torch.bfloat16, 0.05)):
+        engine = load_engine(model_dir, dtype=str(dtype).removeprefix("torch."), page_size=16)
+        assert engine.pool.index_storage.dtype == dtype
+        got = engine.generate([Request(prompt, SamplingParams(1), return_logits=True)])[0]
+        assert got.prompt_logits.dtype == dtype
+        error = (got.prompt_logits.double() - want).abs()
+        measure = error.max() if dtype == torch.float32 else error.mean()
+        assert float(measure) < tolerance * scale
