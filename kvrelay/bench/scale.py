@@ -56,10 +56,12 @@ import torch
 from kvrelay.bench.stats import format_table, machine_info, write_json
 from kvrelay.control.dispatch import Job
 from kvrelay.control.registry import MAX_ESTIMATE_PAGES, PageEstimate
+from kvrelay.demo.profiles import MLA_MODELS
 from kvrelay.layout import DEFAULT_PAGE_SIZE
 from kvrelay.model.config import TORCH_DTYPES
 from kvrelay.model.engine import Request
 from kvrelay.model.loader import load_engine
+from kvrelay.model.make_mla_model import MLA_ARCHS, MlaModelSpec, write_mla_model
 from kvrelay.model.make_model import RandomModelSpec, write_model
 from kvrelay.model.page_export import export_prefix, import_prefix
 from kvrelay.model.sampling import SamplingParams
@@ -72,6 +74,9 @@ CONTEXTS = {"8K": 8192, "32K": 32768, "128K": 131072, "200K": 204800, "512K": 52
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model directory (default: the demo model's shape)")
+    parser.add_argument("--arch", default="llama", choices=["llama", *MLA_ARCHS],
+                        help="family of the default model: the demo's llama, or its GLM-5 / "
+                        "DeepSeek shape (MLA, DSA indexer with top-k 512, MoE)")  # fmt: skip
     parser.add_argument(
         "--contexts",
         default="8K,32K,128K",
@@ -128,6 +133,9 @@ class PeakRSS:
 def _model(args, root: Path) -> Path:
     if args.model:
         return Path(args.model)
+    if args.arch in MLA_ARCHS:
+        shape = {**MLA_MODELS["default"], "max_positions": 1 << 21}
+        return write_mla_model(root / "model", MlaModelSpec(arch=args.arch, **shape, seed=7))
     from kvrelay.demo.command import DEMO_MODEL
 
     spec = RandomModelSpec(**{**DEMO_MODEL, "max_positions": 1 << 21}, seed=7)
@@ -317,8 +325,7 @@ def _summary(context: int, new: int, pairs: list[dict], prefill, decode, ps: int
         "non_compute_s": non_compute,
         "non_compute_per_page_us": 1e6 * non_compute / total_pages,
         "control_per_page_us": 1e6 * phases["control"] / total_pages,
-        "pool_bytes": (prefill.pool.storage.numel() + decode.pool.storage.numel())
-        * prefill.pool.storage.element_size(),
+        "pool_bytes": prefill.pool.nbytes + decode.pool.nbytes,
         "pairs": pairs,
     }
 

@@ -56,6 +56,11 @@ class LatentKVPool(PagePool):
             self.index_keys[layer] = self.index_storage[position]
         self.index_local_layers = tuple(indexed)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pool's latent and indexer-key storage."""
+        return sum(t.numel() * t.element_size() for t in (self.latent_storage, self.index_storage))
+
     def copy_tokens(self, source: int, destination: int, count: int) -> None:
         """Latents and indexer keys of the first `count` tokens of page `source`
         into page `destination`, every layer (a private copy of a shared page)."""

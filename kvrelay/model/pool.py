@@ -172,6 +172,11 @@ class PagedKVPool(PagePool):
         self.k_layers = [self.storage[layer, 0] for layer in range(num_layers)]
         self.v_layers = [self.storage[layer, 1] for layer in range(num_layers)]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pool's KV storage."""
+        return self.storage.numel() * self.storage.element_size()
+
     def copy_tokens(self, source: int, destination: int, count: int) -> None:
         """K and V of the first `count` tokens of page `source` into page
         `destination`, every layer and head (a private copy of a shared page)."""
