@@ -135,3 +135,18 @@ def test_float32_and_bfloat16_run_close_to_float64(mla_dirs):
         error = (got.prompt_logits.double() - want).abs()
         measure = error.max() if dtype == torch.float32 else error.mean()
         assert float(measure) < tolerance * scale
+
+
+def test_a_batch_of_sequences_decodes_as_each_alone(mla_dirs):
+    """Prefill and decode of sequences of different lengths in one batch (the
+    router, indexer and attention per sequence), one of them sampled."""
+    model_dir = mla_dirs("glm5")
+    requests = [
+        Request(prompt_tokens(170, seed=1), SamplingParams(NEW)),
+        Request(prompt_tokens(60, seed=2), SamplingParams(NEW, temperature=0.8, seed=3)),
+        Request(prompt_tokens(101, seed=4), SamplingParams(NEW)),
+    ]
+    engine = load_engine(model_dir, dtype="float64", page_size=16, num_pages=64)
+    alone = [engine.generate([r])[0].tokens for r in requests]
+    engine.pool.clear_cache()
+    assert [r.tokens for r in engine.generate(requests)] == alone
