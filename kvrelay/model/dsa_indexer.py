@@ -73,7 +73,8 @@ def select_topk(q, weights, key_layer, attention: AttentionBatch, config: MlaCon
         for r0 in range(0, length, block):
             r1 = min(length, r0 + block)
             rows = slice(start + r0, start + r1)
-            scores = F.relu(torch.matmul(q[rows].float()[None], keys) * scale)
+            # In place: the same roundings as `relu(matmul * scale)`, one buffer.
+            scores = torch.matmul(q[rows].float()[None], keys).mul_(scale).relu_()
             summed = torch.matmul(weights[rows][None].unsqueeze(-2), scores).squeeze(-2)[0]
             position = context - length + torch.arange(r0, r1, device=q.device)
             visible = torch.arange(context, device=q.device)[None, :] <= position[:, None]
