@@ -26,42 +26,47 @@ NEW = 12
 
 @pytest.fixture(scope="module")
 def baselines(mla_dirs):
-    """Per arch: model dir, prompt, transformers' greedy tokens, and the
-    prompt's unified pages from a single-process engine."""
-    out = {}
-    for arch in ("glm5", "deepseek_v32", "deepseek_v3"):
-        model_dir = mla_dirs(arch)
-        prompt = prompt_tokens(PROMPT, seed=31)
-        want = hf_greedy(hf_mla_model(model_dir), prompt, NEW).tokens
-        engine = load_engine(model_dir, dtype="float64", page_size=PAGE, num_pages=32)
-        assert engine.generate([Request(prompt, SamplingParams(NEW))])[0].tokens == want
-        engine.generate([Request(prompt, SamplingParams(1))])
-        pages = -(-PROMPT // PAGE)
-        arena = torch.zeros(pages, engine.spec.page_bytes, dtype=torch.uint8)
-        assert export_prefix(engine, prompt, arena) == pages
-        out[arch] = (model_dir, prompt, want, arena)
-    return out
+    """baselines(arch, page_size): model dir, prompt, transformers' greedy
+    tokens, and the prompt's unified pages from a single-process engine."""
+    made = {}
+
+    def get(arch: str, page: int = PAGE):
+        if (arch, page) not in made:
+            model_dir = mla_dirs(arch)
+            prompt = prompt_tokens(PROMPT, seed=31)
+            want = hf_greedy(hf_mla_model(model_dir), prompt, NEW).tokens
+            engine = load_engine(model_dir, dtype="float64", page_size=page, num_pages=32)
+            assert engine.generate([Request(prompt, SamplingParams(NEW))])[0].tokens == want
+            engine.generate([Request(prompt, SamplingParams(1))])
+            pages = -(-PROMPT // page)
+            arena = torch.zeros(pages, engine.spec.page_bytes, dtype=torch.uint8)
+            assert export_prefix(engine, prompt, arena) == pages
+            made[arch, page] = (model_dir, prompt, want, arena)
+        return made[arch, page]
+
+    return get
 
 
 # GLM-5 (layers full, full, shared): PP=2 cuts before the shared layer, whose
 # stage receives the top-k of the stage before.
 @pytest.mark.parametrize(
-    ("arch", "tp", "pp", "cp"),
+    ("arch", "tp", "pp", "cp", "page"),
     [
-        ("glm5", 2, 1, 1),
-        ("glm5", 1, 2, 1),
-        ("glm5", 2, 2, 1),
-        ("deepseek_v32", 2, 2, 1),
-        ("deepseek_v3", 2, 1, 1),
-        ("deepseek_v3", 1, 2, 1),
-        ("glm5", 1, 1, 2),
-        ("deepseek_v32", 2, 1, 2),
+        ("glm5", 2, 1, 1, 16),
+        ("glm5", 1, 2, 1, 16),
+        ("glm5", 2, 2, 1, 16),
+        ("glm5", 2, 2, 1, 64),
+        ("deepseek_v32", 2, 2, 1, 16),
+        ("deepseek_v3", 2, 1, 1, 16),
+        ("deepseek_v3", 1, 2, 1, 64),
+        ("glm5", 1, 1, 2, 16),
+        ("deepseek_v32", 2, 1, 2, 64),
     ],
 )
-def test_mla_parallel_configs_match_hf_and_exchange_pages(baselines, arch, tp, pp, cp):
-    model_dir, prompt, want, tp1_pages = baselines[arch]
+def test_mla_parallel_configs_match_hf_and_exchange_pages(baselines, arch, tp, pp, cp, page):
+    model_dir, prompt, want, tp1_pages = baselines(arch, page)
     with ParallelEngine(
-        model_dir, tp=tp, pp=pp, cp=cp, dtype="float64", page_size=PAGE, num_pages=32,
+        model_dir, tp=tp, pp=pp, cp=cp, dtype="float64", page_size=page, num_pages=32,
         timeout_s=120,
     ) as group:  # fmt: skip
         for info in group.describe():
@@ -84,7 +89,7 @@ def test_mla_parallel_configs_match_hf_and_exchange_pages(baselines, arch, tp, p
         assert again.cached_tokens == PROMPT
         assert again.tokens == want[1:]
 
-    reader = load_engine(model_dir, dtype="float64", page_size=PAGE, num_pages=32)
+    reader = load_engine(model_dir, dtype="float64", page_size=page, num_pages=32)
     import_prefix(reader, prompt, exported)
     out = reader.generate([Request(prompt + want[:1], SamplingParams(NEW - 1))])[0]
     assert out.cached_tokens == PROMPT
@@ -103,7 +108,7 @@ def test_a_prefix_from_another_config_gives_hf_tokens(baselines, capsys, arch, r
     """`generate --reuse-prefix K --prefix-parallel ...`: pages (latents and
     indexer keys, a partial page included) computed under one config and
     imported by another."""
-    model_dir, prompt, want, _ = baselines[arch]
+    model_dir, prompt, want, _ = baselines(arch)
     args = ["generate", "--model", str(model_dir), "--prompt-ids", ",".join(map(str, prompt))]
     args += ["--max-new-tokens", str(NEW), "--dtype", "float64", "--page-size", str(PAGE)]
     args = build_parser().parse_args([*args, "--json", *run, "--reuse-prefix", "123"])
