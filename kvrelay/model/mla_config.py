@@ -13,6 +13,7 @@ shared rotary tables of `kvrelay.model.rope` read it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from kvrelay.model.config import ROPE_TYPES, _rope_settings
@@ -29,7 +30,7 @@ MLA_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
 _DEFAULTS = {
     "glm_moe_dsa": {"rms_norm_eps": 1e-5, "n_group": 1, "topk_group": 1, "index_n_heads": 32},
     "deepseek_v32": {"rms_norm_eps": 1e-6, "n_group": 8, "topk_group": 4, "index_n_heads": 64},
-    "deepseek_v3": {"rms_norm_eps": 1e-6, "n_group": 8, "topk_group": 4, "index_n_heads": 0},
+    "deepseek_v3": {"rms_norm_eps": 1e-6, "n_group": 8, "topk_group": 4},
 }
 
 
@@ -106,8 +107,6 @@ class MlaConfig:
     def softmax_scale(self) -> float:
         """qk_head_dim^-0.5, times yarn's mscale(factor, mscale_all_dim)^2 as
         transformers' `yarn_apply_mscale` does (any non-default RoPE type)."""
-        import math
-
         scale = self.qk_head_dim**-0.5
         scaling = self.rope_scaling or {}
         weight = scaling.get("mscale_all_dim", 0)
@@ -205,11 +204,7 @@ class MlaConfig:
                 routed_scaling_factor=float(raw.get("routed_scaling_factor", 2.5)),
                 mlp_layer_types=_mlp_layer_types(raw, model_type, layers),
                 indexer_types=_indexer_types(raw, model_type, layers),
-                index_topk=int(raw.get("index_topk", 2048)) if defaults["index_n_heads"] else 0,
-                index_head_dim=int(raw.get("index_head_dim", 128))
-                if defaults["index_n_heads"]
-                else 0,
-                index_n_heads=int(raw.get("index_n_heads") or defaults["index_n_heads"]),
+                **_indexer_fields(raw, model_type),
                 # GLM-5 and V3.2 always rotate the MLA rope part interleaved;
                 # V3 says so in `rope_interleave` (default True).
                 rope_interleave=bool(raw.get("rope_interleave", True))
@@ -230,6 +225,17 @@ class MlaConfig:
             if isinstance(bad, ModelLoadError):
                 raise ModelLoadError(f"{source}: {bad}") from None
             raise ModelLoadError(f"{source}: bad value: {bad}") from None
+
+
+def _indexer_fields(raw: dict, model_type: str) -> dict:
+    """index_topk, index_head_dim, index_n_heads (zero without DSA)."""
+    if not MLA_ARCHITECTURES[model_type][1]:
+        return {"index_topk": 0, "index_head_dim": 0, "index_n_heads": 0}
+    return {
+        "index_topk": int(raw.get("index_topk", 2048)),
+        "index_head_dim": int(raw.get("index_head_dim", 128)),
+        "index_n_heads": int(raw.get("index_n_heads") or _DEFAULTS[model_type]["index_n_heads"]),
+    }
 
 
 def _mlp_layer_types(raw: dict, model_type: str, layers: int) -> tuple[str, ...]:
