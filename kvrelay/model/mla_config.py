@@ -170,6 +170,13 @@ class MlaConfig:
             raise ModelLoadError(f"{source}: model_type {model_type!r} is not an MLA model")
         if raw.get("hidden_act", "silu") != "silu":
             raise ModelLoadError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported")
+        if raw.get("quantization_config"):
+            # Released DeepSeek weights are FP8 with block scales; reading them
+            # as plain tensors would be silently wrong.
+            raise ModelLoadError(
+                f"{source}: quantized checkpoints (quantization_config) are not supported; "
+                "dequantize to bfloat16 first"
+            )
         defaults = _DEFAULTS[model_type]
         mtp_layers = raw.get("num_nextn_predict_layers") or 0
         if mtp_layers not in (0, 1):

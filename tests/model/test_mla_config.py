@@ -56,6 +56,7 @@ def test_deepseek_patterns():
         ({"q_lora_rank": None}, "q_lora_rank"),
         ({"index_topk_pattern": "SFF" + "F" * 4}, "first layer's indexer"),
         ({"n_group": 3}, "n_group"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantized"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
     ],
 )
