@@ -8,7 +8,14 @@ sequence and a full page is named by one key of the layout's chain.
 
 Pages are reference counted. A full page is registered in the prefix index
 under its chained key; when its last user releases it, it stays cached
-(evictable, least recently used first) until an allocation needs the room.
+(evictable) until an allocation needs the room. The order is the cache
+tier's default, prefix-LRU (`kvrelay.cache.eviction`): a match needs every
+page before it, so a cached page whose parent page is gone is dead weight
+and goes first; then the least recently released page with no cached page
+after it in its chain (a page's parent is the page before it in the list a
+request matched or released). LRU would take a chain's first page first
+and leave the rest dead; this order takes its last, so every page LRU keeps
+matchable it keeps too.
 A request matching a cached prefix takes references on those pages and
 computes only its suffix. Full pages are shared, never written.
 
@@ -27,6 +34,7 @@ from collections import OrderedDict, deque
 
 import torch
 
+from kvrelay.cache.eviction import make_policy
 from kvrelay.layout import tokens_as_uint32
 from kvrelay.model.errors import PoolExhausted
 
@@ -54,8 +62,14 @@ class PagePool:
         self._free: deque[int] = deque(range(num_pages))
         self._key_of_page: dict[int, bytes] = {}
         self._page_of_key: dict[bytes, int] = {}
-        # Cached pages nobody uses, oldest first: the eviction order.
-        self._evictable: OrderedDict[int, None] = OrderedDict()
+        # Cached pages nobody uses; their order is `_order`'s, but for
+        # `_orphans`, which go first (see the module doc).
+        self._evictable: dict[int, None] = {}
+        self._order = make_policy("prefix-lru")
+        self._orphans: OrderedDict[int, None] = OrderedDict()
+        self._orphaned: set[int] = set()  # in use, parent gone: an orphan once released
+        self._parent: dict[int, int] = {}  # cached page -> the cached page before it
+        self._children: dict[int, set[int]] = {}
 
     # -- capacity ---------------------------------------------------------
     @property
@@ -74,26 +88,25 @@ class PagePool:
             raise PoolExhausted(count, self.free_pages)
         pages = []
         for _ in range(count):
-            if self._free:
-                page = self._free.popleft()
-            else:
-                page, _ = self._evictable.popitem(last=False)
-                del self._page_of_key[self._key_of_page.pop(page)]
+            page = self._free.popleft() if self._free else self._evict()
             self.ref_counts[page] = 1
             pages.append(page)
         return pages
 
     def release(self, pages: list[int]) -> None:
         """Drop one reference on each page; unused keyed pages stay cached."""
+        before = None  # the page before in the list: its chain parent
         for page in pages:
             if self.ref_counts[page] <= 0:
                 raise RuntimeError(f"page {page} released more often than taken")
             self.ref_counts[page] -= 1
+            keyed = page in self._key_of_page
             if self.ref_counts[page] == 0:
-                if page in self._key_of_page:
-                    self._evictable[page] = None
+                if keyed:
+                    self._cache(page, before)
                 else:
                     self._free.append(page)
+            before = page if keyed else None
 
     # -- prefix index -----------------------------------------------------
     def match_prefix(self, keys: list[bytes]) -> list[int]:
@@ -110,8 +123,13 @@ class PagePool:
 
     def acquire(self, pages: list[int]) -> None:
         for page in pages:
-            if self.ref_counts[page] == 0:
-                self._evictable.pop(page, None)
+            if self.ref_counts[page] == 0 and page in self._evictable:
+                del self._evictable[page]
+                if page in self._orphans:
+                    del self._orphans[page]
+                    self._orphaned.add(page)
+                else:
+                    self._order.hold(page)
             self.ref_counts[page] += 1
 
     def register(self, page: int, key: bytes) -> bool:
@@ -129,9 +147,58 @@ class PagePool:
     def clear_cache(self) -> None:
         """Forget every cached page no request is using."""
         while self._evictable:
-            page, _ = self._evictable.popitem(last=False)
-            del self._page_of_key[self._key_of_page.pop(page)]
+            page, _ = self._evictable.popitem()
+            self._order.forget(page)
+            self._orphans.pop(page, None)
+            self._uncache(page)
             self._free.append(page)
+
+    # -- eviction order ---------------------------------------------------
+    def _cache(self, page: int, parent: int | None) -> None:
+        """Keyed `page`'s last user released it; `parent`: the page before it
+        in the released list, if keyed."""
+        self._evictable[page] = None
+        if page in self._orphaned:
+            self._orphaned.discard(page)
+            self._orphans[page] = None
+        elif page in self._order:
+            self._order.make_evictable(page)
+        else:
+            up = parent if parent is not None and parent in self._order else None
+            self._order.admit(page, up, True)
+            if up is not None:
+                self._parent[page] = up
+                self._children.setdefault(up, set()).add(page)
+
+    def _evict(self) -> int:
+        """Take the next cached page out of the cache (one is evictable)."""
+        if self._orphans:
+            page, _ = self._orphans.popitem(last=False)
+        else:
+            page = self._order.victim()
+            if page is None:  # every leaf is in use: one of their ancestors goes
+                page = self._order.victim_inner()
+        del self._evictable[page]
+        self._uncache(page)
+        return page
+
+    def _uncache(self, page: int) -> None:
+        """`page` left the cache (out of `_order` already): unkey it; the cached
+        pages after it in their chains are dead weight now."""
+        del self._page_of_key[self._key_of_page.pop(page)]
+        up = self._parent.pop(page, None)
+        if up is not None:
+            self._children[up].discard(page)
+        self._orphaned.discard(page)
+        for child in self._children.pop(page, ()):
+            del self._parent[child]
+            if child in self._evictable:
+                if child not in self._orphans:
+                    self._order.forget(child)
+                    self._orphans[child] = None
+            else:
+                self._order.forget(child)
+                self._orphaned.add(child)
 
     # -- addressing -------------------------------------------------------
     def slots(self, pages: list[int], num_tokens: int, start: int = 0) -> torch.Tensor:
