@@ -69,25 +69,20 @@ def select_topk(q, weights, key_layer, attention: AttentionBatch, config: MlaCon
     out = torch.full((q.size(0), topk), -1, dtype=torch.int64, device=q.device)
     for start, length, context, table in attention.sequences():
         keys = context_rows(key_layer, table, context, ps).float().T[None, None]
+        cached = context - length
         block = max(1, SCORE_BLOCK_ELEMENTS // (q.size(1) * context))
         for r0 in range(0, length, block):
             r1 = min(length, r0 + block)
             rows = slice(start + r0, start + r1)
+            # A block's rows see no key past its last row: a long prefill
+            # chunk scores the causal triangle, not the square.
+            seen = cached + r1
             # In place: the same roundings as `relu(matmul * scale)`, one buffer.
-            scores = torch.matmul(q[rows].float()[None], keys).mul_(scale).relu_()
+            scores = torch.matmul(q[rows].float()[None], keys[..., :seen]).mul_(scale).relu_()
             summed = torch.matmul(weights[rows][None].unsqueeze(-2), scores).squeeze(-2)[0]
-            position = context - length + torch.arange(r0, r1, device=q.device)
-            visible = torch.arange(context, device=q.device)[None, :] <= position[:, None]
+            position = cached + torch.arange(r0, r1, device=q.device)
+            visible = torch.arange(seen, device=q.device)[None, :] <= position[:, None]
             summed = summed.masked_fill(~visible, float("-inf"))
-            k = min(topk, context)
+            k = min(topk, seen)
             out[rows, :k] = summed.topk(k, dim=-1).indices
     return out
-
-
-def selection_mask(topk: torch.Tensor, rows: slice, context: int) -> torch.Tensor:
-    """bool [rows, context]: the tokens each query's top-k names."""
-    chosen = topk[rows]
-    mask = torch.zeros(chosen.size(0), context + 1, dtype=torch.bool, device=chosen.device)
-    # -1 pads land in the spare last column, dropped.
-    mask.scatter_(1, torch.where(chosen < 0, context, chosen), True)
-    return mask[:, :context]
