@@ -9,10 +9,13 @@ pool's pages only (prefix pages may come from another worker):
 
     score[t] = sum_h w_h * relu(q_h . k_t * D^-0.5),   w = weights_proj(x) * H^-0.5
 
-in float32 whatever the model dtype, with transformers' own operand shapes
-(a batched matmul over queries), so the float32 sums, and hence the
-top-k, are the ones transformers computes. A query with at most `index_topk`
-visible tokens sees them all.
+in float32 whatever the model dtype, by transformers' operations in its
+order (a batched matmul over queries, then the head-weighted sum), so the
+top-k is the one transformers picks. float32 rounding still depends on a
+call's shapes (how many queries and keys it holds), so two scores equal to
+float32 rounding may rank differently: the top-k of a token can differ
+from transformers' (or between a chunked and a whole prefill) only at such
+a near tie. A query with at most `index_topk` visible tokens sees them all.
 
 The selection is returned as token indices `[rows, index_topk]` (-1 pads):
 a fixed shape, so a PP stage can hand it to the next one when that stage
