@@ -117,15 +117,17 @@ def load_engine(
     keys derive from tokens (`kvrelay.layout.keys`); `batch_invariant_attention`
     makes a row's attention bits independent of the forward's other rows, so
     pages are byte-identical whatever CP degree computed them
-    (`kvrelay.model.paged_attention`)."""
+    (`kvrelay.model.paged_attention`). Models of the MLA family (GLM-5,
+    DeepSeek-V3.2, DeepSeek-V3) load through `kvrelay.model.mla_loader`
+    over a `LatentKVPool`; `attention_chunk_tokens` and
+    `batch_invariant_attention` do not apply to them (their pages under CP
+    equal CP=1's to rounding, not byte for byte)."""
     if dtype not in TORCH_DTYPES:
         raise ModelLoadError(f"dtype {dtype!r} is not one of {sorted(TORCH_DTYPES)}")
     parallel = parallel or ParallelConfig()
     if not isinstance(speculative, int) or speculative < 0:
         raise ModelLoadError(f"speculative must be a non-negative int, got {speculative!r}")
     if is_mla_model(model_dir):
-        # The MLA path computes each query row's attention in one pass over its
-        # context (`mla_attention`): there is no block split to make invariant.
         return load_mla_engine(
             model_dir, dtype=dtype, page_size=page_size, num_pages=num_pages, parallel=parallel,
             comm=comm, device=parse_device(device), max_prefill_tokens=max_prefill_tokens,
