@@ -3,7 +3,7 @@ float64: prompt logits and greedy tokens cold, after a cached prefix (full
 pages and a partial one) and with chunked prefill, page sizes 16 and 64,
 prompts longer than index_topk so the indexer decides what attention sees.
 
-Greedy tokens are equal; logits agree to 1e-6, not to float64 rounding: the
+Greedy tokens are equal; logits agree to 1e-5, not to float64 rounding: the
 router's sigmoid and the indexer's scores are float32 in both (as the models
 define them), and float32 results depend on the shape of the call (a
 vectorised loop's tail, a GEMM's blocking). transformers itself rounds a
@@ -19,7 +19,7 @@ from tests.model.mla_support import ARCHS, hf_mla_model
 from tests.model.oracle import hf_greedy
 from tests.support.models import prompt_tokens
 
-CLOSE = 1e-6
+CLOSE = 1e-5
 NEW = 16
 
 
