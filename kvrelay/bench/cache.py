@@ -14,9 +14,9 @@ Per L2 capacity (total pages), side by side:
 - `policies`: the host tier alone, `--servers` CacheTiers with pages placed
   by HashRing, the same total, under each eviction policy (`--policies`,
   all by default; `lru` and the default always), and Belady's offline bound on the same
-  servers (`kvrelay.cache.eviction.belady`, the same prefix rule for hits);
+  servers (`kvrelay.bench.belady`, the same prefix rule for hits);
   `shared` is the default policy's entry; beside them the partial-foresight
-  oracles (`kvrelay.cache.eviction.oracles`): LRU knowing which pages will
+  oracles (`kvrelay.bench.oracles`): LRU knowing which pages will
   be read again, and eviction knowing how many reads each page has left;
 - `policies_l3`: the same with an L3 behind each tier (`--l3`: a file store
   per server in a temp dir, `--l3-pages` in total split evenly, by default
@@ -68,9 +68,9 @@ from kvrelay.bench.cache_trace import (
     page_content,
 )
 from kvrelay.bench.cache_workloads import help_text, workload_names
+from kvrelay.bench.oracles import ORACLES
 from kvrelay.bench.stats import machine_info, write_json
 from kvrelay.cache.eviction import DEFAULT_POLICY, POLICIES
-from kvrelay.cache.eviction.oracles import ORACLES
 from kvrelay.cache.l3.local_server import local_l3
 from kvrelay.cache.tier import CacheTier
 from kvrelay.layout.ring import HashRing

@@ -17,10 +17,10 @@ import statistics
 import time
 from collections.abc import Sequence
 
+from kvrelay.bench.belady import belady_hits
+from kvrelay.bench.oracles import oracle_hits
 from kvrelay.cache.eviction import POLICIES, make_policy
-from kvrelay.cache.eviction.belady import belady_hits
 from kvrelay.cache.eviction.lirs import PrefixLIRSReference
-from kvrelay.cache.eviction.oracles import oracle_hits
 from kvrelay.cache.eviction.prefix import PrefixLRUReference
 from kvrelay.cache.index import PageIndex
 

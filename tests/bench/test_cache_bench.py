@@ -14,8 +14,8 @@ import pytest
 from kvrelay import procfs
 from kvrelay.bench import cache as cache_bench
 from kvrelay.bench.cache_tiers import l3_stores, make_tiers
+from kvrelay.bench.oracles import ORACLES
 from kvrelay.cache.eviction import DEFAULT_POLICY
-from kvrelay.cache.eviction.oracles import ORACLES
 from kvrelay.cache.l3 import record
 from kvrelay.cache.l3.file import FileStore, FileStoreConfig
 from kvrelay.cli import main

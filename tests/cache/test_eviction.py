@@ -10,9 +10,9 @@ import random
 
 import pytest
 
+from kvrelay.bench.belady import belady_hits, next_uses
+from kvrelay.bench.oracles import ORACLES, oracle_hits
 from kvrelay.cache.eviction import DEFAULT_POLICY, POLICIES, make_policy
-from kvrelay.cache.eviction.belady import belady_hits, next_uses
-from kvrelay.cache.eviction.oracles import ORACLES, oracle_hits
 from kvrelay.cache.index import PageIndex
 from kvrelay.cache.tier import TierConfig
 from tests.cache.test_tier import make_tier

@@ -2,8 +2,8 @@
 
 `lru` is blind to chains; `prefix-lru` (the default) and `prefix-lirs` keep
 a page while a later page of its chain stays and order the rest by recency
-or by reuse distance (both compiled); `belady` and the oracles
-(`belady.py`, `oracles.py`) are the bench's offline bounds, not policies.
+or by reuse distance (both compiled). Belady's bound and the oracles are
+the bench's (`kvrelay.bench.belady`, `kvrelay.bench.oracles`), not policies.
 """
 
 from __future__ import annotations

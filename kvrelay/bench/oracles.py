@@ -26,7 +26,7 @@ import heapq
 from collections import Counter
 from collections.abc import Hashable, Sequence
 
-from kvrelay.cache.eviction.belady import Route, prefix_replay
+from kvrelay.bench.belady import Route, prefix_replay
 
 ORACLES = ("oracle-dead", "oracle-count")
 
