@@ -21,7 +21,7 @@ CLUSTER_FOLDERS = {"bench", "cache", "chaos", "control", "demo", "integration", 
                    "serving", "transfer"}  # fmt: skip
 # Files elsewhere that spawn rank or CLI processes.
 CLUSTER_FILES = {"test_cli.py", "test_context_parallel.py", "test_cross_config.py",
-                 "test_parallel.py", "test_examples.py"}  # fmt: skip
+                 "test_parallel.py", "test_examples.py", "test_mla_parallel.py"}  # fmt: skip
 TESTS = Path(__file__).parent
 # The longest files (minutes of processes each, CI's --durations), run first:
 # with `--dist loadfile --no-loadscope-reorder` (the Makefile) a worker that
@@ -29,7 +29,8 @@ TESTS = Path(__file__).parent
 # last kept one worker busy for minutes while the other idled. The many
 # short files come after and fill the gaps.
 LONGEST_FIRST = (
-    "model/test_parallel.py", "serving/test_workers.py", "integration/test_cluster.py",
+    "model/test_parallel.py", "model/test_mla_parallel.py", "serving/test_workers.py",
+    "integration/test_cluster.py", "integration/test_mla_cluster.py",
     "integration/test_demo.py", "model/test_speculative.py", "model/test_cli.py",
     "serving/test_context_parallel.py", "chaos/test_faults.py", "test_examples.py",
     "serving/test_draft_pages.py", "bench/test_transfer_bench.py",
