@@ -5,7 +5,10 @@ equal a cold run's; zeroed draft pages in the tier change them (the test can
 fail); target pages in the tier without their draft pages are recomputed.
 
 The model has one layer and an MTP layer copied from it (`mtp_init="copy"`),
-so the draft agrees with the target often and the counts say something."""
+so the draft agrees with the target often and the counts say something: a
+Llama, and a GLM-5-shaped model (MLA, DSA indexer with top-k below the
+prompts, MoE) whose draft pages carry the MTP layer's latent and indexer keys
+and do not divide its target pages."""
 
 from __future__ import annotations
 
@@ -24,9 +27,15 @@ from tests.support.models import prompt_tokens
 NEW = 12  # tokens per request (first token included)
 
 
-@pytest.fixture(scope="module")
-def mtp_model(model_dirs):
-    return model_dirs("serving", layers=1, mtp=1, mtp_init="copy")
+@pytest.fixture(scope="module", params=["llama", "glm5"])
+def mtp_model(request, model_dirs, tmp_path_factory):
+    if request.param == "llama":
+        return model_dirs("serving", layers=1, mtp=1, mtp_init="copy")
+    from kvrelay.model.make_mla_model import MlaModelSpec, write_mla_model
+
+    spec = MlaModelSpec(arch="glm5", layers=1, first_dense=0, mtp=1, mtp_init="copy",
+                        index_topk=24, std=0.2, seed=31)  # fmt: skip
+    return write_mla_model(tmp_path_factory.mktemp("glm5-mtp") / "model", spec)
 
 
 def spec_engine(mtp_model):
@@ -115,11 +124,10 @@ async def write_to_tier(cache: str, mtp_model, prompt: list[int], pages: int, dr
     offsets = [i * pb for i in range(2 * pages)]
     await target.write(engine.spec.page_keys(prompt)[:pages], arena, offsets[:pages])
     if draft != "none":
-        stride = pb // dspec.page_bytes
-        ids = [(pages + i) * stride for i in range(pages)]
-        export_draft_prefix(
-            engine, prompt[: pages * PAGE + 1], arena.tensor.view(-1, dspec.page_bytes), ids
-        )
+        # Each draft page at the start of a row (a row's stride: an MLA draft
+        # page with indexer keys need not divide the target page).
+        ids = list(range(pages, 2 * pages))
+        export_draft_prefix(engine, prompt[: pages * PAGE + 1], rows[:, : dspec.page_bytes], ids)
         if draft == "zero":
             rows[pages:].zero_()
         client = CacheClient(agent, dspec, draft_rectangle(dspec, flat), config, slot_bytes=pb)
