@@ -48,10 +48,10 @@ def measure_cp_prefill(
     Returns {"prompt_tokens", "runs", "load_average", "cp": {C: {"prefill_s",
     "tokens_per_s", "speedup"}}} with Summary JSON values ("speedup": the
     baseline's time / this degree's, per run)."""
-    from kvrelay.model.config import ModelConfig
+    from kvrelay.model.loader import load_config
     from kvrelay.model.parallel import ParallelEngine
 
-    vocab = ModelConfig.from_dir(model_dir).vocab_size
+    vocab = load_config(model_dir).vocab_size
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab, (prompt_tokens,), generator=generator).tolist()
     pages = -(-(prompt_tokens + 1) // page_size) + 1

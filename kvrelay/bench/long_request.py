@@ -166,8 +166,7 @@ def _measure(args: argparse.Namespace, tokens: list[int]) -> dict:
     and the one-process reference's tokens."""
     from kvrelay.demo.cluster import ClusterConfig, LocalCluster, PoolConfig
     from kvrelay.demo.profiles import MODELS
-    from kvrelay.model.config import ModelConfig
-    from kvrelay.model.loader import kv_spec
+    from kvrelay.model.loader import model_kv_spec
     from kvrelay.model.make_model import RandomModelSpec, write_model
 
     ps = args.page_size
@@ -175,7 +174,7 @@ def _measure(args: argparse.Namespace, tokens: list[int]) -> dict:
     pages = args.num_pages or -(-(len(tokens) + args.max_tokens) // ps) + 4
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model(Path(tmp) / "model-long", RandomModelSpec(**MODELS["long"]))
-        spec = kv_spec(model_dir, ModelConfig.from_dir(model_dir), "float32", ps)
+        spec = model_kv_spec(model_dir, "float32", ps)
         tier_gb = 1.25 * (context_pages + 64) * spec.page_bytes / 1e9
         config = ClusterConfig(
             model_dir=model_dir, log_dir=Path(args.out) / "logs", cache="shared",

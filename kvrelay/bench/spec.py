@@ -25,9 +25,9 @@ import torch
 
 from kvrelay.bench.stats import Summary, format_table, write_report
 from kvrelay.layout import DEFAULT_PAGE_SIZE
-from kvrelay.model.config import TORCH_DTYPES, ModelConfig
+from kvrelay.model.config import TORCH_DTYPES
 from kvrelay.model.engine import Request
-from kvrelay.model.loader import load_engine
+from kvrelay.model.loader import load_config, load_engine
 from kvrelay.model.make_model import add_shape_arguments, shape_spec, write_model
 from kvrelay.model.sampling import SamplingParams
 
@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def measure_speculation(model_dir, ks, *, prompt_tokens, decode_tokens, batch, runs, dtype,
                         page_size, seed=0) -> dict:  # fmt: skip
     """Decode tokens/s of the plain engine and of each K, interleaved runs."""
-    vocab = ModelConfig.from_dir(model_dir).vocab_size
+    vocab = load_config(model_dir).vocab_size
     gen = torch.Generator().manual_seed(seed)
     prompts = [
         torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist() for _ in range(batch)

@@ -59,13 +59,12 @@ def run(args: argparse.Namespace) -> None:
 
 def make_model(directory: Path) -> tuple[Path, int]:
     from kvrelay.model import RandomModelSpec, write_model
-    from kvrelay.model.config import ModelConfig
-    from kvrelay.model.loader import kv_spec
+    from kvrelay.model.loader import model_kv_spec
 
     spec = RandomModelSpec(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, std=0.2,
                            seed=21)  # fmt: skip
     model_dir = write_model(directory / "llama", spec)
-    return model_dir, kv_spec(model_dir, ModelConfig.from_dir(model_dir), DTYPE, PAGE).page_bytes
+    return model_dir, model_kv_spec(model_dir, DTYPE, PAGE).page_bytes
 
 
 def fault_config(model_dir: Path, log_dir: Path, page_bytes: int) -> ChaosConfig:
