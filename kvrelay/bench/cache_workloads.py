@@ -121,5 +121,5 @@ def workload_names(text: str) -> list[str]:
 
 
 def help_text() -> str:
-    lines = ", ".join(f"{name}: {what}" for name, (what, _) in WORKLOADS.items())
-    return f"replay generated workloads (comma-separated, or all): {lines}"
+    lines = "; ".join(f"{name}: {what}" for name, (what, _) in WORKLOADS.items())
+    return f"replay generated workloads (comma-separated, or all) against LRU. {lines}"
