@@ -390,7 +390,8 @@ def test_bench_cache_sweeps_workloads_and_servers_against_lru(tmp_path, capsys):
     assert "worst difference from LRU" in printed and "short-sessions" in printed
 
 
-def test_bench_cache_workloads_are_named_in_help(capsys):
+def test_bench_cache_workloads_are_named_in_help(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "2000")  # no line breaks inside a name
     with pytest.raises(SystemExit):
         main(["bench", "cache", "--help"])
     text = " ".join(capsys.readouterr().out.split())
