@@ -34,7 +34,11 @@ class AdapterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pages' namespace together with the geometry taken from SGLang's host pool;
     `num_layers` / `num_kv_heads` are the model's global counts, needed when a
     rank sees only part of them (PP, or TP beyond the KV heads) and otherwise
-    taken from the pool. Every call returns within about `timeout_s`.
+    taken from the pool. A DSA model's pages name `index_topk` and its
+    global `index_layers` (taken from the indexer pool at pp_size 1); draft
+    pages name `draft_model_id` / `draft_weights_fingerprint` (the target's,
+    `#draft`, by default) and `draft_num_kv_heads` (MHA drafts). Every call
+    returns within about `timeout_s`.
     `staging_pages` sizes each staging arena (reads, writes) in pages; unset,
     it holds one SGLang storage batch (`SGLANG_BATCH_PAGES`) so that a batch
     moves in one round of server calls, fewer when that exceeds
@@ -49,6 +53,11 @@ class AdapterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     salt: str = ""
     num_layers: Positive | None = None
     num_kv_heads: Positive | None = None
+    index_topk: Positive | None = None
+    index_layers: tuple[int, ...] | None = None
+    draft_model_id: str = ""
+    draft_weights_fingerprint: str = ""
+    draft_num_kv_heads: Positive | None = None
     timeout_s: Annotated[float, msgspec.Meta(gt=0, le=600)] = 5.0
     staging_pages: Positive | None = None
 

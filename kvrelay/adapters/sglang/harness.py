@@ -14,6 +14,7 @@ index's CUDA build of it import beside CPU torch.
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 
 import torch
 
@@ -31,7 +32,17 @@ with warnings.catch_warnings():
         MHABufferInfo,
         MLABufferInfo,
     )
-    from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
+    from sglang.srt.mem_cache.hicache_storage import (
+        HiCacheFile,
+        HiCacheStorageConfig,
+        PoolHitPolicy,
+        PoolName,
+        PoolTransfer,
+    )
+    from sglang.srt.mem_cache.pool_host.dsa import (
+        DSAIndexerPoolHost,
+        make_dsa_indexer_pool_decl,
+    )
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
@@ -39,7 +50,7 @@ with warnings.catch_warnings():
 
     import kvrelay.adapters.sglang.storage  # noqa: F401  (imports SGLang's observability)
 
-__all__ = ["HiCacheFile", "HiCacheStorageConfig"]
+__all__ = ["HiCacheFile", "HiCacheStorageConfig", "PoolHitPolicy", "PoolName", "PoolTransfer"]
 
 TOKEN = "sglang-adapter-test"
 DEVICE_TOKENS = 64  # device pool size the host pool is sized against
@@ -68,19 +79,55 @@ def mha_pool(layout, *, heads, layers, start_layer, page_size, head_dim, dtype, 
     )  # fmt: skip
 
 
-def mla_pool(layout, *, layers, start_layer, page_size, width, dtype):
-    """A real MLATokenToKVPoolHost on CPU (latent rows of `width`, rope included)."""
-    rows = tuple(torch.zeros(DEVICE_TOKENS, 1, width, dtype=dtype) for _ in range(layers))
-    info = MLABufferInfo(
+def _mla_info(layers, page_size, width, dtype, rope, device_tokens):
+    rows = tuple(torch.zeros(device_tokens, 1, width, dtype=dtype) for _ in range(layers))
+    return MLABufferInfo(
         buffers=rows, data_ptrs=_ptrs(rows), layer_indices=tuple(range(layers)),
-        device_layer_num=layers, page_size=page_size, kv_lora_rank=width - 4,
-        qk_rope_head_dim=4, kv_cache_dim=width, dtype=dtype, device=torch.device("cpu"),
+        device_layer_num=layers, page_size=page_size, kv_lora_rank=width - rope,
+        qk_rope_head_dim=rope, kv_cache_dim=width, dtype=dtype, device=torch.device("cpu"),
     )  # fmt: skip
+
+
+def mla_pool(layout, *, layers, start_layer, page_size, width, dtype, rope=4, packed=0,
+             device_tokens=DEVICE_TOKENS):  # fmt: skip
+    """A real MLATokenToKVPoolHost on CPU (latent rows of `width`, the last
+    `rope` of them the RoPE part), `packed` draft layers after the target's."""
+    info = _mla_info(layers, page_size, width, dtype, rope, device_tokens)
+    drafts = [_mla_info(1, page_size, width, dtype, rope, device_tokens) for _ in range(packed)]
     return MLATokenToKVPoolHost(
         info, 2.0, 0, page_size, layout, pin_memory=False, device="cpu",
-        device_capacity_tokens=DEVICE_TOKENS, start_layer=start_layer,
-        end_layer=start_layer + layers, target_layer_num=layers,
+        draft_buffer_infos=drafts, device_capacity_tokens=device_tokens,
+        start_layer=start_layer, end_layer=start_layer + layers, target_layer_num=layers,
     )  # fmt: skip
+
+
+INDEX_HEAD_DIM = 128  # SGLang's DSA pools hold 128-wide keys (fp8) and one fp32 scale
+
+
+def dsa_indexer_pool(anchor, *, skip=(), packed=0, device_tokens=DEVICE_TOKENS):
+    """SGLang's DSAIndexerPoolHost on `anchor` (an MLA host pool), built from
+    the declaration SGLang's DSA device pool makes (`make_dsa_indexer_pool_decl`);
+    layers in `skip` (local) reuse another layer's top-k and hold no keys.
+    The device pool is a stand-in holding what the host pool reads of it."""
+    layers, ps = anchor.target_layer_num, anchor.page_size
+    record = ps * (INDEX_HEAD_DIM + 4)
+
+    def device_pool(count, skips):
+        return SimpleNamespace(
+            index_head_dim=INDEX_HEAD_DIM, quant_block_size=128, index_page_size=ps,
+            page_size=ps, skip_topk_layers=[i in skips for i in range(count)],
+            store_dtype=torch.uint8, start_layer=anchor.start_layer,
+            end_layer=anchor.start_layer + count, layer_num=count, layer_shard_enabled=False,
+            device="cpu", index_k_with_scale_buffer=[
+                torch.zeros((0 if i in skips else device_tokens // ps + 1, record),
+                            dtype=torch.uint8) for i in range(count)],
+        )  # fmt: skip
+
+    target = device_pool(layers, set(skip))
+    decl = make_dsa_indexer_pool_decl(target, name=PoolName.INDEXER)
+    drafts = tuple(device_pool(1, set()) for _ in range(packed))
+    return DSAIndexerPoolHost(decl=decl, anchor_host=anchor, packed_draft_device_pools=drafts,
+                              pin_memory=False, device="cpu")  # fmt: skip
 
 
 def storage_config(*, tp=1, tp_rank=0, pp=1, pp_rank=0, mla=False, layout="", extra=None,

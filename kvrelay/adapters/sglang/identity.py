@@ -41,6 +41,7 @@ class PoolGeometry:
     kv_dtype: str
     page_size: int
     heads_per_group: int = 1  # page_unified's head grouping
+    rope_head_dim: int = 0  # MLA: the RoPE part of the latent row
 
 
 def pool_geometry(pool) -> PoolGeometry:
@@ -52,9 +53,12 @@ def pool_geometry(pool) -> PoolGeometry:
         raise UnsupportedPool("decode context parallel (dcp_size > 1) pools are not supported")
     layers = int(getattr(pool, "target_layer_num", pool.layer_num))
     if hasattr(pool, "kv_cache_dim"):  # MLA: one latent row per token and layer
+        width, rope = int(pool.kv_cache_dim), int(getattr(pool, "qk_rope_head_dim", 0))
+        if width != int(getattr(pool, "kv_lora_rank", 0)) + rope:
+            rope = 0  # a packed (quantized) row: no RoPE part to name
         return PoolGeometry(
-            "mla", pool.layout, 1, layers, int(pool.start_layer), int(pool.kv_cache_dim), 0,
-            dtype, int(pool.page_size),
+            "mla", pool.layout, 1, layers, int(pool.start_layer), width, 0,
+            dtype, int(pool.page_size), rope_head_dim=rope,
         )  # fmt: skip
     if pool.v_head_dim != pool.head_dim:
         raise UnsupportedPool("K and V head dims differ (asymmetric MHA host pools)")
@@ -98,6 +102,7 @@ def model_spec(config, storage_config, geometry: PoolGeometry) -> ModelKVSpec:
         page_size=geometry.page_size,
         salt=config.salt,
         key_scheme="sglang",
+        rope_head_dim=geometry.rope_head_dim,
     )
 
 

@@ -19,16 +19,18 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
-
-from kvrelay.adapters.sglang.config import AdapterConfig
-from kvrelay.adapters.sglang.identity import (
-    kvrelay_key,
-    model_spec,
-    pool_geometry,
-    rank_rectangle,
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    PoolName,
+    PoolTransferResult,
 )
-from kvrelay.adapters.sglang.pool_io import PoolMover
+
+from kvrelay.adapters.sglang import pools as P
+from kvrelay.adapters.sglang.config import AdapterConfig
+from kvrelay.adapters.sglang.identity import UnsupportedPool, kvrelay_key
+from kvrelay.adapters.sglang.page_tier import PageTier
+from kvrelay.adapters.sglang.storage_v2 import TierRoutes, V2Pools, tier_exists
 from kvrelay.adapters.sglang.tier_io import AdapterStats, RankTier
 
 log = logging.getLogger(__name__)
@@ -71,12 +73,18 @@ class _LoopThread:
             self.loop.close()
 
 
-class KvrelayHiCacheStorage(HiCacheStorage):
+class KvrelayHiCacheStorage(V2Pools, HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
         self.storage_config = storage_config
         self.config = AdapterConfig.from_extra_config(storage_config.extra_config)
-        self.tier: RankTier | None = None
-        self.namespace = b""
+        self.mem_pool_host = None
+        self.named_pools: dict[str, object] = {}
+        self.routes: TierRoutes | None = None
+        self.target: RankTier | PageTier | None = None
+        self.draft: RankTier | PageTier | None = None
+        self.namespace = self.draft_namespace = b""
+        self._registered = False  # the registration burst is over
+        self._own_stats = AdapterStats()
         self._loop = _LoopThread()
         self._metrics = {"prefetch_pgs": [], "backup_pgs": []}
 
@@ -84,28 +92,84 @@ class KvrelayHiCacheStorage(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host) -> None:
         """Work out the model spec and the rank's rectangle, connect to the tier."""
         super().register_mem_pool_host(mem_pool_host)
-        geometry = pool_geometry(mem_pool_host)
-        spec = model_spec(self.config, self.storage_config, geometry)
-        rect = rank_rectangle(spec, self.storage_config, geometry)
-        mover = PoolMover(mem_pool_host, geometry, rect.num_bytes(spec))
-        tier = RankTier(self.config, spec, rect, mover)
-        self._loop.run(tier.start(), self.config.timeout_s)
-        self.tier, self.spec, self.rect, self.namespace = tier, spec, rect, spec.namespace()
+        self._build()
+
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        """A named pool: kv (the anchor again), indexer, draft, draft_indexer;
+        any other is refused (UnsupportedPool fails SGLang's attach)."""
+        name = P.pool_name(host_pool_name)
+        P.refuse_unheld(name)
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if name == P.KV:
+            if self.mem_pool_host is None:
+                self.register_mem_pool_host(host_pool)
+            elif host_pool is not self.mem_pool_host:
+                raise UnsupportedPool("a KV pool other than the one registered first")
+            return
+        self.named_pools[name] = host_pool
+        if self._registered:  # a sidecar added after the burst
+            self._build()
+
+    def on_host_pools_registered(self) -> None:
+        self._registered = True
+        if self.named_pools:
+            self._build()
+
+    def _build(self) -> None:
+        """(Re)connect the tiers the registered pools need; a target whose
+        spec did not change keeps its tier."""
+        routes = TierRoutes(self)
+        old = self.routes
+        if old is None or old.spec != routes.spec or self.target is None:
+            self._close_tier("target")
+            self.target = self._start(routes.target_tier())
+        if old is None or old.draft_spec != routes.draft_spec or self.draft is None:
+            self._close_tier("draft")
+            tier = routes.draft_tier()
+            self.draft = None if tier is None else self._start(tier)
+        self.routes, self.spec, self.rect = routes, routes.spec, routes.rect
+        self.namespace = routes.spec.namespace()
+        draft = routes.draft_spec
+        self.draft_namespace = draft.namespace() if draft is not None else b""
+        self._log_identity(routes)
+
+    def _start(self, tier):
+        return self._loop.run(tier.start(), self.config.timeout_s)
+
+    def _close_tier(self, which: str) -> None:
+        tier = getattr(self, which)
+        setattr(self, which, None)
+        if tier is not None:
+            try:
+                self._loop.run(tier.close(), CLOSE_BOUND_S)
+            except Exception:
+                log.exception("kvrelay HiCache backend: a tier did not close cleanly")
+
+    def _log_identity(self, routes: TierRoutes) -> None:
+        spec, rect, g = routes.spec, routes.rect, routes.geometry
+        fields = {k: v for k, v in spec.identity_fields().items() if k != "layout_version"}
         log.info(
-            "kvrelay HiCache backend: %s layout %s, heads [%d, %d) layers [%d, %d)%s, %s",
-            spec.model_id, geometry.layout, rect.head_start, rect.head_end, rect.layer_start,
-            rect.layer_end, "" if rect.writer else " (reader)",
-            "zero-copy" if mover.zero_copy else "staged",
+            "kvrelay HiCache backend: namespace %s %s; layout %s, heads [%d, %d) "
+            "layers [%d, %d)%s, pools %s%s",
+            spec.namespace().hex()[:16], fields, g.layout, rect.head_start, rect.head_end,
+            rect.layer_start, rect.layer_end, "" if rect.writer else " (reader)",
+            ", ".join([P.KV, *self.named_pools]),
+            f"; draft namespace {self.draft_namespace.hex()[:16]}" if self.draft else "",
         )  # fmt: skip
 
     @property
-    def stats(self) -> AdapterStats:
-        return self.tier.stats if self.tier is not None else AdapterStats()
+    def tier(self) -> RankTier | None:
+        """The target's tier when its pages are rectangles (v1's), else None."""
+        return self.target if isinstance(self.target, RankTier) else None
 
-    def _require_pool(self) -> RankTier:
-        if self.tier is None:
+    @property
+    def stats(self) -> AdapterStats:
+        return self.tier.stats if self.tier is not None else self._own_stats
+
+    def _require_pool(self):
+        if self.target is None:
             raise RuntimeError("register_mem_pool_host must be called before page calls")
-        return self.tier
+        return self.target
 
     def _keys(self, keys: list[str]) -> list[bytes]:
         return [kvrelay_key(self.namespace, k) for k in keys]
@@ -126,6 +190,8 @@ class KvrelayHiCacheStorage(HiCacheStorage):
         tier = self._require_pool()
         if not keys:
             return 0
+        if isinstance(tier, PageTier):
+            return self._run(tier_exists(tier, self._keys(keys)), 0)
         return self._run(tier.exists(self._keys(keys)), 0)
 
     def exists(self, key: str) -> bool:
@@ -137,6 +203,11 @@ class KvrelayHiCacheStorage(HiCacheStorage):
     ) -> list[bool]:
         """Read each page's rectangle into the host pool; True for the cached prefix."""
         tier = self._require_pool()
+        if isinstance(tier, PageTier) or self.routes.draft_parts:
+            found = self._run(self._move_v2([_Transfer(P.KV, keys, host_indices)], False), {})
+            found = sum(found.get(P.KV, []))
+            self._count_get(len(keys), found)
+            return [i < found for i in range(len(keys))]
         names = self._keys(keys)
         # Pages the lookup pulled are copied here, on SGLang's thread; only
         # what it did not hold goes to the loop (and the servers).
@@ -159,9 +230,43 @@ class KvrelayHiCacheStorage(HiCacheStorage):
         self, keys: list[str], host_indices: torch.Tensor, extra_info=None
     ) -> list[bool]:
         tier = self._require_pool()
+        if isinstance(tier, PageTier) or self.routes.draft_parts:
+            done = self._run(self._move_v2([_Transfer(P.KV, keys, host_indices)], True), {})
+            ok = all(done.get(P.KV, [False])) if keys else True
+            self._count_set(len(keys), ok)
+            return [ok] * len(keys)
         ok = self._run(tier.write_pool(self._keys(keys), host_indices), False) if keys else True
         self._count_set(len(keys), ok)
         return [ok] * len(keys)
+
+    # -- v2: named pools (storage_v2) ---------------------------------------------------
+    def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None) -> PoolTransferResult:
+        self._require_pool()
+        if not keys:
+            return PoolTransferResult(0, {}, [])
+        final, hits, restorable = self._run(
+            self._exists_v2(list(keys), pool_transfers), (0, {}, [])
+        )
+        hits = {PoolName(k) if isinstance(k, str) else k: v for k, v in hits.items()}
+        return PoolTransferResult(final, hits, restorable)
+
+    def batch_get_v2(self, transfers, extra_info=None) -> dict:
+        self._require_pool()
+        results = self._run(self._move_v2(list(transfers), False), None)
+        if results is None:
+            results = {t.name: [False] * len(t.keys or ()) for t in transfers}
+        for t in transfers:
+            self._count_get(len(t.keys or ()), sum(results[t.name]))
+        return results
+
+    def batch_set_v2(self, transfers, extra_info=None) -> dict:
+        self._require_pool()
+        results = self._run(self._move_v2(list(transfers), True), None)
+        if results is None:
+            results = {t.name: [False] * len(t.keys or ()) for t in transfers}
+        for t in transfers:
+            self._count_set(len(t.keys or ()), all(results[t.name]))
+        return results
 
     # -- plain interface: flat pages in get_data_page order --------------------------------
     def batch_get(self, keys, target_locations=None, target_sizes=None) -> list:
@@ -227,15 +332,20 @@ class KvrelayHiCacheStorage(HiCacheStorage):
         return metrics
 
     def clear(self) -> None:
-        """Drop this model's pages (its namespace) from every cache server."""
-        if self.tier is not None:
-            self._run(self.tier.clear(), None)
+        """Drop this model's pages (its namespace, and its draft's) from every cache server."""
+        for tier in (self.target, self.draft):
+            if tier is not None:
+                self._run(tier.clear(), None)
 
     def close(self) -> None:
-        if self.tier is not None:
-            try:  # closing waits for no server, but give it room on a loaded host
-                self._loop.run(self.tier.close(), CLOSE_BOUND_S)
-            except Exception:
-                log.exception("kvrelay HiCache backend did not close cleanly")
-            self.tier = None
+        # closing waits for no server, but give it room on a loaded host
+        self._close_tier("target")
+        self._close_tier("draft")
         self._loop.stop()
+
+
+class _Transfer:
+    """A PoolTransfer's fields the v2 moves read (v1 calls routed through them)."""
+
+    def __init__(self, name: str, keys, host_indices) -> None:
+        self.name, self.keys, self.host_indices = name, keys, host_indices

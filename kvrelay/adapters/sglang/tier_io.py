@@ -62,9 +62,15 @@ def client_groups(spec: ModelKVSpec, rect: Rectangle) -> list[tuple[Rectangle, i
 
 class RankTier:
     def __init__(
-        self, config: AdapterConfig, spec: ModelKVSpec, rect: Rectangle, mover: PoolMover
+        self,
+        config: AdapterConfig,
+        spec: ModelKVSpec,
+        rect: Rectangle,
+        mover: PoolMover,
+        slot_bytes: int | None = None,  # draft pages: the target page's slot
     ) -> None:
         self.config, self.spec, self.rect, self.mover = config, spec, rect, mover
+        self.slot_bytes = slot_bytes
         self.rect_bytes = rect.num_bytes(spec)
         self.stats = AdapterStats()
         self.agent = None
@@ -85,7 +91,7 @@ class RankTier:
             servers=c.servers, token=c.token, timeout_s=c.timeout_s / CALLS_PER_BATCH
         )
         self.clients = [
-            (CacheClient(self.agent, self.spec, part, client_config), shift)
+            (CacheClient(self.agent, self.spec, part, client_config, self.slot_bytes), shift)
             for part, shift in client_groups(self.spec, self.rect)
         ]
         if self.mover.zero_copy:
