@@ -261,3 +261,62 @@ def test_dsa_pages_need_index_topk(opened, servers):
     backend.register_mem_host_pool_v2(dsa_indexer_pool(kv, device_tokens=TOKENS), PoolName.INDEXER)
     with pytest.raises(UnsupportedPool, match="index_topk"):
         backend.on_host_pools_registered()
+
+
+def _controller(backend, kv, ix):
+    """SGLang's HybridCacheController with only what its storage calls read
+    (no device pools, threads or process groups on CPU)."""
+    import contextlib
+    from queue import Queue
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+
+    ctl = HybridCacheController.__new__(HybridCacheController)
+    ctl.storage_backend, ctl.storage_backend_type = backend, "dynamic"
+    ctl.page_size, ctl.storage_config = PAGE, backend.storage_config
+    entries = {PoolName.KV: SimpleNamespace(host_pool=kv)}
+    if ix is not None:
+        entries[PoolName.INDEXER] = SimpleNamespace(host_pool=ix)
+    ctl.mem_pool_host = SimpleNamespace(layout_lease=contextlib.nullcontext, entry_map=entries)
+    ctl.storage_host_pool = kv
+    ctl.page_set_func, ctl.page_get_func = ctl._page_set_zero_copy, ctl._page_get_zero_copy
+    ctl.prefetch_sync_queue = Queue()
+    return ctl
+
+
+def test_the_controllers_own_backup_and_prefetch(opened, servers):
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
+        PrefetchOperation,
+        StorageOperation,
+    )
+
+    tokens = _tokens(4)
+
+    def sidecars():
+        return [PoolTransfer(PoolName.INDEXER, indices_from_pool=PoolName.KV)]
+
+    writer, kv, ix = _rank(opened, servers, "page_first_direct")
+    src = kv.alloc(PAGES * PAGE)
+    _fill(kv, src, 11)
+    _fill(ix, src, 12)
+    keys = env.sglang_keys(tokens, PAGE)
+    backup = StorageOperation(src, tokens, hash_value=keys, pool_transfers=sidecars())
+    _controller(writer, kv, ix)._page_backup(backup)
+    assert backup.completed_tokens == PAGES * PAGE
+    assert backup.pool_storage_result.extra_pool_hit_pages == {PoolName.INDEXER: PAGES}
+
+    reader, kv2, ix2 = _rank(opened, servers, "layer_first")
+    ctl = _controller(reader, kv2, ix2)
+    fetch = PrefetchOperation(SimpleNamespace(rid="r1"), tokens, pool_transfers=sidecars())
+    hashes, hit_tokens = ctl._storage_hit_query(fetch)
+    assert hashes == keys and hit_tokens == PAGES * PAGE
+    assert fetch.query_pool_hit_pages == {PoolName.KV: PAGES, PoolName.INDEXER: PAGES}
+    fetch.hash_value, fetch.host_indices = hashes, kv2.alloc(PAGES * PAGE)
+    ctl._page_transfer(fetch)
+    acks = [ctl.prefetch_sync_queue.get_nowait() for _ in range(2)]
+    assert acks[0].completed_tokens == PAGES * PAGE
+    _same(kv, src, kv2, fetch.host_indices, PAGES, range(LAYERS + 1), range(LAYERS + 1))
+    _same(ix, src, ix2, fetch.host_indices, PAGES, range(3), range(3))
