@@ -40,6 +40,8 @@ _COMMANDS = (
      "kvrelay.model.commands", "add_make_model_arguments", "run_make_model"),
     (("demo",), "a local cluster replaying an agentic multi-turn workload, per cache mode",
      "kvrelay.demo.command", "add_arguments", "run"),
+    (("namespaces",), "cache servers' namespaces: the identity fields each was made from, pages",
+     "kvrelay.cache.identities", "add_arguments", "run"),
     (("tenant-token",), "print the token that lets a client touch one namespace only",
      "kvrelay.cache.tenants", "add_token_arguments", "run_token"),
     (("launch", "cache"), "a cache server (L2 arena, optional L3)",

@@ -27,6 +27,7 @@ import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvrelay.cache.identities import IdentityNotes
 from kvrelay.cache.policy import WritePolicy
 from kvrelay.cache.ring_follow import RingFollower
 from kvrelay.cache.writeback import WriteBackQueue
@@ -128,6 +129,7 @@ class CacheClient:
         self._queued = asyncio.Event()  # a page waits
         self._batch_ready = asyncio.Event()  # write_back_batch pages wait, or the queue is full
         self._push_lock = asyncio.Lock()
+        self.notes = IdentityNotes(spec)  # what servers said of this namespace
 
     @property
     def ring(self) -> HashRing:
@@ -150,7 +152,7 @@ class CacheClient:
 
     def _check_welcome(self, welcome: CacheWelcome) -> str | None:
         if welcome.page_bytes != self.slot_bytes:
-            return f"it holds pages of {welcome.page_bytes} bytes, not {self.slot_bytes}"
+            return self.notes.refused(welcome.page_bytes, self.slot_bytes)
         return None
 
     async def close(self) -> None:
@@ -203,6 +205,7 @@ class CacheClient:
         return prefix
 
     async def _lookup_one(self, server: str, keys: list[bytes]) -> tuple[int, int | None]:
+        await self.notes.announce(server, self._servers[server])
         try:
             reply = await self._servers[server].call(
                 Lookup(keys, self.config.lease_s, self.namespace), LookupReply
@@ -314,6 +317,7 @@ class CacheClient:
         return written, sum(f for _, f in results)
 
     async def _write_one(self, server, positions, keys, src, offsets) -> tuple[int, int]:
+        await self.notes.announce(server, self._servers[server])
         conn = self._servers[server]
         mine = [keys[p] for p in positions]
         lease = None

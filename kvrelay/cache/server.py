@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from kvrelay import rpc
 from kvrelay.cache.arena import ArenaConfig, PageArena
 from kvrelay.cache.eviction import DEFAULT_POLICY, POLICIES
+from kvrelay.cache.identities import NamespaceBook
 from kvrelay.cache.l3 import open_store
 from kvrelay.cache.membership import NO_RING, ControlLink
 from kvrelay.cache.policy import WritePolicy
@@ -30,6 +31,8 @@ from kvrelay.cache.tier import CacheTier, TierConfig
 from kvrelay.options import option
 from kvrelay.rpc import MalformedMessage
 from kvrelay.rpc.cache_ops import (
+    Announce,
+    AnnounceReply,
     CacheRequest,
     CacheStats,
     CacheStatsReply,
@@ -40,8 +43,11 @@ from kvrelay.rpc.cache_ops import (
     FlushReply,
     GetRing,
     HandleReply,
+    ListNamespaces,
     Lookup,
     LookupReply,
+    NamespaceInfo,
+    NamespacesReply,
     PublishHandle,
     ReleaseLease,
     ReleaseReply,
@@ -109,6 +115,7 @@ class CacheServer:
         self._handle_leases: dict[int, list[int]] = {}
         self._server: rpc.Server | None = None
         self._ops = 0
+        self.namespaces = NamespaceBook()
         self.address = ""
         self.control: ControlLink | None = None
         self._heartbeats: asyncio.Task | None = None
@@ -213,6 +220,16 @@ class CacheServer:
         if isinstance(request, GetRing):
             ring = self.control.ring if self.control is not None else NO_RING
             return RingReply(ring.version, ring.servers)
+        if isinstance(request, Announce):
+            check_namespace(scope, request.ns)
+            kept = self.namespaces.record(request.ns, request.identity)
+            counts = self.namespaces.page_counts(tier.index.entries())
+            near = self.namespaces.near(request.ns, scope.allows, counts)
+            return AnnounceReply(kept, [NamespaceInfo(*n) for n in near])
+        if isinstance(request, ListNamespaces):
+            check_every_namespace(scope, "a list of namespaces")
+            counts = self.namespaces.page_counts(tier.index.entries())
+            return NamespacesReply([NamespaceInfo(*n) for n in self.namespaces.listing(counts)])
         if isinstance(request, Flush):
             if request.ns is None:
                 check_every_namespace(scope, "a flush of every namespace")

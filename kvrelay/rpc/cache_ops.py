@@ -13,11 +13,16 @@
   l3_dropped}`: the unpinned L2 pages and the L3 pages of one namespace, or all
 - `GetRing` -> `RingReply {version, servers}`: the ring of cache servers
   control published last, as the server heard it (clients follow it)
+- `Announce {ns, identity}` -> `AnnounceReply {kept, near}`: the identity
+  fields a client's namespace hashes from; `near` lists the server's other
+  namespaces of the same model, the fields each differs in and its pages
+- `ListNamespaces` -> `NamespacesReply {namespaces}`: every namespace the
+  server holds pages of or heard of, with its fields and page count
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 
@@ -120,6 +125,35 @@ class FlushReply(Message, tag="flush_reply"):
     l3_dropped: int = 0
 
 
+Identity = Annotated[dict[str, Any], msgspec.Meta(max_length=64)]
+
+
+class Announce(Message, tag="announce"):
+    ns: Key
+    identity: Identity
+
+
+class NamespaceInfo(msgspec.Struct, frozen=True):
+    ns: bytes
+    identity: dict[str, Any] | None
+    pages: int
+    differs: list[str] = []
+
+
+class AnnounceReply(Message, tag="announce_reply"):
+    kept: bool  # the fields hash to the namespace
+    near: list[NamespaceInfo]
+
+
+class ListNamespaces(Message, tag="list_namespaces"):
+    pass
+
+
+class NamespacesReply(Message, tag="namespaces_reply"):
+    namespaces: list[NamespaceInfo]
+
+
 CacheRequest = Union[  # noqa: UP007 (msgspec takes a Union)
-    Lookup, Reserve, PublishHandle, Commit, ReleaseLease, CacheStats, Flush, GetRing
-]
+    Lookup, Reserve, PublishHandle, Commit, ReleaseLease, CacheStats, Flush, GetRing,
+    Announce, ListNamespaces,
+]  # fmt: skip
