@@ -20,6 +20,7 @@ report them pulled or the hold expires (`handoff.py`).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -30,6 +31,8 @@ from kvrelay.adapters.vllm.handoff_params import (
     wants_remote_decode,
 )
 from kvrelay.layout import ModelKVSpec, Rectangle
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -116,6 +119,8 @@ class SchedulerSide:
         self.count_prefix = count_prefix  # None: no tier
         self.handoff = handoff
         self.namespace = spec.namespace()
+        fields = {k: v for k, v in spec.identity_fields().items() if k != "layout_version"}
+        log.info("kvrelay connector: namespace %s %s", self.namespace.hex()[:16], fields)
         self.requests: dict[str, Tracked] = {}
         self.new_holds: list[HeldBlocks] = []
         self.probes = 0
