@@ -11,11 +11,13 @@ pool's pages only (prefix pages may come from another worker):
 
 in float32 whatever the model dtype, by transformers' operations in its
 order (a batched matmul over queries, then the head-weighted sum), so the
-top-k is the one transformers picks. float32 rounding still depends on a
-call's shapes (how many queries and keys it holds), so two scores equal to
-float32 rounding may rank differently: the top-k of a token can differ
-from transformers' (or between a chunked and a whole prefill) only at such
-a near tie. A query with at most `index_topk` visible tokens sees them all.
+top-k is the one transformers picks. float32 rounding depends on a call's
+shapes (how many queries and keys it holds), so two scores equal to float32
+rounding may rank differently between a chunked and a whole prefill; a
+float64 model therefore sums in float64 and rounds once (`_scores`), which
+makes its selection independent of how a forward is cut, and exact ties
+go to the earliest tokens (`_top`). A query with at most `index_topk`
+visible tokens sees them all.
 
 The selection is returned as token indices `[rows, index_topk]` (-1 pads):
 a fixed shape, so a PP stage can hand it to the next one when that stage
@@ -80,12 +82,43 @@ def select_topk(q, weights, key_layer, attention: AttentionBatch, config: MlaCon
             # A block's rows see no key past its last row: a long prefill
             # chunk scores the causal triangle, not the square.
             seen = cached + r1
-            # In place: the same roundings as `relu(matmul * scale)`, one buffer.
-            scores = torch.matmul(q[rows].float()[None], keys[..., :seen]).mul_(scale).relu_()
-            summed = torch.matmul(weights[rows][None].unsqueeze(-2), scores).squeeze(-2)[0]
+            summed = _scores(q[rows], weights[rows], keys[..., :seen], scale)
             position = cached + torch.arange(r0, r1, device=q.device)
             visible = torch.arange(seen, device=q.device)[None, :] <= position[:, None]
             summed = summed.masked_fill(~visible, float("-inf"))
-            k = min(topk, seen)
-            out[rows, :k] = summed.topk(k, dim=-1).indices
+            out[rows, : min(topk, seen)] = _top(summed, min(topk, seen))
     return out
+
+
+def _scores(q, weights, keys, scale: float) -> torch.Tensor:
+    """float32 [rows, keys] head-weighted scores of a block of queries.
+
+    A float64 model's scores are summed in float64 and rounded to float32
+    once per dot product and once per head sum: within an ulp of
+    transformers' float32 sums and, unlike them, the same whatever rows and
+    keys a call holds, so chunked, cached and whole prefills select the same
+    tokens (the top-k is discontinuous: a flipped near tie changes what a
+    query attends to). Other dtypes take transformers' float32 operations."""
+    if q.dtype == torch.float64:
+        dots = torch.matmul(q.float().double()[None], keys.double()).float()
+        scores = dots.mul_(scale).relu_()
+        summed = torch.matmul(weights.double()[None].unsqueeze(-2), scores.double())
+        return summed.squeeze(-2)[0].float()
+    # In place: the same roundings as `relu(matmul * scale)`, one buffer.
+    scores = torch.matmul(q.float()[None], keys).mul_(scale).relu_()
+    return torch.matmul(weights[None].unsqueeze(-2), scores).squeeze(-2)[0]
+
+
+def _top(summed: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of each row's k largest scores; a tie across the k-th score
+    goes to the earliest tokens, so the choice never depends on how long the
+    scored row is (torch.topk breaks ties by its own internal order)."""
+    values, indices = summed.topk(k, dim=-1)
+    kth = values[:, -1:]
+    tied = (summed == kth).sum(-1) > (values == kth).sum(-1)
+    tied &= torch.isfinite(kth[:, 0])  # -inf ties are masked tokens, never attended
+    for row in tied.nonzero().flatten().tolist():
+        above = (summed[row] > kth[row]).nonzero().flatten()
+        at = (summed[row] == kth[row]).nonzero().flatten()[: k - above.numel()]
+        indices[row] = torch.cat([above, at])
+    return indices
