@@ -27,6 +27,7 @@ from kvrelay.layout import DEFAULT_PAGE_SIZE
 
 # `kvrelay.model.make_mla_model.MLA_ARCHS`, named here so `--help` needs no torch.
 MLA_ARCHS = ("glm5", "deepseek_v32", "deepseek_v3")
+MLA_SLOW_PREFILL_S = 900.0
 
 DEMO_MODEL = profiles.MODELS["default"]
 
@@ -40,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", default="llama", choices=["llama", *MLA_ARCHS],
                         help="demo model family: llama (GQA) or a GLM-5 / DeepSeek-shaped "
                         "model (MLA, DSA indexer, MoE) written to --model if absent")  # fmt: skip
+    parser.add_argument("--dtype", choices=["float32", "float64", "bfloat16"], default=None,
+                        help="model and KV dtype (default: float32; float64 for the MLA "
+                        "family, whose DSA top-k flips at float32 near ties when a prompt is "
+                        "cut differently, so modes would generate different tokens)")  # fmt: skip
     parser.add_argument("--speculative", type=int, default=0, metavar="K",
                         help="speculative mode: decode drafts K tokens per step with an MTP "
                         "layer (a demo model with --mtp 1; --model must have one)")  # fmt: skip
@@ -113,7 +118,7 @@ def cluster_config(mode: str, args, workload: WorkloadConfig, model: Path,
     return ClusterConfig(
         model_dir=model, log_dir=Path(args.out) / "logs" / mode, cache=mode,
         prefill=PoolConfig.parse(args.prefill), decode=PoolConfig.parse(args.decode),
-        page_bytes=page_bytes, page_size=args.page_size, backend=args.backend,
+        page_bytes=page_bytes, page_size=args.page_size, dtype=args.dtype, backend=args.backend,
         speculative=args.speculative, prefill_pages=pages(args.prefill_pages),
         decode_pages=decode_pages, cache_gb=args.cache_gb,
         max_prefill_tokens=args.max_prefill_tokens, slow_prefill_s=args.slow_prefill_s,
@@ -199,7 +204,7 @@ def compare_tokens(runs: dict[str, list[TurnRecord]], sampled=()) -> list[str]:
 
 def run(args: argparse.Namespace) -> None:
     workload, modes, model = _prepare(args)
-    page_bytes = page_bytes_of(model, "float32", args.page_size)
+    page_bytes = page_bytes_of(model, args.dtype, args.page_size)
     print(f"workload ({args.profile}): {workload.sessions} sessions x {workload.turns} turns, "
           f"context {workload.system_tokens + workload.user_tokens} -> "
           f"{workload.final_context()} tokens; prefill {args.prefill} then "
@@ -231,6 +236,12 @@ def _prepare(args: argparse.Namespace) -> tuple[WorkloadConfig, list[str], Path]
         user_tokens=args.user_tokens, tool_tokens=args.tool_tokens,
         answer_tokens=args.answer_tokens, seed=args.seed,
     )  # fmt: skip
+    if args.dtype is None:
+        args.dtype = "float64" if args.arch in MLA_ARCHS else "float32"
+    if args.arch in MLA_ARCHS and not args.slow_prefill_s:
+        # The DSA indexer scores every earlier token: a cold prompt's prefill
+        # is quadratic and takes minutes on a CPU (the no-cache mode).
+        args.slow_prefill_s = MLA_SLOW_PREFILL_S
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = set(modes) - {"shared", "local", "none"}
     if unknown or not modes:
