@@ -49,6 +49,38 @@ def test_the_compiled_policy_matches_the_reference_call_for_call():
         assert_same_run(cache_ops(rng, 1500, 400, 4 + 8 * (seed % 3)), seed)
 
 
+class EagerReference(PrefixLRUReference):
+    guess_weight = 1  # the dead-page guess acts at once, so the runs reach it
+
+
+def with_empty_lookups(ops, rng):
+    """`ops` with lookups that hit nothing mixed in (they make the next pages cold)."""
+    for op in ops:
+        if rng.random() < 0.15:
+            yield "touch_many", ([],)
+        yield op
+
+
+def test_the_dead_page_guess_matches_the_reference_call_for_call():
+    reached = set()
+    for seed in range(40):
+        rng = random.Random(2000 + seed)
+        if seed % 2:
+            ops = random_ops(rng, 1500, 20 + 60 * (seed % 3))
+        else:
+            ops = cache_ops(rng, 1500, 400, 4 + 8 * (seed % 3))
+        reference, compiled = EagerReference(), CompiledPrefixLRUPolicy.__mro__[1](1)
+        for step, (method, args) in enumerate(with_empty_lookups(ops, rng)):
+            mine = getattr(compiled, method)(*args)
+            theirs = getattr(reference, method)(*args)
+            assert mine == theirs, (seed, step, method, args)
+            assert compiled.debug_state() == reference_state(reference), (seed, step, method)
+            right, wrong, _ = reference_state(reference)["counts"]
+            reached |= {"early" if reference._early else "", "right" if right else "",
+                        "wrong" if wrong else "", "guessing" if wrong < right else ""}  # fmt: skip
+    assert {"early", "right", "wrong", "guessing"} <= reached
+
+
 def test_an_index_replay_evicts_the_same_pages_in_the_same_order():
     rng = random.Random(5)
     prompt = [key(i) for i in range(8)]
@@ -262,6 +294,32 @@ async def test_the_frequency_trap_defeats_a_frequency_policy(monkeypatch):
         lfu = sum(per_request_hits(agent, requests, 1, 24, LFU.name))
         mine = sum(per_request_hits(agent, requests, 1, 24, DEFAULT_POLICY))
         assert lfu < lru <= mine, (lfu, lru, mine)
+    finally:
+        await agent.close()
+
+
+class NoGuess(PrefixLRUReference):
+    name = "test-no-guess"
+    guess_weight = 10**9
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("servers", [1, 2])
+async def test_the_dead_page_guess_takes_one_off_prompts_first(monkeypatch, servers):
+    # Floods of one-off prompts between sessions: once the guess has seen
+    # pages written after lookups that hit nothing leave unread, such pages
+    # go before the sessions' older pages.
+    monkeypatch.setitem(POLICIES, NoGuess.name, NoGuess)
+    shape = Shape(sessions=16, turns=4, concurrent=2, system_pages=(4,), grow=2, flood=12,
+                  flood_pages=(2, 6))  # fmt: skip
+    requests = sessions_trace(shape)
+    agent = await create_agent("loopback", token="t", fast_path=False)
+    try:
+        lru, order, mine = (
+            sum(per_request_hits(agent, requests, servers, 60, name))
+            for name in ("lru", NoGuess.name, DEFAULT_POLICY)
+        )
+        assert lru < order < mine, (lru, order, mine)
     finally:
         await agent.close()
 

@@ -57,9 +57,13 @@ else:
 if _CompiledLRU is not None:
 
     class CompiledPrefixLRUPolicy(_CompiledLRU, EvictionPolicy):
-        """Prefix-LRU in C++."""
+        """Prefix-LRU in C++; the same parameter as the reference."""
 
         name = "prefix-lru"
+        guess_weight = PrefixLRUReference.guess_weight
+
+        def __init__(self) -> None:
+            super().__init__(self.guess_weight)
 
     PrefixLRUPolicy: type[EvictionPolicy] = CompiledPrefixLRUPolicy
 else:

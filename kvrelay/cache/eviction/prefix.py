@@ -27,6 +27,17 @@ newer than its child). A parked page was the least recently used page and
 is unread since: when its last child leaves it goes back to the head; read
 while parked, it returns to the tail, as a read leaf does.
 
+One guess at dead pages rides on the order: a page admitted right after a
+lookup that hit nothing here (a one-off prompt's, a scan's) is *cold* until
+read, and a cold leaf goes before the order's victim, a cold chain from its
+end. The guess keeps its own record: right when a cold page leaves unread
+by the order, wrong when one is read or a page it evicted comes back (its
+keys are remembered, as many as pages are resident). It acts only while it
+has been right `guess_weight` (16) times per error, so it stays silent
+wherever one-off pages are not the rule (a sharded server's share of a
+session also starts with a lookup that hit nothing there), and stops as
+soon as its errors catch up.
+
 The index runs the compiled twin (`compiled.py`); this is the reference it
 is tested against, call for call.
 """
@@ -42,13 +53,14 @@ _HELD, _ORDER, _PARKED = 0, 1, 2
 
 
 class _Page:
-    __slots__ = ("children", "gone", "key", "parent", "where")
+    __slots__ = ("children", "cold", "gone", "key", "parent", "where")
 
-    def __init__(self, key: Hashable, parent: _Page | None) -> None:
+    def __init__(self, key: Hashable, parent: _Page | None, cold: bool) -> None:
         self.key = key
         self.parent = parent
         self.children = 0
         self.where = _HELD
+        self.cold = cold  # guessed dead: admitted after a lookup with no hit, unread since
         # Children hold their parent object: once it has left they must not
         # count against a later page of the same key.
         self.gone = False
@@ -56,6 +68,8 @@ class _Page:
 
 class PrefixLRUReference(EvictionPolicy):
     name = "prefix-lru"
+    # The dead-page guess acts while it has been right this many times per error.
+    guess_weight = 16
 
     def __init__(self) -> None:
         self._pages: dict[Hashable, _Page] = {}
@@ -63,13 +77,21 @@ class PrefixLRUReference(EvictionPolicy):
         # parked on reaching the head.
         self._order: OrderedDict[Hashable, _Page] = OrderedDict()
         self._parked: OrderedDict[Hashable, _Page] = OrderedDict()
+        # The guess (module doc): cold leaves in the order; pages it evicted.
+        self._cold_leaves: OrderedDict[Hashable, _Page] = OrderedDict()
+        self._early: OrderedDict[Hashable, None] = OrderedDict()
+        self._cold_next = False  # the last lookup hit nothing here
+        self._right = self._wrong = 0
 
     def admit(self, key: Hashable, parent: Hashable | None = None, evictable: bool = False) -> None:
         if key not in self._pages:
+            if self._early.pop(key, 0) is None:  # evicted by the guess, and wanted
+                self._wrong += 1
             up = self._pages.get(parent) if parent is not None else None
-            self._pages[key] = _Page(key, up)
+            self._pages[key] = _Page(key, up, self._cold_next)
             if up is not None:
                 up.children += 1
+                self._cold_leaves.pop(up.key, None)
         if evictable:
             self.make_evictable(key)
 
@@ -78,6 +100,8 @@ class PrefixLRUReference(EvictionPolicy):
         if page is not None and page.where == _HELD:
             page.where = _ORDER
             self._order[key] = page
+            if page.cold and not page.children:
+                self._cold_leaves[key] = page
 
     def hold(self, key: Hashable) -> None:
         page = self._pages.get(key)
@@ -88,13 +112,21 @@ class PrefixLRUReference(EvictionPolicy):
         self.touch_many((key,))
 
     def touch_many(self, keys: Sequence[Hashable]) -> None:
-        order, parked = self._order, self._parked
+        self._cold_next = not keys
+        order, parked, pages = self._order, self._parked, self._pages
         move = order.move_to_end
         for key in keys:
-            if key in order:
+            page = pages.get(key)
+            if page is None:
+                continue
+            if page.cold:  # the guess was wrong
+                page.cold = False
+                self._wrong += 1
+                self._cold_leaves.pop(key, None)
+            if page.where == _ORDER:
                 move(key)
-            elif key in parked:  # read while parked: back in the order, at its tail
-                page = parked.pop(key)
+            elif page.where == _PARKED:  # read while parked: back in the order, at its tail
+                del parked[key]
                 page.where = _ORDER
                 order[key] = page
 
@@ -105,14 +137,21 @@ class PrefixLRUReference(EvictionPolicy):
             self._gone(page)
 
     def victim(self) -> Hashable | None:
+        if self._cold_leaves and self.guess_weight * self._wrong < self._right:
+            key, page = self._cold_leaves.popitem(last=False)
+            del self._order[key]
+            self._early[key] = None
+            while len(self._early) > max(64, len(self._pages)):
+                self._early.popitem(last=False)
+            return self._leave(page)
         order = self._order
         while order:
             key, page = order.popitem(last=False)
             if not page.children:
-                page.where = _HELD
-                del self._pages[key]
-                self._gone(page)
-                return key
+                if page.cold:  # left unread: the guess would have been right
+                    self._right += 1
+                    del self._cold_leaves[key]
+                return self._leave(page)
             page.where = _PARKED  # an inner page at the head waits for its children
             self._parked[key] = page
         return None  # every leaf is held: no ancestor of theirs goes
@@ -120,11 +159,9 @@ class PrefixLRUReference(EvictionPolicy):
     def victim_inner(self) -> Hashable | None:
         if not self._parked:
             return None
-        key, page = self._parked.popitem(last=False)  # the least recently used
-        page.where = _HELD
-        del self._pages[key]
-        self._gone(page)
-        return key
+        _, page = self._parked.popitem(last=False)  # the least recently used
+        self._right += page.cold
+        return self._leave(page)
 
     def evictable(self) -> Iterator[Hashable]:
         return iter([k for k, p in self._pages.items() if p.where != _HELD])
@@ -135,9 +172,16 @@ class PrefixLRUReference(EvictionPolicy):
     def __contains__(self, key: Hashable) -> bool:
         return key in self._pages
 
+    def _leave(self, page: _Page) -> Hashable:
+        page.where = _HELD
+        del self._pages[page.key]
+        self._gone(page)
+        return page.key
+
     def _dequeue(self, page: _Page) -> None:
         if page.where == _ORDER:
             del self._order[page.key]
+            self._cold_leaves.pop(page.key, None)
         elif page.where == _PARKED:
             del self._parked[page.key]
         page.where = _HELD
@@ -148,12 +192,17 @@ class PrefixLRUReference(EvictionPolicy):
         if up is None or up.gone:
             return
         up.children -= 1
-        if up.children == 0 and up.where == _PARKED:
+        if up.children:
+            return
+        if up.where == _PARKED:
             # Parked at the head and unread since: the least recently used.
             del self._parked[up.key]
             up.where = _ORDER
             self._order[up.key] = up
             self._order.move_to_end(up.key, last=False)
+        if up.cold and up.where == _ORDER:  # a cold chain goes from its end
+            self._cold_leaves[up.key] = up
+            self._cold_leaves.move_to_end(up.key, last=False)
 
 
 def reference_state(policy: PrefixLRUReference) -> dict:
@@ -168,4 +217,8 @@ def reference_state(policy: PrefixLRUReference) -> dict:
             k: (p.parent.key if p.parent is not None and not p.parent.gone else None)
             for k, p in pages.items()
         },
+        "cold": [k for k, p in pages.items() if p.cold],
+        "cold_leaves": list(policy._cold_leaves),
+        "early": list(policy._early),
+        "counts": (policy._right, policy._wrong, policy._cold_next),
     }
