@@ -181,6 +181,8 @@ def test_a_process_gets_the_stand_ins_and_sglang_imports_them():
         "assert cache_move.copy_all_layer_kv_cache_cpu is kernels.copy_all_layer_kv_cache_cpu\n"
         "assert mha.transfer_kv_direct is kernels.transfer_kv_direct\n"
         "assert mha.transfer_kv_all_layer_lf_ph is kernels.transfer_kv_all_layer_lf_ph\n"
+        "from sglang.srt.models.deepseek_common import attention_backend_handler as h\n"
+        "assert h.AttentionBackendRegistry.get_handler('torch_native') is h._dispatch_mla_subtype\n"
         "import sgl_kernel\n"
         "try:\n"
         "    sgl_kernel.verify_tree_greedy_cpu()\n"
@@ -204,3 +206,4 @@ def test_a_process_gets_the_stand_ins_and_sglang_imports_them():
     assert "mha host pool: pure-torch transfer_kv_direct" in log
     assert "transfer_kv_per_layer_ph_lf" in log and "transfer_kv_all_layer_mla_lf_pf" in log
     assert "HiCache host pools are not pinned" in log
+    assert "MLA models on torch_native attention" in log

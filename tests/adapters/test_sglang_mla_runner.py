@@ -22,6 +22,7 @@ import torch
 
 from kvrelay.adapters.sglang.config import AdapterConfig
 from kvrelay.adapters.sglang.harness import PoolName, dsa_indexer_pool
+from kvrelay.adapters.sglang.identity import rope_to_pairs
 from kvrelay.adapters.sglang.storage_v2 import TierRoutes
 from kvrelay.model import Request, SamplingParams, load_engine
 from kvrelay.model.mla_loader import mla_config_from_dir, mla_kv_spec
@@ -88,9 +89,12 @@ async def read_with_worker_keys(servers, spec, prompt) -> tuple[int, torch.Tenso
 
 
 def _rows(pages: torch.Tensor, spec) -> torch.Tensor:
-    """Unified MLA pages [page, bytes] -> [page, layer, token, width]."""
+    """Unified MLA pages [page, bytes] -> [page, layer, token, width], the RoPE
+    part as SGLang's cache holds it (DeepSeek's interleaved pairs)."""
     dtype = getattr(torch, DTYPE)
-    return pages.view(dtype).view(len(pages), spec.num_layers, PAGE, spec.k_head_dim)
+    rows = pages.view(dtype).view(len(pages), spec.num_layers, PAGE, spec.k_head_dim).clone()
+    rope_to_pairs(rows, spec.rope_head_dim)
+    return rows
 
 
 def test_deepseek_v3_pages_shared_with_kvrelays_runner(models, opened):

@@ -34,7 +34,8 @@ class AdapterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pages' namespace together with the geometry taken from SGLang's host pool;
     `num_layers` / `num_kv_heads` are the model's global counts, needed when a
     rank sees only part of them (PP, or TP beyond the KV heads) and otherwise
-    taken from the pool. A DSA model's pages name `index_topk` and its
+    taken from the pool. `mla_rope_interleave` is the MLA model's
+    `rope_interleave` (DeepSeek's default, true). A DSA model's pages name `index_topk` and its
     global `index_layers` (taken from the indexer pool at pp_size 1); draft
     pages name `draft_model_id` / `draft_weights_fingerprint` (the target's,
     `#draft`, by default) and `draft_num_kv_heads` (MHA drafts). Every call
@@ -53,6 +54,7 @@ class AdapterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     salt: str = ""
     num_layers: Positive | None = None
     num_kv_heads: Positive | None = None
+    mla_rope_interleave: bool = True
     index_topk: Positive | None = None
     index_layers: tuple[int, ...] | None = None
     draft_model_id: str = ""

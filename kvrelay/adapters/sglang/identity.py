@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from kvrelay.layout import KV_DTYPE_ITEMSIZE, LayoutError, ModelKVSpec, Rectangle
 from kvrelay.layout.keys import sglang_chain, sglang_page_key
 
@@ -42,10 +44,15 @@ class PoolGeometry:
     page_size: int
     heads_per_group: int = 1  # page_unified's head grouping
     rope_head_dim: int = 0  # MLA: the RoPE part of the latent row
+    # MLA: SGLang rotates the RoPE part as interleaved pairs (DeepSeek's
+    # `rope_interleave`) and caches it so; unified pages hold it as the
+    # runner and transformers do, evens then odds (`rope_order`).
+    rope_pairs: bool = False
 
 
-def pool_geometry(pool) -> PoolGeometry:
-    """Geometry of a registered SGLang host pool; refuses pools with no unified form."""
+def pool_geometry(pool, rope_interleave: bool = True) -> PoolGeometry:
+    """Geometry of a registered SGLang host pool; refuses pools with no unified form.
+    `rope_interleave`: the model's (DeepSeek's default), for MLA pools."""
     dtype = str(pool.dtype).removeprefix("torch.")
     if dtype not in KV_DTYPE_ITEMSIZE:
         raise UnsupportedPool(f"host pool dtype {pool.dtype} has no kvrelay KV dtype")
@@ -59,6 +66,7 @@ def pool_geometry(pool) -> PoolGeometry:
         return PoolGeometry(
             "mla", pool.layout, 1, layers, int(pool.start_layer), width, 0,
             dtype, int(pool.page_size), rope_head_dim=rope,
+            rope_pairs=bool(rope) and rope_interleave,
         )  # fmt: skip
     if pool.v_head_dim != pool.head_dim:
         raise UnsupportedPool("K and V head dims differ (asymmetric MHA host pools)")
@@ -157,3 +165,18 @@ def sglang_page_keys(tokens: Sequence[int], page_size: int, seed: str | None = N
     (`kvrelay.layout.keys.sglang_chain`) from the request's namespace seed."""
     prior = bytes.fromhex(seed) if seed else b""
     return [link.hex() for link in sglang_chain(tokens, page_size, prior)]
+
+
+def rope_to_unified(rows, rope: int) -> None:
+    """Latent rows [..., width] in place: the trailing `rope` values from
+    interleaved pairs (SGLang's cache) to evens then odds (unified pages)."""
+    tail = rows[..., -rope:].clone()
+    rows[..., -rope:] = torch.cat([tail[..., 0::2], tail[..., 1::2]], dim=-1)
+
+
+def rope_to_pairs(rows, rope: int) -> None:
+    """The inverse of `rope_to_unified`, in place."""
+    width, half = rows.size(-1), rope // 2
+    tail = rows[..., -rope:].clone()
+    rows[..., width - rope :: 2] = tail[..., :half]
+    rows[..., width - rope + 1 :: 2] = tail[..., half:]

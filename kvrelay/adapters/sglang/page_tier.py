@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvrelay.adapters.sglang.identity import rope_to_pairs, rope_to_unified
 from kvrelay.cache.client import CacheClient, CacheClientConfig
 from kvrelay.layout import ModelKVSpec, Rectangle
 from kvrelay.transfer import create_agent
@@ -59,6 +60,7 @@ class Part:
     offsets: list[int]
     block_bytes: int
     page_size: int
+    rope: int = 0  # latent rows whose RoPE part SGLang holds as pairs (`rope_order`)
 
     @property
     def runs(self) -> list[tuple[int, int]]:
@@ -83,23 +85,31 @@ class Part:
         """Host pages -> this part's runs of `rows[:n]` (uint8 whole pages)."""
         pages = self.pages(host_indices, n)
         for layer, offset in zip(self.host_layers, self.offsets, strict=True):
-            block = self.view[:, layer].index_select(0, pages).reshape(n, -1)
-            rows[:n, offset : offset + self.block_bytes].copy_(block.view(torch.uint8))
+            block = self.view[:, layer].index_select(0, pages)
+            if self.rope:
+                rope_to_unified(block, self.rope)
+            rows[:n, offset : offset + self.block_bytes].copy_(
+                block.reshape(n, -1).view(torch.uint8)
+            )
 
     def scatter(self, rows: torch.Tensor, host_indices: torch.Tensor, n: int) -> None:
         """This part's runs of `rows[:n]` -> host pages."""
         pages = self.pages(host_indices, n)
         for layer, offset in zip(self.host_layers, self.offsets, strict=True):
             dest = self.view[:, layer]
-            block = rows[:n, offset : offset + self.block_bytes].contiguous()
-            dest.index_copy_(0, pages, block.view(dest.dtype).view(n, *dest.shape[1:]))
+            block = rows[:n, offset : offset + self.block_bytes].clone()
+            block = block.view(dest.dtype).view(n, *dest.shape[1:])
+            if self.rope:
+                rope_to_pairs(block, self.rope)
+            dest.index_copy_(0, pages, block)
 
 
-def latent_part(spec: ModelKVSpec, pool, host_layers, layers) -> Part:
-    """Host layers `host_layers` of an MLA pool as the latent rows of `layers`."""
+def latent_part(spec: ModelKVSpec, pool, host_layers, layers, rope: int = 0) -> Part:
+    """Host layers `host_layers` of an MLA pool as the latent rows of `layers`
+    (`rope`: the width of a RoPE part the pool holds as interleaved pairs)."""
     view = mla_page_view(pool)
     return Part(view, list(host_layers), [spec.layer_offset(layer) for layer in layers],
-                spec.page_size * spec.k_row_bytes, spec.page_size)  # fmt: skip
+                spec.page_size * spec.k_row_bytes, spec.page_size, rope)  # fmt: skip
 
 
 def index_part(spec: ModelKVSpec, pool, host_layers, layers) -> Part:

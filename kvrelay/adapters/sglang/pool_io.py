@@ -26,7 +26,12 @@ from __future__ import annotations
 
 import torch
 
-from kvrelay.adapters.sglang.identity import PoolGeometry, UnsupportedPool
+from kvrelay.adapters.sglang.identity import (
+    PoolGeometry,
+    UnsupportedPool,
+    rope_to_pairs,
+    rope_to_unified,
+)
 from kvrelay.cuda_ext import gather_pages, scatter_pages
 
 TOKEN_LAYOUTS = ("layer_first", "page_first")
@@ -97,9 +102,12 @@ class PoolMover:
             self._view = buffer
         if not self._paged and g.layout not in TOKEN_LAYOUTS:
             raise UnsupportedPool(f"host layout {g.layout!r} is not supported")
+        # MLA rows whose RoPE part SGLang holds as interleaved pairs.
+        self.rope = g.rope_head_dim if g.rope_pairs else 0
         # The pool's own bytes are unified pages: move them in place.
         self.zero_copy = (
-            self._paged
+            not self.rope
+            and self._paged
             and self.layer_num == g.local_layers
             and (
                 g.attention_kind == "mla" or (g.layout == "page_unified" and g.heads_per_group == 1)
@@ -137,13 +145,18 @@ class PoolMover:
             self._compact(staging, n).copy_(
                 _permuted(src, axes, ("page", *self.target), self.geometry.local_layers)
             )
-            return
-        k, v = self._token_layers()
-        slots = host_indices.to(torch.int64).reshape(n, self.page_size).contiguous()
-        gather_pages(k, v, staging, torch.arange(n), slots, **self._op_geometry())
+        else:
+            k, v = self._token_layers()
+            slots = host_indices.to(torch.int64).reshape(n, self.page_size).contiguous()
+            gather_pages(k, v, staging, torch.arange(n), slots, **self._op_geometry())
+        if self.rope:
+            rope_to_unified(self._compact(staging, n), self.rope)
 
     def scatter(self, staging: torch.Tensor, host_indices: torch.Tensor, n: int) -> None:
         """Rows 0..n-1 of `staging` -> host pages."""
+        if self.rope:  # `staging` stays as it is (read-ahead rows are read again)
+            staging = staging[:n].clone()
+            rope_to_pairs(self._compact(staging, n), self.rope)
         if self._paged:
             pages = self.page_numbers(host_indices, n)
             axes = self._buffer_axes
@@ -189,6 +202,8 @@ class PoolMover:
         sizes = [layers if a == "layer" else src.size(axes.index(a)) for a in target]
         dst = out.view(self.pool.dtype).view(sizes)
         dst.copy_(_permuted(src, axes, target, self.geometry.local_layers))
+        if self.rope:
+            rope_to_unified(dst, self.rope)
 
     def compact_to_flat(self, compact: torch.Tensor, flat: torch.Tensor) -> None:
         """`compact` (uint8 [rect_bytes]) -> a flat SGLang page, in get_data_page order."""
@@ -197,6 +212,9 @@ class PoolMover:
         target = self._flat_target()
         sizes = [dest.size(axes.index(a)) for a in target]
         src = compact.view(self.pool.dtype).view(sizes)
+        if self.rope:
+            src = src.clone()
+            rope_to_pairs(src, self.rope)
         dest.copy_(src.permute([target.index(a) for a in axes]))
 
     def _flat_target(self) -> tuple[str, ...]:

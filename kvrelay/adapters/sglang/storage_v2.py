@@ -47,7 +47,7 @@ class TierRoutes:
     def __init__(self, backend) -> None:
         b = self.backend = backend
         anchor = b.mem_pool_host
-        self.geometry = pool_geometry(anchor)
+        self.geometry = pool_geometry(anchor, b.config.mla_rope_interleave)
         spec = model_spec(b.config, b.storage_config, self.geometry)
         self.rect = rank_rectangle(spec, b.storage_config, self.geometry)
         indexer_pool = b.named_pools.get(P.INDEXER)
@@ -65,7 +65,7 @@ class TierRoutes:
             self._plan_packed_draft(anchor, indexer_pool)
 
     def _draft_geometry(self, pool) -> PoolGeometry:
-        g = pool_geometry(pool)
+        g = pool_geometry(pool, self.backend.config.mla_rope_interleave)
         if g.local_layers != int(pool.layer_num):
             raise UnsupportedPool("a draft pool with packed layers of its own")
         return g
@@ -82,7 +82,8 @@ class TierRoutes:
         if indexer is not None:
             layers = range(g.local_layers)
             self.draft_parts = {
-                P.DRAFT: latent_part(self.draft_spec, self._draft_pool, layers, layers),
+                P.DRAFT: latent_part(self.draft_spec, self._draft_pool, layers, layers,
+                                     _pairs(g)),
                 P.DRAFT_INDEXER: index_part(
                     self.draft_spec, indexer_pool, range(len(indexer.host_layers)),
                     [layer - g.start_layer for layer in indexer.host_layers],
@@ -100,8 +101,7 @@ class TierRoutes:
                 packed,
             )
             return
-        draft = PoolGeometry("mla", g.layout, 1, packed, 0, g.k_head_dim, 0, g.kv_dtype,
-                             g.page_size, rope_head_dim=g.rope_head_dim)  # fmt: skip
+        draft = replace(g, local_layers=packed, start_layer=0)
         indexer = self.indexer if self.indexer and self.indexer.packed_layers else None
         if indexer is not None and indexer.packed_layers != packed:
             raise UnsupportedPool("packed draft indexer layers differ from packed KV layers")
@@ -110,7 +110,9 @@ class TierRoutes:
             indexer = replace(indexer, host_layers=tuple(range(packed)))
         self.draft_spec = P.draft_spec(self.spec, draft, self.backend.config, indexer, 1)
         tails = range(g.local_layers, g.local_layers + packed)
-        self.draft_parts = {P.KV: latent_part(self.draft_spec, anchor, tails, range(packed))}
+        self.draft_parts = {
+            P.KV: latent_part(self.draft_spec, anchor, tails, range(packed), _pairs(g))
+        }
         if indexer is not None:
             first = len(self.indexer.host_layers)
             self.draft_parts[P.INDEXER] = index_part(
@@ -127,7 +129,7 @@ class TierRoutes:
         local = range(self.geometry.local_layers)
         layers = [self.geometry.start_layer + i for i in local]
         parts = {
-            P.KV: latent_part(self.spec, b.mem_pool_host, local, layers),
+            P.KV: latent_part(self.spec, b.mem_pool_host, local, layers, _pairs(self.geometry)),
             P.INDEXER: index_part(self.spec, b.named_pools[P.INDEXER],
                                   range(len(self.indexer.host_layers)), self.indexer.host_layers),
         }  # fmt: skip
@@ -146,6 +148,10 @@ class TierRoutes:
         rect = rank_rectangle(self.draft_spec, b.storage_config, g)
         mover = PoolMover(self._draft_pool, g, rect.num_bytes(self.draft_spec))
         return RankTier(b.config, self.draft_spec, rect, mover, slot)
+
+
+def _pairs(g: PoolGeometry) -> int:
+    return g.rope_head_dim if g.rope_pairs else 0
 
 
 async def tier_read(tier, part: str, keys, host_indices) -> int:

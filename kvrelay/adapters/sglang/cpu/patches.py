@@ -184,6 +184,19 @@ def stand_in_host_pool() -> None:
     _note("no accelerator: HiCache host pools are not pinned (cudaHostRegister, pin_memory)")
 
 
+def mla_on_torch_native() -> None:
+    """DeepSeek-style MLA on `torch_native`: SGLang's dispatch picks its MHA
+    form for a prefill without prefix, which reads the latent cache as MHA K;
+    the absorbed MLA form (`_dispatch_mla_subtype`) reads it as it is stored."""
+    from sglang.srt.models.deepseek_common import attention_backend_handler as handlers
+
+    registry = handlers.AttentionBackendRegistry
+    if "torch_native" in registry._handlers:
+        return
+    registry.register("torch_native", handlers._dispatch_mla_subtype)
+    _note("MLA models on torch_native attention: the absorbed MLA form for every batch")
+
+
 def apply() -> list[str]:
     """Apply every stand-in this process needs; returns what was stood in for."""
     global _applied_all
@@ -193,4 +206,5 @@ def apply() -> list[str]:
     torchvision_op_schemas()
     stand_in_engine_ops()
     stand_in_host_pool()
+    mla_on_torch_native()
     return applied
