@@ -103,7 +103,8 @@ def eviction_extensions():
     return [
         Extension(
             "kvrelay.cache.eviction._prefix_lru",
-            [str(csrc / "prefix_lru.cpp")],
+            [str(csrc / "prefix_lru_module.cpp")],
+            include_dirs=[str(ROOT / csrc)],
             extra_compile_args=flags,
         ),
         Extension(

@@ -1,17 +1,9 @@
 import argparse
 import itertools
 import json
-import os
-import select
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
-from kvrelay import procfs
 from kvrelay.bench import cache as cache_bench
 from kvrelay.bench.cache_tiers import l3_stores, make_tiers
 from kvrelay.bench.oracles import ORACLES
@@ -21,7 +13,6 @@ from kvrelay.cache.l3.file import FileStore, FileStoreConfig
 from kvrelay.cli import main
 from kvrelay.layout.ring import HashRing
 from kvrelay.transfer import create_agent
-from tests.cache.l3.valkey_server import server_binary
 
 
 def write_trace(path, requests: int = 60, short_by: int = 0) -> None:
@@ -366,110 +357,3 @@ def test_each_file_l3_holds_its_servers_share_of_the_working_set(tmp_path):
     args.l3_pages = 10
     stores = l3_stores(args, tmp_path, [3, 7], run=1)
     assert [s.config.capacity_bytes for s in stores] == [5 * record_bytes, 5 * record_bytes]
-
-
-def test_bench_cache_sweeps_workloads_and_servers_against_lru(tmp_path, capsys):
-    out = tmp_path / "sweep.json"
-    main(["bench", "cache", "--workloads", "short-sessions,scan", "--servers", "1,2",
-          "--capacities", "100,400", "--policies", "prefix-lirs", "--json", str(out),
-          "--no-progress"])  # fmt: skip
-    payload = json.loads(out.read_text())
-    rows = payload["rows"]
-    assert {(r["workload"], r["servers"], r["capacity_pages"]) for r in rows} == {
-        (w, s, c) for w in ("short-sessions", "scan") for s in (1, 2) for c in (100, 400)
-    }
-    for row in rows:
-        assert set(row["rates"]) == {"lru", DEFAULT_POLICY, "prefix-lirs"}
-        assert row["diff"]["lru"] == 0.0
-        assert row["belady"] >= row["oracle-dead"] - 1e-12
-        # A file L3 of each server's share of the working set: the optimum.
-        assert row["default_l3"] >= 0.97 * row["infinite"]
-    worst = payload["worst"][DEFAULT_POLICY]
-    assert worst["diff"] == min(r["diff"][DEFAULT_POLICY] for r in rows)
-    printed = capsys.readouterr().out
-    assert "worst difference from LRU" in printed and "short-sessions" in printed
-
-
-def test_bench_cache_workloads_are_named_in_help(capsys, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "2000")  # no line breaks inside a name
-    with pytest.raises(SystemExit):
-        main(["bench", "cache", "--help"])
-    text = " ".join(capsys.readouterr().out.split())
-    for name in ("agentic", "agentic-jitter", "floods", "scan", "short-sessions",
-                 "long-sessions", "system-prompts"):  # fmt: skip
-        assert f"{name}:" in text
-
-
-def _alive(pid: int) -> bool:
-    fields = procfs.stat_fields(pid)
-    return bool(fields) and fields[0] != "Z"
-
-
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
-def test_a_bench_stopped_mid_run_leaves_no_server_running(tmp_path, sig):
-    # `--l3 valkey-cluster` starts six redis-server processes; stopped by a
-    # signal while it replays, the bench stops them as on a normal exit
-    # (SIGKILL: they get SIGTERM as their parent dies).
-    server_binary()  # skipped without one (outside CI)
-    trace = tmp_path / "trace.jsonl"
-    write_trace(trace, 400)
-    scratch = tmp_path / "tmp"  # where the cluster's directory goes
-    scratch.mkdir()
-    bench = subprocess.Popen(
-        [sys.executable, "-m", "kvrelay.cli", "bench", "cache", "--trace", str(trace),
-         "--l3", "valkey-cluster", "--workers", "2", "--no-progress"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        env={**os.environ, "TMPDIR": str(scratch)},
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        servers: list[int] = []
-        while len(servers) < 6 and time.monotonic() < deadline and bench.poll() is None:
-            servers = [
-                p for p in procfs.descendants(bench.pid)
-                if "server" in Path(f"/proc/{p}/comm").read_text(errors="replace")
-            ]  # fmt: skip
-            time.sleep(0.1)
-        assert len(servers) == 6, servers
-        time.sleep(1.0)  # into the replay
-        bench.send_signal(sig)
-        bench.wait(30)
-        deadline = time.monotonic() + 15
-        while any(_alive(p) for p in servers) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [p for p in servers if _alive(p)]
-        if sig != signal.SIGKILL:  # its temporary directory went too
-            assert not list(scratch.iterdir())
-    finally:
-        if bench.poll() is None:
-            bench.kill()
-            bench.wait(10)
-
-
-def test_a_cache_server_does_not_outlive_the_process_that_started_it(tmp_path):
-    # A test process killed outright (no fixture teardown) takes its cache
-    # servers with it.
-    script = (
-        "import sys, time\n"
-        "from tests.cache.server_process import ServerProcess\n"
-        "server = ServerProcess()\n"
-        "print(server.process.pid, flush=True)\n"
-        "time.sleep(120)\n"
-    )
-    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    try:
-        ready, _, _ = select.select([owner.stdout], [], [], 60)
-        assert ready
-        server = int(owner.stdout.readline())
-        assert _alive(server)
-        owner.kill()
-        owner.wait(10)
-        deadline = time.monotonic() + 20
-        while _alive(server) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _alive(server)
-    finally:
-        if owner.poll() is None:
-            owner.kill()
-            owner.wait(10)
-        owner.stdout.close()
