@@ -9,6 +9,7 @@ import random
 import weakref
 
 import pytest
+from kvrelay.cache.eviction._prefix_lru import PrefixLRU
 
 from kvrelay.bench import cache as cache_bench
 from kvrelay.bench.cache_tiers import close_tiers, make_tiers
@@ -69,7 +70,7 @@ def test_the_dead_page_guess_matches_the_reference_call_for_call():
             ops = random_ops(rng, 1500, 20 + 60 * (seed % 3))
         else:
             ops = cache_ops(rng, 1500, 400, 4 + 8 * (seed % 3))
-        reference, compiled = EagerReference(), CompiledPrefixLRUPolicy.__mro__[1](1)
+        reference, compiled = EagerReference(), PrefixLRU(guess_weight=1)
         for step, (method, args) in enumerate(with_empty_lookups(ops, rng)):
             mine = getattr(compiled, method)(*args)
             theirs = getattr(reference, method)(*args)
