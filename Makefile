@@ -32,7 +32,7 @@ EXT_SOURCES := $(wildcard kvrelay/cuda_ext/csrc/*) $(wildcard kvrelay/transfer/c
   $(wildcard kvrelay/cache/eviction/csrc/*)
 NVCC ?= nvcc
 
-.PHONY: setup sglang-deps vllm-deps vllm-bench-deps test-vllm test test-slow test-all test-fast test-numba test-sglang test-gpu gpu-check lint cuda-check bench demo clean
+.PHONY: setup sglang-deps peers-deps test-peers vllm-deps vllm-bench-deps test-vllm test test-slow test-all test-fast test-numba test-sglang test-gpu gpu-check lint cuda-check bench demo clean
 
 setup: $(VENV)/.ext-stamp
 
@@ -73,6 +73,24 @@ sglang-deps: $(VENV_SGLANG)/.stamp
 $(VENV_SGLANG)/.stamp: requirements-sglang.txt $(VENV)/.deps-stamp
 	rm -rf $(VENV_SGLANG)
 	$(UV_PIP) --no-deps --target $(VENV_SGLANG) -r requirements-sglang.txt
+	touch $@
+
+# The stores kvrelay races (issue 49), beside the engine that uses each: the
+# non-CUDA Mooncake wheel (the CUDA one needs libcuda to import) in SGLang's
+# layered environment, without its pins (aiohttp, requests and msgpack are
+# already there). Its store.so and mooncake_master link libibverbs.so.1 even
+# in this build, so the apt package comes first (root or sudo). Not part of
+# `make test`: `make test-peers` runs the peers' smoke tests.
+peers-deps: $(VENV_SGLANG)/.peers-stamp
+
+$(VENV_SGLANG)/.peers-stamp: requirements-peers.txt $(VENV_SGLANG)/.stamp
+	@if ! /sbin/ldconfig -p | grep -q 'libibverbs\.so\.1 '; then \
+	  sudo=""; [ "$$(id -u)" = 0 ] || sudo=sudo; \
+	  apt-cache policy libibverbs1 | grep -q 'Candidate: [0-9]' || $$sudo apt-get update; \
+	  DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y libibverbs1; \
+	fi
+	$(UV_PIP) --no-deps --target $(VENV_SGLANG) -r requirements-peers.txt
+	PYTHONPATH=$(CURDIR)/$(VENV_SGLANG) $(PY) -c "import mooncake.store"
 	touch $@
 
 # vLLM's CPU build in an environment of its own (its transformers, msgspec and
@@ -155,6 +173,12 @@ test-numba: setup
 # (kvrelay/adapters/sglang/cpu), one at a time, about 4.5 min on 2 cores.
 test-sglang: setup sglang-deps
 	KVRELAY_SGLANG_TESTS=1 PYTHONPATH=$(CURDIR)/$(VENV_SGLANG) $(PY) -m pytest -q --durations=10 tests/adapters
+
+# The peers' smoke tests (Mooncake Store through SGLang's backend factory);
+# they skip, saying why, where `make peers-deps` has not run.
+test-peers: setup peers-deps
+	KVRELAY_SGLANG_TESTS=1 PYTHONPATH=$(CURDIR)/$(VENV_SGLANG) $(PY) -m pytest -q -p no:xdist \
+	  --durations=10 tests/adapters/test_sglang_mooncake.py
 
 # KvrelayConnector against real vLLM engines on CPU and a real cache server.
 test-vllm: setup vllm-deps

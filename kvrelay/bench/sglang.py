@@ -23,9 +23,11 @@ from contextlib import ExitStack
 
 import torch
 
+from kvrelay.bench import sglang_mooncake as mooncake
 from kvrelay.bench.stats import Summary, format_table, write_report
 
 ROWS = ("kvrelay set", "kvrelay get", "HiCacheFile set", "HiCacheFile get")
+MOONCAKE_ROWS = ("Mooncake set", "Mooncake get")
 MODEL = "bench/sglang-hicache"
 
 
@@ -119,66 +121,127 @@ def _timed(fn, *fn_args) -> float:
     return time.perf_counter() - start
 
 
-def measure(args: argparse.Namespace) -> dict:
-    """`args.runs` runs of set then get of `args.pages` pages through both backends."""
-    h = _import_harness()
-    page_bytes = 2 * args.layers * args.page_size * args.heads * args.head_dim * 2
-    seconds: dict[str, list[float]] = {row: [] for row in ROWS}
-    load_before = os.getloadavg()
+def _rates(times: list[float], pages: int, page_bytes: int) -> dict:
+    return {
+        "seconds": Summary.of(times).to_json(),
+        "pages_per_s": Summary.of([pages / t for t in times]).to_json(),
+        "gb_per_s": Summary.of([pages * page_bytes / t / 1e9 for t in times]).to_json(),
+    }
+
+
+def _peer(rows: dict, name: str, **facts) -> dict:
+    """A store's entry in the issue-49 JSON: the median set and get rates."""
+    out = dict(facts)
+    for op in ("set", "get"):
+        out[f"{op}_gbps"] = rows[f"{name} {op}"]["gb_per_s"]["median"]
+        out[f"{op}_pages_per_s"] = rows[f"{name} {op}"]["pages_per_s"]["median"]
+    return out
+
+
+def _measure_size(h, args, page_size: int, master) -> dict:
+    """`args.runs` runs of set then get of `args.pages` pages of `page_size`
+    tokens through every store, each on a pool of its own holding the same pages;
+    the size's servers and files are gone before the next size starts."""
+    args = argparse.Namespace(**{**vars(args), "page_size": page_size})
     with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
-        servers = []
-        for _ in range(args.servers):  # each holds every run's pages: the hash spreads unevenly
-            server = h.CacheServerProcess(page_bytes, pages=args.pages * args.runs + 64)
-            stack.callback(server.stop)
-            servers.append(server)
-        identity = {"model_id": MODEL, "num_layers": args.layers, "num_kv_heads": args.heads}
-        extra = h.dynamic_extra(servers, **identity) | {
-            "timeout_s": args.timeout_s, "staging_pages": args.batch}  # fmt: skip
-        kv_pool, file_pool = _pool(h, args), _pool(h, args)
-        kv_pages, file_pages = _Pages(kv_pool, args.pages), _Pages(file_pool, args.pages)
-        config = h.storage_config(layout=args.layout, extra=extra, model_name=MODEL)
-        kv = h.create_backend(config, kv_pool)
-        stack.callback(kv.close)
-        file_config = h.storage_config(layout=args.layout, model_name=MODEL,
-                                       extra={"file_storage_path": tmp})  # fmt: skip
-        hicache_file = h.HiCacheFile(file_config, file_path=tmp)
-        for run in range(args.runs):
-            g = torch.Generator().manual_seed(1 + run)
-            tokens = torch.randint(0, 150_000, (args.pages * args.page_size,), generator=g)
-            keys = h.sglang_keys(tokens.tolist(), args.page_size)
-            seconds["kvrelay set"].append(_timed(_kvrelay_set, kv, keys, args))
-            seconds["HiCacheFile set"].append(
-                _timed(_file_set, hicache_file, file_pool, keys, args)
-            )
-            kv_pages.zero()
-            seconds["kvrelay get"].append(_timed(_kvrelay_get, kv, keys, args))
-            kv_pages.check("kvrelay")
-            file_pages.zero()
-            seconds["HiCacheFile get"].append(
-                _timed(_file_get, hicache_file, file_pool, keys, args)
-            )
-            file_pages.check("HiCacheFile")
+        return _measure_stores(h, args, master, stack, tmp)
+
+
+def _measure_stores(h, args, master, stack: ExitStack, tmp: str) -> dict:
+    page_bytes = 2 * args.layers * args.page_size * args.heads * args.head_dim * 2
+    servers = []
+    for _ in range(args.servers):  # each holds every run's pages: the hash spreads unevenly
+        server = h.CacheServerProcess(page_bytes, pages=args.pages * args.runs + 64)
+        stack.callback(server.stop)
+        servers.append(server)
+    identity = {"model_id": MODEL, "num_layers": args.layers, "num_kv_heads": args.heads}
+    extra = h.dynamic_extra(servers, **identity) | {
+        "timeout_s": args.timeout_s, "staging_pages": args.batch}  # fmt: skip
+    kv_pool, file_pool = _pool(h, args), _pool(h, args)
+    kv_pages, file_pages = _Pages(kv_pool, args.pages), _Pages(file_pool, args.pages)
+    config = h.storage_config(layout=args.layout, extra=extra, model_name=MODEL)
+    kv = h.create_backend(config, kv_pool)
+    stack.callback(kv.close)
+    file_config = h.storage_config(layout=args.layout, model_name=MODEL,
+                                   extra={"file_storage_path": tmp})  # fmt: skip
+    hicache_file = h.HiCacheFile(file_config, file_path=tmp)
+    seconds: dict[str, list[float]] = {row: [] for row in ROWS}
+    mc = mc_pages = None
+    if master is not None:
+        # One run's pages twice over: the bench removes them after each run.
+        segment = max(mooncake.MIN_SEGMENT_BYTES, 2 * args.pages * page_bytes)
+        mc_pool = _pool(h, args)
+        mc = mooncake.create_backend(master, mc_pool, layout=args.layout, model=MODEL,
+                                     global_segment_bytes=segment)  # fmt: skip
+        stack.callback(mooncake.close_backend, mc)
+        mooncake.fill_segment(mc, mc_pool, segment)
+        mc_pages = _Pages(mc_pool, args.pages)
+        seconds |= {row: [] for row in MOONCAKE_ROWS}
+    for run in range(args.runs):
+        g = torch.Generator().manual_seed(1 + run)
+        tokens = torch.randint(0, 150_000, (args.pages * args.page_size,), generator=g)
+        keys = h.sglang_keys(tokens.tolist(), args.page_size)
+        seconds["kvrelay set"].append(_timed(_kvrelay_set, kv, keys, args))
+        seconds["HiCacheFile set"].append(_timed(_file_set, hicache_file, file_pool, keys, args))
+        kv_pages.zero()
+        seconds["kvrelay get"].append(_timed(_kvrelay_get, kv, keys, args))
+        kv_pages.check("kvrelay")
+        file_pages.zero()
+        seconds["HiCacheFile get"].append(_timed(_file_get, hicache_file, file_pool, keys, args))
+        file_pages.check("HiCacheFile")
+        if mc is not None:
+            # SGLang's v1 calls, as its cache controller makes them (both zero-copy).
+            seconds["Mooncake set"].append(_timed(_kvrelay_set, mc, keys, args))
+            mc_pages.zero()
+            seconds["Mooncake get"].append(_timed(_kvrelay_get, mc, keys, args))
+            mc_pages.check("Mooncake")
+            mc.clear()  # remove_all, untimed: the next run's pages fit the segment
     rows = {}
     for row, times in seconds.items():
         base = seconds["HiCacheFile " + row.split()[-1]]  # the same op's baseline
-        ratios = [b / t for b, t in zip(base, times, strict=True)]
-        rows[row] = {
-            "seconds": Summary.of(times).to_json(),
-            "pages_per_s": Summary.of([args.pages / t for t in times]).to_json(),
-            "gb_per_s": Summary.of([args.pages * page_bytes / t / 1e9 for t in times]).to_json(),
-            "x_hicache_file": Summary.of(ratios).to_json(),
+        rows[row] = _rates(times, args.pages, page_bytes) | {
+            "x_hicache_file": Summary.of(
+                [b / t for b, t in zip(base, times, strict=True)]
+            ).to_json()
         }
+    checked = {"kvrelay_pages": kv_pages.checked, "hicache_file_pages": file_pages.checked}
+    entry = {"page_bytes": page_bytes, "page_size": args.page_size, "rows": rows,
+             "kvrelay": _peer(rows, "kvrelay", transport="tcp"),
+             "file": _peer(rows, "HiCacheFile")}  # fmt: skip
+    if mc is not None:
+        checked["mooncake_pages"] = mc_pages.checked
+        entry["mooncake"] = _peer(rows, "Mooncake", protocol="tcp", global_segment_bytes=segment)
+    entry["byte_check"] = checked
+    return entry
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Every `--page-size`, every store, in one run; the JSON of issue 49."""
+    h = _import_harness()
+    load_before = os.getloadavg()
+    peers = {}
+    with ExitStack() as stack:
+        master = None
+        why = mooncake.missing() if args.mooncake else "--no-mooncake"
+        if why is None:
+            master = mooncake.MasterProcess(timeout_s=args.timeout_s)
+            stack.callback(master.stop)  # registered first: stopped after its clients close
+            peers["mooncake"] = {"master": master.master_address, "protocol": "tcp",
+                                 "metadata_server": master.metadata_server}  # fmt: skip
+        else:
+            peers["mooncake"] = {"skipped": why}
+        sizes = [_measure_size(h, args, ps, master) for ps in args.page_size]
     return {
-        "page_bytes": page_bytes,
+        "sizes": sizes,
+        "peers": peers,
         "load_average": {"before": load_before, "after": os.getloadavg()},
-        "byte_check": {"kvrelay_pages": kv_pages.checked, "hicache_file_pages": file_pages.checked},
-        "rows": rows,
     }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pages", type=int, default=256, help="pages per run")
-    parser.add_argument("--page-size", type=int, default=16, help="tokens per page")
+    parser.add_argument("--page-size", type=int, nargs="+", default=[16],
+                        help="tokens per page; several: one table per page size")  # fmt: skip
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--heads", type=int, default=4, help="KV heads")
     parser.add_argument("--head-dim", type=int, default=64)
@@ -188,6 +251,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--servers", type=int, default=2, help="kvrelay cache server processes")
     parser.add_argument("--timeout-s", type=float, default=60.0, help="kvrelay call bound")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--no-mooncake",
+        dest="mooncake",
+        action="store_false",
+        help="leave Mooncake Store out (it runs where `make peers-deps` ran)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the results here")
 
 
@@ -196,18 +265,24 @@ def _cell(s: dict, fmt: str) -> str:
 
 
 def run(args: argparse.Namespace) -> dict:
-    sizes = (args.pages, args.page_size, args.layers, args.heads, args.head_dim, args.batch,
+    sizes = (args.pages, *args.page_size, args.layers, args.heads, args.head_dim, args.batch,
              args.servers, args.runs)  # fmt: skip
     if min(sizes) < 1:
         raise SystemExit("kvrelay bench sglang: sizes, --batch, --servers and --runs must be >= 1")
     result = measure(args)
-    table = [[row, _cell(r["pages_per_s"], ".0f"), _cell(r["gb_per_s"], ".3f"),
-              _cell(r["x_hicache_file"], ".2f")] for row, r in result["rows"].items()]  # fmt: skip
+    skipped = result["peers"]["mooncake"].get("skipped")
+    if skipped:
+        print(f"kvrelay bench sglang: Mooncake Store left out: {skipped}")
     load = result["load_average"]
-    print(f"{args.pages} pages of {result['page_bytes']} B ({args.layout}, {args.batch} per call), "
-          f"{args.runs} runs, {args.servers} cache servers (load average "
-          f"{load['before'][0]:.1f} before, {load['after'][0]:.1f} after)")  # fmt: skip
-    print(format_table(["", "pages/s", "GB/s", "x HiCacheFile"], table))
+    for size in result["sizes"]:
+        table = [[row, _cell(r["pages_per_s"], ".0f"), _cell(r["gb_per_s"], ".3f"),
+                  _cell(r["x_hicache_file"], ".2f")]
+                 for row, r in size["rows"].items()]  # fmt: skip
+        print(f"{args.pages} pages of {size['page_bytes']} B ({size['page_size']} tokens, "
+              f"{args.layout}, {args.batch} per call), {args.runs} runs, {args.servers} "
+              f"cache servers (load average {load['before'][0]:.1f} before, "
+              f"{load['after'][0]:.1f} after)")  # fmt: skip
+        print(format_table(["", "pages/s", "GB/s", "x HiCacheFile"], table))
     write_report(args, "sglang", result)
     sys.stdout.flush()
     return result

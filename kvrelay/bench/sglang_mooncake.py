@@ -1,0 +1,188 @@
+"""Mooncake Store as `kvrelay bench sglang`'s peer (issue 49).
+
+Set up as SGLang's `--hicache-storage-backend mooncake` sets it up by default:
+SGLang's own `MooncakeStore`, made by its `StorageBackendFactory` over a real
+host pool, each rank contributing a global segment to the store and moving
+pages with the zero-copy batch calls (`batch_put_from` / `batch_get_into`)
+on buffers registered from the pool. One `mooncake_master` process, started
+here on loopback, is both master and HTTP metadata server; the transfer
+engine speaks tcp (no RDMA here), with `MC_TCP_BIND_ADDRESS=127.0.0.1`, since
+it would otherwise bind the host's public interface.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from kvrelay.procfs import die_with_parent
+
+# Mooncake's client refuses a global segment under 16 MiB ("Total size must be at least").
+MIN_SEGMENT_BYTES = 16 << 20
+
+# Mooncake reads this when its transfer engine starts: set before the first setup().
+os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+
+
+def missing() -> str | None:
+    """Why the Mooncake peer cannot run here, or None when it can."""
+    try:
+        import mooncake
+        import mooncake.store  # links libibverbs.so.1 (apt's libibverbs1)
+    except ImportError as exc:
+        return f"Mooncake Store cannot be imported ({exc}); install it with `make peers-deps`"
+    if not (Path(mooncake.__file__).parent / "mooncake_master").is_file():
+        return "the mooncake package has no mooncake_master binary"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+class MasterProcess:
+    """`mooncake_master` on 127.0.0.1: master (rpc), metadata and metrics servers.
+
+    The process gets SIGTERM when this one dies however it dies (die_with_parent),
+    and `stop()` ends it on every normal path (the bench's ExitStack; the CLI
+    turns SIGTERM into an unwind like SIGINT's).
+    """
+
+    def __init__(self, timeout_s: float = 30.0) -> None:
+        import mooncake
+
+        binary = Path(mooncake.__file__).parent / "mooncake_master"
+        self.rpc_port, self.metadata_port, self.metrics_port = (_free_port() for _ in range(3))
+        # Open for the process's life, closed (and removed) by stop().
+        self.log = tempfile.NamedTemporaryFile(prefix="kvrelay-mooncake-", suffix=".log")  # noqa: SIM115
+        command = [
+            str(binary),
+            "--rpc_address=127.0.0.1", f"--rpc_port={self.rpc_port}",
+            "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_port={self.metadata_port}",
+            "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
+        ]  # fmt: skip
+        self.popen = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent(),
+        )
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not (_listening(self.rpc_port) and _listening(self.metadata_port)):
+            if self.popen.poll() is not None:
+                raise RuntimeError(
+                    f"mooncake_master exited ({self.popen.returncode}): {self.tail()}"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"mooncake_master not listening after {timeout_s:.0f} s: {self.tail()}"
+                )
+            time.sleep(0.1)
+
+    def tail(self, chars: int = 2000) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")[-chars:]
+
+    @property
+    def master_address(self) -> str:
+        return f"127.0.0.1:{self.rpc_port}"
+
+    @property
+    def metadata_server(self) -> str:
+        return f"http://127.0.0.1:{self.metadata_port}/metadata"
+
+    def extra_config(self, global_segment_bytes: int) -> dict:
+        """SGLang's mooncake extra config for this master, as a server takes it
+        (`--hicache-storage-backend-extra-config`)."""
+        return {
+            "master_server_address": self.master_address,
+            "metadata_server": self.metadata_server,
+            "protocol": "tcp",
+            "device_name": "",
+            "global_segment_size": global_segment_bytes,
+            "local_hostname": "127.0.0.1",
+            "master_metrics_port": self.metrics_port,
+        }
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout=timeout_s)
+        self.log.close()
+
+
+def create_backend(master: MasterProcess, pool, *, layout: str, model: str,
+                   global_segment_bytes: int):  # fmt: skip
+    """SGLang's MooncakeStore as its cache controller makes it: the factory with
+    the host pool, then `register_mem_pool_host` (registers the pool's buffers
+    for the zero-copy calls)."""
+    from kvrelay.adapters.sglang import harness as h
+
+    config = h.storage_config(layout=layout, model_name=model,
+                              extra=master.extra_config(global_segment_bytes))  # fmt: skip
+    backend = h.StorageBackendFactory.create_backend("mooncake", config, pool)
+    backend.register_mem_pool_host(pool)
+    return backend
+
+
+def close_backend(backend) -> None:
+    """Closes the store's client while its master still runs: SGLang's `close()`
+    leaves it to the destructor, which (after the master stopped) waits seconds
+    on RPCs to unmount its segment."""
+    store = getattr(backend, "store", None)
+    if store is not None:
+        store.close()
+        backend.store = None
+
+
+def fill_segment(backend, pool, global_segment_bytes: int) -> int:
+    """Puts pages until the segment has been written once, then `remove_all`: a
+    segment whose memory was never touched puts at a fraction of its later rate
+    (first-touch page faults), which a deployed store has long paid. Returns
+    the pages put."""
+    page_tokens = pool.page_size
+    capacity = max(1, pool.size // page_tokens)  # the whole pool per call: fewer calls
+    page_bytes = pool.get_ksize_per_token() * page_tokens * 2  # K and V objects
+    put, target = 0, global_segment_bytes // page_bytes + capacity
+    while put < target:
+        n = min(capacity, target - put)
+        keys = [f"kvrelay-bench-fill-{put + i}" for i in range(n)]
+        idx = _indices(0, n, page_tokens)
+        results = backend.batch_set_v1(keys, idx)
+        put += n
+        if not all(results):  # full: the rest would be refused too
+            break
+    backend.clear()
+    return put
+
+
+def _indices(first_page: int, pages: int, page_tokens: int):
+    import torch
+
+    return torch.arange(first_page * page_tokens, (first_page + pages) * page_tokens,
+                        dtype=torch.int64)  # fmt: skip

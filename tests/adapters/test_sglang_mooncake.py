@@ -1,0 +1,71 @@
+"""Mooncake Store as `kvrelay bench sglang`'s peer (issue 49): its master on
+loopback, SGLang's own mooncake backend over a real host pool, and the bench's
+mooncake columns. Skipped where `make peers-deps` has not installed it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvrelay.bench import sglang_mooncake as mooncake
+from kvrelay.bench.sglang import MOONCAKE_ROWS, ROWS
+from tests.adapters import sglang_env as env
+
+pytestmark = pytest.mark.skipif(mooncake.missing() is not None, reason=str(mooncake.missing()))
+
+PAGES, RUNS = 5, 2
+
+
+def test_sglang_mooncake_backend_round_trips_pages_and_the_master_stops():
+    master = mooncake.MasterProcess(timeout_s=30)
+    try:
+        pool = env.mha_pool("page_first", heads=2, layers=2, start_layer=0, page_size=4,
+                            head_dim=8, dtype=torch.bfloat16)  # fmt: skip
+        pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=torch.Generator()))
+        segment = mooncake.MIN_SEGMENT_BYTES
+        backend = mooncake.create_backend(
+            master, pool, layout="page_first", model="test/mooncake", global_segment_bytes=segment
+        )
+        try:
+            assert mooncake.fill_segment(backend, pool, segment) > 0
+            keys = env.sglang_keys(list(range(16)), 4)
+            idx = torch.arange(16, dtype=torch.int64)
+            assert backend.batch_exists(keys) == 0  # remove_all after the fill
+            assert all(backend.batch_set_v1(keys, idx))
+            want = pool.kv_buffer.clone()
+            pool.kv_buffer.zero_()
+            assert all(backend.batch_get_v1(keys, idx))
+            assert torch.equal(pool.kv_buffer[:, :16], want[:, :16])
+            missing = env.sglang_keys(list(range(100, 104)), 4)
+            assert not any(backend.batch_get_v1(missing, torch.arange(4, dtype=torch.int64)))
+        finally:
+            mooncake.close_backend(backend)
+    finally:
+        master.stop()
+    assert master.popen.returncode is not None
+
+
+def test_bench_sglang_races_mooncake_beside_kvrelay_and_file(tmp_path):
+    out = tmp_path / "sglang.json"
+    sizes = ["--page-size", "4", "8", "--layers", "2", "--heads", "2", "--head-dim", "8"]
+    command = [sys.executable, "-m", "kvrelay.cli", "bench", "sglang", "--pages", str(PAGES),
+               *sizes, "--batch", "2", "--servers", "1", "--runs", str(RUNS),
+               "--json", str(out)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["peers"]["mooncake"]["protocol"] == "tcp"
+    assert [s["page_bytes"] for s in result["sizes"]] == [512, 1024]
+    for size in result["sizes"]:
+        assert set(size["rows"]) == {*ROWS, *MOONCAKE_ROWS}
+        assert size["byte_check"]["mooncake_pages"] == PAGES * RUNS
+        for store in ("kvrelay", "mooncake", "file"):
+            assert size[store]["set_gbps"] > 0 and size[store]["get_gbps"] > 0
+    host = result["peers"]["mooncake"]["master"]
+    alive = subprocess.run(["pgrep", "-f", f"rpc_port={host.split(':')[1]}"],
+                           capture_output=True, timeout=10)  # fmt: skip
+    assert alive.returncode == 1, "the bench's mooncake_master outlived it"
