@@ -2,10 +2,12 @@
 DeepSeek-V3-shaped model (MLA, MoE, yarn RoPE) with kvrelay as its L3.
 
 After `/flush_cache` the prompt's full pages come from kvrelay and the
-output equals the cold run; kvrelay's runner (`--key-scheme sglang`, the
-same model directory) finds every page SGLang wrote, holding its own latent
-rows position by position (to float32 rounding: the two engines' kernels
-differ), and continues from them to its own cold run's tokens.
+output equals the cold run; a prompt whose pages kvrelay's runner wrote is
+taken from them and continued as the runner continues it; kvrelay's runner
+(`--key-scheme sglang`, the same model directory) finds every page SGLang
+wrote, holding its own latent rows position by position (to float32
+rounding: the two engines' kernels differ), and continues from them to its
+own cold run's tokens.
 """
 
 from __future__ import annotations
@@ -48,12 +50,46 @@ def model(tmp_path_factory):
     return model_dir, kv
 
 
+async def write_with_worker_keys(servers, spec, prompt, pages: torch.Tensor) -> int:
+    """Put the runner's unified pages of `prompt` in the tier, keyed from token ids."""
+    from kvrelay.cache.client import CacheClient, CacheClientConfig
+    from kvrelay.layout import Rectangle
+    from kvrelay.transfer import create_agent
+
+    keys = spec.page_keys(prompt)[: len(pages)]
+    agent = await create_agent("tcp", token=TOKEN)
+    arena = agent.allocate_arena(pages.numel())
+    arena.tensor[: pages.numel()].copy_(pages.reshape(-1))
+    client = CacheClient(agent, spec, Rectangle(0, 1, 0, spec.num_layers),
+                         CacheClientConfig(servers=tuple(servers), token=TOKEN))  # fmt: skip
+    try:
+        return await client.write(keys, arena, [i * spec.page_bytes for i in range(len(keys))])
+    finally:
+        await client.close()
+        await agent.close()
+
+
+def _runner(model_dir):
+    return load_engine(model_dir, dtype=DTYPE, page_size=PAGE, num_pages=64, key_scheme="sglang")
+
+
+def _prompt(seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, 250, (FULL * PAGE + 7,), generator=g).tolist()
+
+
 def test_deepseek_v3_on_sglang_takes_its_prompt_from_kvrelay(model, tmp_path):
     model_dir, spec = model
-    g = torch.Generator().manual_seed(5)
-    prompt = torch.randint(1, 250, (FULL * PAGE + 7,), generator=g).tolist()
+    prompt, other = _prompt(5), _prompt(6)
     listen = f"127.0.0.1:{free_port()}"
     cache = CacheServerProcess(token=TOKEN, page_bytes=spec.page_bytes, pages=256, listen=listen)
+    # kvrelay's runner computes `other` and puts its pages in the tier.
+    runner = _runner(model_dir)
+    other_want = runner.generate([Request(other, SamplingParams(NEW))])[0].tokens
+    other_pages = torch.zeros(FULL, spec.page_bytes, dtype=torch.uint8)
+    assert export_prefix(runner, other[: FULL * PAGE], other_pages) == FULL
+    del runner
+    assert asyncio.run(write_with_worker_keys([listen], spec, other, other_pages)) == FULL
     identity = {"model_id": spec.model_id, "weights_fingerprint": spec.weights_fingerprint}
     extra = kvrelay_extra([listen], TOKEN, timeout_s=5.0, **identity)
     server = SGLangServer(model_dir, tmp_path / "sglang.log", extra=extra, page_size=PAGE,
@@ -69,20 +105,22 @@ def test_deepseek_v3_on_sglang_takes_its_prompt_from_kvrelay(model, tmp_path):
         warm = server.generate(prompt, NEW)
         assert warm.storage_tokens == FULL * PAGE, warm
         assert warm.output_ids == cold.output_ids
+        # The runner's pages: SGLang takes them and continues as the runner does.
+        taken = server.generate(other, NEW)
+        assert taken.storage_tokens == FULL * PAGE, taken
+        assert taken.output_ids == other_want
     finally:
         server.stop()
     try:
         found, pages = asyncio.run(read_with_worker_keys([listen], spec, prompt))
         assert found == FULL
-        runner = load_engine(model_dir, dtype=DTYPE, page_size=PAGE, num_pages=32,
-                             key_scheme="sglang")  # fmt: skip
+        runner = _runner(model_dir)
         want = runner.generate([Request(prompt, SamplingParams(NEW))])[0].tokens
         own = torch.zeros(FULL, spec.page_bytes, dtype=torch.uint8)
         assert export_prefix(runner, prompt[: FULL * PAGE], own) == FULL
         theirs, mine = pages.view(torch.float32), own.view(torch.float32)
         assert torch.allclose(theirs, mine, rtol=1e-4, atol=1e-4), (theirs - mine).abs().max()
-        warm_runner = load_engine(model_dir, dtype=DTYPE, page_size=PAGE, num_pages=32,
-                                  key_scheme="sglang")  # fmt: skip
+        warm_runner = _runner(model_dir)
         assert import_prefix(warm_runner, prompt[: FULL * PAGE], pages) == FULL
         out = warm_runner.generate([Request(prompt, SamplingParams(NEW))])[0]
         assert out.cached_tokens == FULL * PAGE and out.tokens == want
