@@ -197,6 +197,8 @@ def test_a_missing_indexer_page_shortens_the_hit(opened, servers):
     assert reader.batch_exists(keys) == 2  # v1's lookup agrees
     assert reader.batch_get_v1(keys, kv2.alloc(PAGES * PAGE)) == [True] * 2 + [False] * 2
     _same(ix, idx, ix2, dst, 2, range(2), range(2))
+    with pytest.raises(UnsupportedPool, match="interface_v1"):
+        reader.batch_get(keys[:1])  # flat pages of one pool cannot fill such a page
     # A pool without its indexer is another namespace (and page size).
     plain = _rank(opened, servers, "page_first_direct", packed=0, index=False)[0]
     assert plain.namespace != writer.namespace and plain.batch_exists(keys) == 0

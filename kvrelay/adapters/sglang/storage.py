@@ -269,8 +269,17 @@ class KvrelayHiCacheStorage(V2Pools, HiCacheStorage):
         return results
 
     # -- plain interface: flat pages in get_data_page order --------------------------------
+    def _plain_tier(self) -> RankTier:
+        if self.tier is None:
+            raise UnsupportedPool(
+                "pages filled from several pools move through the zero-copy interface: "
+                'set "interface_v1": 1 in the extra config'
+            )
+        return self.tier
+
     def batch_get(self, keys, target_locations=None, target_sizes=None) -> list:
-        tier = self._require_pool()
+        self._require_pool()
+        tier = self._plain_tier()
         pool = self.mem_pool_host
         targets = list(target_locations or [pool.get_dummy_flat_data_page() for _ in keys])
 
@@ -287,7 +296,8 @@ class KvrelayHiCacheStorage(V2Pools, HiCacheStorage):
         return self.batch_get([key], targets)[0]
 
     def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
-        tier = self._require_pool()
+        self._require_pool()
+        tier = self._plain_tier()
         values = list(values or [])
         if len(values) != len(keys):
             raise ValueError(f"{len(values)} values for {len(keys)} keys")
