@@ -5,8 +5,10 @@ mooncake columns. Skipped where `make peers-deps` has not installed it."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -69,3 +71,42 @@ def test_bench_sglang_races_mooncake_beside_kvrelay_and_file(tmp_path):
     alive = subprocess.run(["pgrep", "-f", f"rpc_port={host.split(':')[1]}"],
                            capture_output=True, timeout=10)  # fmt: skip
     assert alive.returncode == 1, "the bench's mooncake_master outlived it"
+
+
+def _children_named(pid: int, name: str) -> list[int]:
+    found = subprocess.run(["pgrep", "-P", str(pid), name], capture_output=True, text=True,
+                           timeout=10)  # fmt: skip
+    return [int(p) for p in found.stdout.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_bench_stops_its_mooncake_master_on_a_signal(sig):
+    command = [sys.executable, "-m", "kvrelay.cli", "bench", "sglang", "--pages", "16",
+               "--page-size", "4", "--layers", "2", "--heads", "2", "--head-dim", "8",
+               "--servers", "1", "--runs", "1000000"]  # fmt: skip
+    bench = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline, masters = time.monotonic() + 120, []
+        while not masters and bench.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+            masters = _children_named(bench.pid, "mooncake_master")
+        assert masters, "the bench started no mooncake_master"
+        time.sleep(2)  # into the timed runs
+        bench.send_signal(sig)
+        bench.wait(timeout=60)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while _alive(masters[0]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(masters[0]), "the bench's mooncake_master outlived it"
