@@ -56,7 +56,7 @@ import torch
 from kvrelay.bench.stats import format_table, machine_info, write_json
 from kvrelay.control.dispatch import Job
 from kvrelay.control.registry import MAX_ESTIMATE_PAGES, PageEstimate
-from kvrelay.demo.profiles import MLA_MODELS
+from kvrelay.demo.profiles import MLA_MODELS, MODELS
 from kvrelay.layout import DEFAULT_PAGE_SIZE
 from kvrelay.model.config import TORCH_DTYPES
 from kvrelay.model.engine import Request
@@ -75,8 +75,7 @@ CONTEXTS = {"8K": 8192, "32K": 32768, "128K": 131072, "200K": 204800, "512K": 52
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model directory (default: the demo model's shape)")
     parser.add_argument("--arch", default="llama", choices=["llama", *MLA_ARCHS],
-                        help="family of the default model: the demo's llama, or its GLM-5 / "
-                        "DeepSeek shape (MLA, DSA indexer with top-k 512, MoE)")  # fmt: skip
+                        help="the default model's family (the demo's shape of it)")  # fmt: skip
     parser.add_argument(
         "--contexts",
         default="8K,32K,128K",
@@ -133,13 +132,11 @@ class PeakRSS:
 def _model(args, root: Path) -> Path:
     if args.model:
         return Path(args.model)
-    if args.arch in MLA_ARCHS:
-        shape = {**MLA_MODELS["default"], "max_positions": 1 << 21}
+    shapes = MODELS if args.arch == "llama" else MLA_MODELS
+    shape = {**shapes["default"], "max_positions": 1 << 21}
+    if args.arch != "llama":
         return write_mla_model(root / "model", MlaModelSpec(arch=args.arch, **shape, seed=7))
-    from kvrelay.demo.command import DEMO_MODEL
-
-    spec = RandomModelSpec(**{**DEMO_MODEL, "max_positions": 1 << 21}, seed=7)
-    return write_model(root / "model", spec)
+    return write_model(root / "model", RandomModelSpec(**shape, seed=7))
 
 
 def _window_import(engine, tokens, keys, pages: int, window: torch.Tensor) -> None:

@@ -143,14 +143,9 @@ def load_engine(
     device = parse_device(device)
     weights = load_weights(model_dir, config, plan, torch_dtype, device)
     pool = PagedKVPool(
-        num_pages=num_pages,
-        page_size=page_size,
-        num_layers=plan.layer_end - plan.layer_start,
-        num_heads=plan.num_kv_heads,
-        head_dim=config.head_dim,
-        dtype=torch_dtype,
-        device=device,
-    )
+        num_pages=num_pages, page_size=page_size, num_layers=plan.layer_end - plan.layer_start,
+        num_heads=plan.num_kv_heads, head_dim=config.head_dim, dtype=torch_dtype, device=device,
+    )  # fmt: skip
     draft = None
     if speculative:
         shape = (num_pages, page_size)

@@ -165,24 +165,8 @@ class MlaConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> MlaConfig:
-        model_type = raw.get("model_type")
-        if model_type not in MLA_ARCHITECTURES:
-            raise ModelLoadError(f"{source}: model_type {model_type!r} is not an MLA model")
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ModelLoadError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported")
-        if raw.get("quantization_config"):
-            # Released DeepSeek weights are FP8 with block scales; reading them
-            # as plain tensors would be silently wrong.
-            raise ModelLoadError(
-                f"{source}: quantized checkpoints (quantization_config) are not supported; "
-                "dequantize to bfloat16 first"
-            )
+        model_type, mtp_layers = _refuse_unsupported(raw, source)
         defaults = _DEFAULTS[model_type]
-        mtp_layers = raw.get("num_nextn_predict_layers") or 0
-        if mtp_layers not in (0, 1):
-            raise ModelLoadError(
-                f"{source}: num_nextn_predict_layers {mtp_layers!r} is not supported (0 or 1)"
-            )
         try:
             layers = int(raw["num_hidden_layers"])
             rope_theta, rope_scaling = _rope_settings(raw)
@@ -232,6 +216,28 @@ class MlaConfig:
             if isinstance(bad, ModelLoadError):
                 raise ModelLoadError(f"{source}: {bad}") from None
             raise ModelLoadError(f"{source}: bad value: {bad}") from None
+
+
+def _refuse_unsupported(raw: dict, source: str) -> tuple[str, int]:
+    """(model type, MTP layers) of a config this runner can run, else ModelLoadError."""
+    model_type = raw.get("model_type")
+    if model_type not in MLA_ARCHITECTURES:
+        raise ModelLoadError(f"{source}: model_type {model_type!r} is not an MLA model")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported")
+    if raw.get("quantization_config"):
+        # Released DeepSeek weights are FP8 with block scales; reading them
+        # as plain tensors would be silently wrong.
+        raise ModelLoadError(
+            f"{source}: quantized checkpoints (quantization_config) are not supported; "
+            "dequantize to bfloat16 first"
+        )
+    mtp_layers = raw.get("num_nextn_predict_layers") or 0
+    if mtp_layers not in (0, 1):
+        raise ModelLoadError(
+            f"{source}: num_nextn_predict_layers {mtp_layers!r} is not supported (0 or 1)"
+        )
+    return model_type, mtp_layers
 
 
 def _indexer_fields(raw: dict, model_type: str) -> dict:
