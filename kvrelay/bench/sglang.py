@@ -25,6 +25,7 @@ import torch
 
 from kvrelay.bench import sglang_mooncake as mooncake
 from kvrelay.bench.stats import Summary, format_table, write_report
+from kvrelay.cache import launch
 
 ROWS = ("kvrelay set", "kvrelay get", "HiCacheFile set", "HiCacheFile get")
 MOONCAKE_ROWS = ("Mooncake set", "Mooncake get")
@@ -147,25 +148,44 @@ def _measure_size(h, args, page_size: int, master) -> dict:
         return _measure_stores(h, args, master, stack, tmp)
 
 
-def _measure_stores(h, args, master, stack: ExitStack, tmp: str) -> dict:
-    page_bytes = 2 * args.layers * args.page_size * args.heads * args.head_dim * 2
+def _kvrelay_row(transport: str) -> str:
+    """tcp keeps the rows' plain name ("kvrelay set"): the transport kvrelay defaults to."""
+    return "kvrelay" if transport == "tcp" else f"kvrelay-{transport}"
+
+
+def _kvrelay_store(h, args, transport: str, page_bytes: int, stack: ExitStack):
+    """kvrelay's backend over `args.servers` cache servers speaking `transport`."""
     servers = []
     for _ in range(args.servers):  # each holds every run's pages: the hash spreads unevenly
-        server = h.CacheServerProcess(page_bytes, pages=args.pages * args.runs + 64)
+        server = launch.CacheServerProcess(token=h.TOKEN, page_bytes=page_bytes,
+                                           pages=args.pages * args.runs + 64,
+                                           backend=transport)  # fmt: skip
         stack.callback(server.stop)
         servers.append(server)
     identity = {"model_id": MODEL, "num_layers": args.layers, "num_kv_heads": args.heads}
     extra = h.dynamic_extra(servers, **identity) | {
-        "timeout_s": args.timeout_s, "staging_pages": args.batch}  # fmt: skip
-    kv_pool, file_pool = _pool(h, args), _pool(h, args)
-    kv_pages, file_pages = _Pages(kv_pool, args.pages), _Pages(file_pool, args.pages)
+        "timeout_s": args.timeout_s, "staging_pages": args.batch, "backend": transport}  # fmt: skip
+    pool = _pool(h, args)
+    pages = _Pages(pool, args.pages)
     config = h.storage_config(layout=args.layout, extra=extra, model_name=MODEL)
-    kv = h.create_backend(config, kv_pool)
-    stack.callback(kv.close)
+    backend = h.create_backend(config, pool)
+    stack.callback(backend.close)
+    return backend, pages
+
+
+def _measure_stores(h, args, master, stack: ExitStack, tmp: str) -> dict:
+    page_bytes = 2 * args.layers * args.page_size * args.heads * args.head_dim * 2
+    kvrelay = {t: _kvrelay_store(h, args, t, page_bytes, stack) for t in args.transport}
+    file_pool = _pool(h, args)
+    file_pages = _Pages(file_pool, args.pages)
     file_config = h.storage_config(layout=args.layout, model_name=MODEL,
                                    extra={"file_storage_path": tmp})  # fmt: skip
     hicache_file = h.HiCacheFile(file_config, file_path=tmp)
-    seconds: dict[str, list[float]] = {row: [] for row in ROWS}
+    seconds: dict[str, list[float]] = {
+        f"{name} {op}": []
+        for name in [*map(_kvrelay_row, args.transport), "HiCacheFile"]
+        for op in ("set", "get")
+    }
     mc = mc_pages = None
     if master is not None:
         # One run's pages twice over: the bench removes them after each run.
@@ -181,11 +201,13 @@ def _measure_stores(h, args, master, stack: ExitStack, tmp: str) -> dict:
         g = torch.Generator().manual_seed(1 + run)
         tokens = torch.randint(0, 150_000, (args.pages * args.page_size,), generator=g)
         keys = h.sglang_keys(tokens.tolist(), args.page_size)
-        seconds["kvrelay set"].append(_timed(_kvrelay_set, kv, keys, args))
+        for transport, (kv, kv_pages) in kvrelay.items():
+            name = _kvrelay_row(transport)
+            seconds[f"{name} set"].append(_timed(_kvrelay_set, kv, keys, args))
+            kv_pages.zero()
+            seconds[f"{name} get"].append(_timed(_kvrelay_get, kv, keys, args))
+            kv_pages.check(name)
         seconds["HiCacheFile set"].append(_timed(_file_set, hicache_file, file_pool, keys, args))
-        kv_pages.zero()
-        seconds["kvrelay get"].append(_timed(_kvrelay_get, kv, keys, args))
-        kv_pages.check("kvrelay")
         file_pages.zero()
         seconds["HiCacheFile get"].append(_timed(_file_get, hicache_file, file_pool, keys, args))
         file_pages.check("HiCacheFile")
@@ -204,9 +226,14 @@ def _measure_stores(h, args, master, stack: ExitStack, tmp: str) -> dict:
                 [b / t for b, t in zip(base, times, strict=True)]
             ).to_json()
         }
-    checked = {"kvrelay_pages": kv_pages.checked, "hicache_file_pages": file_pages.checked}
+    transports = {t: _peer(rows, _kvrelay_row(t), transport=t) for t in args.transport}
+    # kvrelay's entry is its best transport (the slower of set and get decides).
+    best = max(transports.values(), key=lambda e: min(e["set_gbps"], e["get_gbps"]))
+    checked = {f"{_kvrelay_row(t).replace('-', '_')}_pages": kvrelay[t][1].checked
+               for t in args.transport}  # fmt: skip
+    checked["hicache_file_pages"] = file_pages.checked
     entry = {"page_bytes": page_bytes, "page_size": args.page_size, "rows": rows,
-             "kvrelay": _peer(rows, "kvrelay", transport="tcp"),
+             "kvrelay": best, "kvrelay_transports": transports,
              "file": _peer(rows, "HiCacheFile")}  # fmt: skip
     if mc is not None:
         checked["mooncake_pages"] = mc_pages.checked
@@ -249,6 +276,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", default="page_first", choices=layouts)
     parser.add_argument("--batch", type=int, default=64, help="pages per backend call")
     parser.add_argument("--servers", type=int, default=2, help="kvrelay cache server processes")
+    parser.add_argument("--transport", nargs="+", default=["tcp"], choices=["tcp", "ucx"],
+                        help="kvrelay's transfer backends, each its own rows; ucx: shared "
+                        "memory on one host")  # fmt: skip
     parser.add_argument("--timeout-s", type=float, default=60.0, help="kvrelay call bound")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument(

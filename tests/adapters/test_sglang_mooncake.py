@@ -51,9 +51,19 @@ def test_sglang_mooncake_backend_round_trips_pages_and_the_master_stops():
     assert master.popen.returncode is not None
 
 
+def _ucx_built() -> bool:
+    try:
+        from kvrelay.transfer.backends import ucx  # noqa: F401
+    except Exception:  # BackendUnavailable: kvrelay._ucx was not built here
+        return False
+    return True
+
+
 def test_bench_sglang_races_mooncake_beside_kvrelay_and_file(tmp_path):
     out = tmp_path / "sglang.json"
     sizes = ["--page-size", "4", "8", "--layers", "2", "--heads", "2", "--head-dim", "8"]
+    transports = ["tcp", "ucx"] if _ucx_built() else ["tcp"]
+    sizes += ["--transport", *transports]
     command = [sys.executable, "-m", "kvrelay.cli", "bench", "sglang", "--pages", str(PAGES),
                *sizes, "--batch", "2", "--servers", "1", "--runs", str(RUNS),
                "--json", str(out)]  # fmt: skip
@@ -63,10 +73,13 @@ def test_bench_sglang_races_mooncake_beside_kvrelay_and_file(tmp_path):
     assert result["peers"]["mooncake"]["protocol"] == "tcp"
     assert [s["page_bytes"] for s in result["sizes"]] == [512, 1024]
     for size in result["sizes"]:
-        assert set(size["rows"]) == {*ROWS, *MOONCAKE_ROWS}
+        ucx_rows = {"kvrelay-ucx set", "kvrelay-ucx get"} if "ucx" in transports else set()
+        assert set(size["rows"]) == {*ROWS, *MOONCAKE_ROWS, *ucx_rows}
         assert size["byte_check"]["mooncake_pages"] == PAGES * RUNS
         for store in ("kvrelay", "mooncake", "file"):
             assert size[store]["set_gbps"] > 0 and size[store]["get_gbps"] > 0
+        assert list(size["kvrelay_transports"]) == transports
+        assert size["kvrelay"] in size["kvrelay_transports"].values()
     host = result["peers"]["mooncake"]["master"]
     alive = subprocess.run(["pgrep", "-f", f"rpc_port={host.split(':')[1]}"],
                            capture_output=True, timeout=10)  # fmt: skip
