@@ -5,9 +5,14 @@ SGLang's own `MooncakeStore`, made by its `StorageBackendFactory` over a real
 host pool, each rank contributing a global segment to the store and moving
 pages with the zero-copy batch calls (`batch_put_from` / `batch_get_into`)
 on buffers registered from the pool. One `mooncake_master` process, started
-here on loopback, is both master and HTTP metadata server; the transfer
-engine speaks tcp (no RDMA here), with `MC_TCP_BIND_ADDRESS=127.0.0.1`, since
-it would otherwise bind the host's public interface.
+here on loopback (rpc and metrics on 127.0.0.1); metadata by
+`P2PHANDSHAKE`, SGLang's default, with no metadata server: Mooncake
+0.3.13.post1's HTTP metadata server listens on every interface whatever
+`--http_metadata_server_host` says. The transfer engine speaks tcp (no RDMA
+here). `MC_TCP_BIND_ADDRESS=127.0.0.1` is set, but this version's client
+still listens on every interface (`ss -ltnp`) for its transfer-engine RPC
+and tcp transport ports; neither that variable nor `local_hostname` narrows
+them.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ def _listening(port: int) -> bool:
 
 
 class MasterProcess:
-    """`mooncake_master` on 127.0.0.1: master (rpc), metadata and metrics servers.
+    """`mooncake_master` on 127.0.0.1: master (rpc) and metrics servers.
 
     The process gets SIGTERM when this one dies however it dies (die_with_parent),
     and `stop()` ends it on every normal path (the bench's ExitStack; the CLI
@@ -64,14 +69,12 @@ class MasterProcess:
         import mooncake
 
         binary = Path(mooncake.__file__).parent / "mooncake_master"
-        self.rpc_port, self.metadata_port, self.metrics_port = (_free_port() for _ in range(3))
+        self.rpc_port, self.metrics_port = (_free_port() for _ in range(2))
         # Open for the process's life, closed (and removed) by stop().
         self.log = tempfile.NamedTemporaryFile(prefix="kvrelay-mooncake-", suffix=".log")  # noqa: SIM115
         command = [
             str(binary),
             "--rpc_address=127.0.0.1", f"--rpc_port={self.rpc_port}",
-            "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-            f"--http_metadata_server_port={self.metadata_port}",
             "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
         ]  # fmt: skip
         self.popen = subprocess.Popen(
@@ -89,7 +92,7 @@ class MasterProcess:
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        while not (_listening(self.rpc_port) and _listening(self.metadata_port)):
+        while not _listening(self.rpc_port):
             if self.popen.poll() is not None:
                 raise RuntimeError(
                     f"mooncake_master exited ({self.popen.returncode}): {self.tail()}"
@@ -110,7 +113,7 @@ class MasterProcess:
 
     @property
     def metadata_server(self) -> str:
-        return f"http://127.0.0.1:{self.metadata_port}/metadata"
+        return "P2PHANDSHAKE"
 
     def extra_config(self, global_segment_bytes: int) -> dict:
         """SGLang's mooncake extra config for this master, as a server takes it

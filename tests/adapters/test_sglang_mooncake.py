@@ -5,6 +5,7 @@ mooncake columns. Skipped where `make peers-deps` has not installed it."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,9 +23,18 @@ pytestmark = pytest.mark.skipif(mooncake.missing() is not None, reason=str(moonc
 PAGES, RUNS = 5, 2
 
 
+def _listeners(pid: int) -> list[str]:
+    """The local addresses process `pid` listens on (tcp), by `ss -ltnp`."""
+    out = subprocess.run(["ss", "-ltnp"], capture_output=True, text=True, timeout=10).stdout
+    return [line.split()[3] for line in out.splitlines() if f"pid={pid}," in line]
+
+
 def test_sglang_mooncake_backend_round_trips_pages_and_the_master_stops():
     master = mooncake.MasterProcess(timeout_s=30)
     try:
+        if shutil.which("ss"):
+            listening = _listeners(master.popen.pid)
+            assert listening and all(a.startswith("127.0.0.1:") for a in listening), listening
         pool = env.mha_pool("page_first", heads=2, layers=2, start_layer=0, page_size=4,
                             head_dim=8, dtype=torch.bfloat16)  # fmt: skip
         pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=torch.Generator()))
