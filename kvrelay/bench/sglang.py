@@ -173,6 +173,20 @@ def _kvrelay_store(h, args, transport: str, page_bytes: int, stack: ExitStack):
     return backend, pages
 
 
+def _mooncake_store(h, args, master, stack: ExitStack, page_bytes: int):
+    """(Mooncake backend, its pages, its segment bytes), or Nones without a master."""
+    if master is None:
+        return None, None, 0
+    # One run's pages twice over: the bench removes them after each run.
+    segment = max(mooncake.MIN_SEGMENT_BYTES, 2 * args.pages * page_bytes)
+    mc_pool = _pool(h, args)
+    mc = mooncake.create_backend(master, mc_pool, layout=args.layout, model=MODEL,
+                                 global_segment_bytes=segment)  # fmt: skip
+    stack.callback(mooncake.close_backend, mc)
+    mooncake.fill_segment(mc, mc_pool, segment)
+    return mc, _Pages(mc_pool, args.pages), segment
+
+
 def _measure_stores(h, args, master, stack: ExitStack, tmp: str) -> dict:
     page_bytes = 2 * args.layers * args.page_size * args.heads * args.head_dim * 2
     kvrelay = {t: _kvrelay_store(h, args, t, page_bytes, stack) for t in args.transport}
@@ -186,16 +200,8 @@ def _measure_stores(h, args, master, stack: ExitStack, tmp: str) -> dict:
         for name in [*map(_kvrelay_row, args.transport), "HiCacheFile"]
         for op in ("set", "get")
     }
-    mc = mc_pages = None
-    if master is not None:
-        # One run's pages twice over: the bench removes them after each run.
-        segment = max(mooncake.MIN_SEGMENT_BYTES, 2 * args.pages * page_bytes)
-        mc_pool = _pool(h, args)
-        mc = mooncake.create_backend(master, mc_pool, layout=args.layout, model=MODEL,
-                                     global_segment_bytes=segment)  # fmt: skip
-        stack.callback(mooncake.close_backend, mc)
-        mooncake.fill_segment(mc, mc_pool, segment)
-        mc_pages = _Pages(mc_pool, args.pages)
+    mc, mc_pages, segment = _mooncake_store(h, args, master, stack, page_bytes)
+    if mc is not None:
         seconds |= {row: [] for row in MOONCAKE_ROWS}
     for run in range(args.runs):
         g = torch.Generator().manual_seed(1 + run)
