@@ -249,7 +249,7 @@ def _measure_stores(h, args, master, stack: ExitStack, tmp: str) -> dict:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    """Every `--page-size`, every store, in one run; the JSON of issue 49."""
+    """Every `--page-size`, every store, in one run, in one JSON document."""
     h = _import_harness()
     load_before = os.getloadavg()
     peers = {}

@@ -1,4 +1,4 @@
-"""Mooncake Store as `kvrelay bench sglang`'s peer (issue 49).
+"""Mooncake Store as `kvrelay bench sglang`'s peer.
 
 Set up as SGLang's `--hicache-storage-backend mooncake` sets it up by default:
 SGLang's own `MooncakeStore`, made by its `StorageBackendFactory` over a real

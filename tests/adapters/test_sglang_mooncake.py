@@ -1,4 +1,4 @@
-"""Mooncake Store as `kvrelay bench sglang`'s peer (issue 49): its master on
+"""Mooncake Store as `kvrelay bench sglang`'s peer: its master on
 loopback, SGLang's own mooncake backend over a real host pool, and the bench's
 mooncake columns. Skipped where `make peers-deps` has not installed it."""
 
