@@ -18,8 +18,11 @@ ALLOWED = {
     "rpc": {"layout"},
     "cuda_ext": {"layout", "_C"},
     "transfer": {"rpc", "layout", "_ucx"},
-    "model": {"cuda_ext", "layout"},
-    "cache": {"transfer", "rpc", "layout", "options", "procfs"},
+    # The eviction policies are a leaf (they import nothing of kvrelay): the
+    # tier's index and the workers' KV pools order pages with the same ones.
+    "cache.eviction": set(),
+    "model": {"cuda_ext", "layout", "cache.eviction"},
+    "cache": {"cache.eviction", "transfer", "rpc", "layout", "options", "procfs"},
     "worker": {"model", "cache", "transfer", "rpc", "layout", "options"},
     "prefill": {"worker", "model", "cache", "transfer", "rpc", "layout", "options"},
     "decode": {"worker", "model", "cache", "transfer", "rpc", "layout", "options"},
@@ -31,6 +34,8 @@ TOOLS = {"bench", "demo", "chaos", "cli"}  # commands and test tools on top: may
 
 def _package(path: Path) -> str:
     rel = path.relative_to(ROOT)
+    if rel.parts[:2] == ("cache", "eviction"):
+        return "cache.eviction"
     return rel.parts[0].removesuffix(".py") if len(rel.parts) > 1 or rel.stem != "__init__" else ""
 
 
@@ -47,7 +52,9 @@ def _imports(path: Path):
             continue
         for name in names:
             parts = name.split(".")
-            if parts[0] == "kvrelay" and len(parts) > 1:
+            if parts[:3] == ["kvrelay", "cache", "eviction"]:
+                yield node.lineno, "cache.eviction"
+            elif parts[0] == "kvrelay" and len(parts) > 1:
                 yield node.lineno, parts[1]
 
 
