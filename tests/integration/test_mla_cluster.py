@@ -12,28 +12,30 @@ indexer then picks other tokens for every query: prompts are longer than
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import io
-import json
 
-import httpx
-import numpy as np
 import pytest
 import torch
 
 from kvrelay.cache.client import CacheClient, CacheClientConfig
-from kvrelay.cli import main as kvrelay_main
 from kvrelay.demo.cluster import ClusterConfig, LocalCluster, PoolConfig
 from kvrelay.layout import ParallelConfig, rank_rectangle
 from kvrelay.model.cross_config import prefix_unified_pages
 from kvrelay.model.loader import model_kv_spec
 from kvrelay.transfer import create_agent
 
-pytestmark = pytest.mark.cluster
+# The cluster test's helpers: `kvrelay generate` in one process (float64,
+# page 16) and the completion calls.
+from tests.integration.test_cluster import (
+    DTYPE,
+    PAGE,
+    cached,
+    complete,
+    generate,
+    rng_tokens,
+    tokens_of,
+)
 
-PAGE = 16
-DTYPE = "float64"
-TIMEOUT_S = 180
+pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture(scope="module")
@@ -58,39 +60,6 @@ def cluster(glm5_dir, tmp_path_factory):
         yield started
     finally:
         started.stop()
-
-
-def generate(model_dir, prompt, max_tokens) -> list[int]:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        kvrelay_main([
-            "generate", "--model", str(model_dir), "--prompt-ids", ",".join(map(str, prompt)),
-            "--max-new-tokens", str(max_tokens), "--dtype", DTYPE, "--page-size", str(PAGE),
-            "--json",
-        ])  # fmt: skip
-    return json.loads(out.getvalue())["tokens"]
-
-
-def complete(url, prompt, max_tokens) -> dict:
-    reply = httpx.post(
-        f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens},
-        timeout=TIMEOUT_S,
-    )  # fmt: skip
-    assert reply.status_code == 200, reply.text
-    return reply.json()
-
-
-def tokens_of(answer: dict) -> list[int]:
-    return answer["choices"][0]["token_ids"]
-
-
-def cached(answer: dict) -> tuple[int, int]:
-    c = answer["kvrelay"]["cached_tokens"]
-    return c["local"], c["tier"]
-
-
-def rng_tokens(seed: int, count: int) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 256, count).tolist()
 
 
 def test_turns_hit_and_a_redeploy_under_another_shape_hits(cluster, glm5_dir):
