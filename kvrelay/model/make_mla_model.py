@@ -12,15 +12,13 @@ layers follow the decoder layers as `model.layers.{num_hidden_layers}.*`
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from kvrelay.model.config import TORCH_DTYPES
-from kvrelay.model.tokenizer_files import write_tokenizer
+from kvrelay.model.make_model import write_checkpoint
 
 # --arch name -> (model_type, HF class)
 MLA_ARCHS = {
@@ -306,24 +304,5 @@ def write_mla_model(directory: str | Path, spec: MlaModelSpec) -> Path:
         raise ValueError("mtp must be 0 or 1, mtp_init random or copy, shards >= 1")
     if spec.experts % spec.groups or spec.experts // spec.groups < 2:
         raise ValueError("groups must divide the experts, two or more per group")
-    root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps(spec.config_json(), indent=2) + "\n")
-    write_tokenizer(root, spec.vocab)
-    tensors = random_mla_weights(spec)
-    metadata = {"format": "pt"}
-    if spec.shards == 1:
-        save_file(tensors, str(root / "model.safetensors"), metadata=metadata)
-        return root
-    names = list(tensors)
-    per_shard = -(-len(names) // spec.shards)
-    weight_map = {}
-    for i in range(spec.shards):
-        file = f"model-{i + 1:05d}-of-{spec.shards:05d}.safetensors"
-        part = names[i * per_shard : (i + 1) * per_shard]
-        save_file({n: tensors[n] for n in part}, str(root / file), metadata=metadata)
-        weight_map |= dict.fromkeys(part, file)
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return root
+    return write_checkpoint(directory, spec.config_json(), spec.vocab, random_mla_weights(spec),
+                            spec.shards)  # fmt: skip

@@ -204,20 +204,28 @@ def write_model(directory: str | Path, spec: RandomModelSpec) -> Path:
         raise ValueError("mtp must be 0 or 1")
     if spec.mtp_init not in ("random", "copy"):
         raise ValueError("mtp_init must be random or copy")
+    return write_checkpoint(directory, spec.config_json(), spec.vocab, random_weights(spec),
+                            spec.shards)  # fmt: skip
+
+
+def write_checkpoint(directory: str | Path, config: dict, vocab: int, tensors: dict,
+                     shards: int) -> Path:  # fmt: skip
+    """`config.json`, a byte-level tokenizer and `tensors` in HF's layout
+    (`model.safetensors`, or `shards` files and their index) in `directory`
+    (created if missing); returns it."""
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps(spec.config_json(), indent=2) + "\n")
-    write_tokenizer(root, spec.vocab)  # byte-level; none below 256 tokens
-    tensors = random_weights(spec)
+    (root / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_tokenizer(root, vocab)  # byte-level; none below 256 tokens
     metadata = {"format": "pt"}
-    if spec.shards == 1:
+    if shards == 1:
         save_file(tensors, str(root / "model.safetensors"), metadata=metadata)
         return root
     names = list(tensors)
-    per_shard = -(-len(names) // spec.shards)
+    per_shard = -(-len(names) // shards)
     weight_map = {}
-    for i in range(spec.shards):
-        file = f"model-{i + 1:05d}-of-{spec.shards:05d}.safetensors"
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
         part = names[i * per_shard : (i + 1) * per_shard]
         save_file({n: tensors[n] for n in part}, str(root / file), metadata=metadata)
         weight_map |= dict.fromkeys(part, file)
