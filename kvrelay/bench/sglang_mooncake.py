@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvrelay.ports import free_port
 from kvrelay.procfs import die_with_parent
 
 # Mooncake's client refuses a global segment under 16 MiB ("Total size must be at least").
@@ -45,12 +46,6 @@ def missing() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.5)
@@ -69,7 +64,7 @@ class MasterProcess:
         import mooncake
 
         binary = Path(mooncake.__file__).parent / "mooncake_master"
-        self.rpc_port, self.metrics_port = (_free_port() for _ in range(2))
+        self.rpc_port, self.metrics_port = (free_port() for _ in range(2))
         # Open for the process's life, closed (and removed) by stop().
         self.log = tempfile.NamedTemporaryFile(prefix="kvrelay-mooncake-", suffix=".log")  # noqa: SIM115
         command = [

@@ -28,7 +28,6 @@ import json
 import os
 import random
 import select
-import socket
 import statistics
 import subprocess
 import tempfile
@@ -36,6 +35,7 @@ import time
 from pathlib import Path
 
 from kvrelay.bench.stats import format_table, write_report
+from kvrelay.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "bench-vllm"
@@ -68,12 +68,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-timeout-s", type=float, default=600.0)
     parser.add_argument("--out", help="logs directory (default: a temporary one)")
     parser.add_argument("--json", metavar="PATH", help="write the results here")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Engine:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvrelay.layout import DEFAULT_PAGE_SIZE
+from kvrelay.ports import free_port
 
 
 class ClusterError(RuntimeError):
@@ -160,14 +161,6 @@ class ClusterConfig:
     # A long cold prompt's prefill on a CPU takes minutes: control's attempt
     # and request deadlines and the workers' rank deadline (0: their defaults).
     slow_prefill_s: float = 0.0
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalCluster:

@@ -18,7 +18,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from kvrelay.model.loader import kv_spec, load_engine
 from kvrelay.model.page_export import export_prefix
 from kvrelay.model.requests import Request
 from kvrelay.model.sampling import SamplingParams
+from kvrelay.ports import free_port
 from kvrelay.transfer import create_agent
 
 TOKEN = "vllm-test-token"
@@ -68,12 +68,6 @@ PD_PARTIAL, PD_PAST, PD_SHORT, PD_DEAD, PD_SWAPPED, PD_OTHER = (
     tokens(24, 2 * BLOCK + 9), tokens(25, 4 * BLOCK + 5), tokens(26, 4 * BLOCK + 5),
 )  # fmt: skip
 PD_PROMPTS = [PD_PARTIAL, PD_PAST, PD_SHORT, PD_DEAD, PD_SWAPPED, PD_OTHER]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

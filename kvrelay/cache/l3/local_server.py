@@ -17,6 +17,7 @@ from pathlib import Path
 
 import redis
 
+from kvrelay.ports import free_port
 from kvrelay.procfs import die_with_parent
 
 BINARIES = ("valkey-server", "redis-server")
@@ -38,12 +39,6 @@ def _required_binary() -> str:
             "no valkey-server or redis-server on PATH (apt-get install redis-server)"
         )
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ping(port: int, timeout: float = 0.5) -> bool:

@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from kvrelay.ports import free_port
 
 L3_KINDS = ("kvrelay", "file", "none")
 # HiCache's io backend per host layout (both stood in for by the CPU layer):
@@ -33,12 +34,6 @@ IO_BACKENDS = {
     "page_first": "kernel",
     "page_head": "kernel",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kvrelay_extra(servers, token: str, **settings) -> dict:
@@ -153,7 +148,16 @@ class SGLangServer:
         return self
 
     def wait_healthy(self) -> SGLangServer:
+        rebinds = 0
         while time.monotonic() < self._deadline:
+            if self._port_was_taken() and rebinds < self.REBINDS:
+                # Another process bound the port while this one imported:
+                # SGLang's HTTP server then neither serves nor exits.
+                rebinds += 1
+                self.stop()
+                self.port = free_port()
+                self.launch()
+                continue
             if self.process.poll() is not None:
                 raise RuntimeError(f"SGLang server exited ({self.process.returncode}): "
                                    f"{self.log_tail()}")  # fmt: skip
@@ -167,6 +171,11 @@ class SGLangServer:
         self.stop()
         raise TimeoutError(f"SGLang server not healthy in {self.start_timeout_s} s: "
                            f"{self.log_tail()}")  # fmt: skip
+
+    REBINDS = 3  # relaunches on a fresh port when the given one was taken
+
+    def _port_was_taken(self) -> bool:
+        return f"('127.0.0.1', {self.port}): address already in use" in self.log_tail(40)
 
     @property
     def url(self) -> str:
