@@ -121,7 +121,11 @@ class MlaModelSpec:
         if self.arch == "glm5":
             config |= {"index_topk_freq": self.index_topk_freq, "index_skip_topk_offset": 2}
         if self.arch == "deepseek_v3":
-            config["rope_interleave"] = self.rope_interleave
+            # As DeepSeek-V3's released config: engines that do not assume
+            # the router (vLLM defaults to softmax without a correction bias)
+            # read it from here.
+            config |= {"rope_interleave": self.rope_interleave, "topk_method": "noaux_tc",
+                       "scoring_func": "sigmoid"}  # fmt: skip
         if self.mtp:
             config["num_nextn_predict_layers"] = self.mtp
         return config

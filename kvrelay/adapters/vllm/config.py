@@ -38,6 +38,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefill) while the engine steps its other requests when it has any, and
     before the request's first step when it has none (waiting a step would
     only add to its TTFT); "always" and "never" force one way.
+    `mla_rope_interleave`: an MLA model's RoPE key sits in vLLM's cache as
+    interleaved pairs (vLLM's DeepSeek-family attention rotates GPT-J
+    style); false for a model vLLM rotates NeoX style (`latent_blocks.py`).
     """
 
     servers: tuple[Address, ...] = ()
@@ -54,6 +57,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     handoff_hold_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 60.0
     huge_pages: bool = True
     async_loads: Literal["auto", "always", "never"] = "auto"
+    mla_rope_interleave: bool = True
 
     def handoff_agents(self, tp_size: int) -> list[str]:
         """The handoff service of each rank, or none."""

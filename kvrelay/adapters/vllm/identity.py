@@ -4,6 +4,13 @@ The geometry comes from vLLM's model and cache configs, the identity from
 the connector's config, so a page written by an engine of one TP degree is
 found (same key) and read (same bytes, each rank its own heads) by an engine
 of another, or by kvrelay's own workers when the identity matches theirs.
+
+An MLA model's page is its latent rows (`kv_lora_rank + qk_rope_head_dim`
+per token and layer, one head, no V), the same on every TP rank: rank 0
+writes it, every rank reads it. DeepSeek sparse attention's indexer cache
+is refused: vLLM keeps its keys as fp8 with a float32 scale per token
+(`DeepseekV32IndexerCache`), a unified page's indexer part holds them in
+the index dtype without scales.
 """
 
 from __future__ import annotations
@@ -22,8 +29,6 @@ def engine_spec(config: ConnectorConfig, vllm_config) -> ModelKVSpec:
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     parallel = vllm_config.parallel_config
-    if model.use_mla:
-        raise ConnectorConfigError("KvrelayConnector does not move MLA caches yet")
     if parallel.pipeline_parallel_size != 1:
         raise ConnectorConfigError("KvrelayConnector runs with pipeline_parallel_size 1 only")
     if cache.cache_dtype not in ("auto", None):
@@ -34,6 +39,8 @@ def engine_spec(config: ConnectorConfig, vllm_config) -> ModelKVSpec:
     dtype = KV_DTYPES.get(model.dtype)
     if dtype is None:
         raise ConnectorConfigError(f"KvrelayConnector cannot move a {model.dtype} KV cache")
+    if model.use_mla:
+        return _latent_spec(config, vllm_config, dtype)
     head_dim = model.get_head_size()
     return ModelKVSpec(
         model_id=config.model_id or str(model.model),
@@ -46,6 +53,38 @@ def engine_spec(config: ConnectorConfig, vllm_config) -> ModelKVSpec:
         page_size=cache.block_size,
         salt=config.salt,
         key_scheme=config.key_scheme,
+    )
+
+
+def _latent_spec(config: ConnectorConfig, vllm_config, dtype: str) -> ModelKVSpec:
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    text = model.hf_text_config
+    if getattr(text, "index_topk", None) is not None:
+        raise ConnectorConfigError(
+            "KvrelayConnector does not move DeepSeek sparse attention (DSA) caches: vLLM "
+            "keeps the indexer's keys as fp8 with per-token scales, which a kvrelay page's "
+            "indexer part does not hold"
+        )
+    rope = int(text.qk_rope_head_dim)
+    width = int(text.kv_lora_rank) + rope
+    if model.get_head_size() != width:
+        raise ConnectorConfigError(
+            f"vLLM caches {model.get_head_size()} values per token, not the latent "
+            f"kv_lora_rank + qk_rope_head_dim = {width}"
+        )
+    return ModelKVSpec(
+        model_id=config.model_id or str(model.model),
+        weights_fingerprint=config.weights_fingerprint,
+        num_layers=model.get_total_num_hidden_layers(),
+        num_kv_heads=1,
+        k_head_dim=width,
+        v_head_dim=0,
+        kv_dtype=dtype,
+        attention_kind="mla",
+        page_size=cache.block_size,
+        salt=config.salt,
+        key_scheme=config.key_scheme,
+        rope_head_dim=rope,
     )
 
 

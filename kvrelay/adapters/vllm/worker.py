@@ -27,6 +27,7 @@ from kvrelay.adapters.vllm.handoff import (
     KvMemory,
     layout_fingerprint,
 )
+from kvrelay.adapters.vllm.latent_blocks import latent_block_view, latent_permutation
 from kvrelay.adapters.vllm.scheduler import PageBatch, Pull, StepPlan
 from kvrelay.adapters.vllm.tier import RankTier, TierLoop
 from kvrelay.layout import ModelKVSpec, Rectangle
@@ -97,6 +98,9 @@ class WorkerSide:
         caches = [kv_caches[name] for name in layer_order(kv_caches)]
         if len(caches) != self.spec.num_layers:
             raise ValueError(f"{len(caches)} layer caches for a {self.spec.num_layers}-layer model")
+        latent = self.spec.attention_kind == "mla"
+        if latent:  # one latent head per block: MLA blocks move as one-head blocks
+            caches = [latent_block_view(c) for c in caches]
         first = caches[0]
         if first.device.type not in ("cpu", "cuda") or first.dim() != 4:
             raise ValueError(
@@ -109,22 +113,34 @@ class WorkerSide:
                 f"cache of {heads} heads x {block_size} tokens; the rank owns "
                 f"{self.rect.num_heads} heads of {self.spec.page_size}-token pages"
             )
-        if first.device.type == "cpu":
-            if hasattr(torch.cpu, "_init_amx"):
-                # A first attention call of one query token on an AMX CPU dies of
-                # an illegal instruction unless the tile state is set up first; a
-                # load that leaves only a prompt's last token to compute makes it.
-                torch.cpu._init_amx()
-            write = cpu_cache_writer(first.dtype, block_size, fused // 2)
+        if first.device.type == "cpu" and hasattr(torch.cpu, "_init_amx"):
+            # A first attention call of one query token on an AMX CPU dies of
+            # an illegal instruction unless the tile state is set up first; a
+            # load that leaves only a prompt's last token to compute makes it.
+            torch.cpu._init_amx()
+        if latent:
+            if fused != self.spec.k_head_dim:
+                raise ValueError(f"latent rows of {fused}; the pages hold {self.spec.k_head_dim}")
+            perm = latent_permutation(block_size, fused, self.spec.rope_head_dim,
+                                      self.tier_config.mla_rope_interleave)  # fmt: skip
         else:
-            write = flash_cache_writer(first.dtype, block_size, fused // 2)
-        perm = probe_permutation(write, heads, block_size, fused // 2, first.dtype, first.device)
+            perm = self._probe(first)
         self.pages = BlockPages(caches, perm, self.spec.num_kv_heads, self.rect.head_start)
         self.loop = TierLoop("kvrelay-vllm-worker")
         self.tier = self.loop.run(
             RankTier(self.tier_config, self.spec, self.rect).start(staging=True), 30
         )
         self._start_handoff(caches, layout_fingerprint(perm, first))
+
+    @staticmethod
+    def _probe(first: torch.Tensor) -> torch.Tensor:
+        """An MHA block's tiling, asked of the engine's own cache write."""
+        _, heads, block_size, fused = first.shape
+        if first.device.type == "cpu":
+            write = cpu_cache_writer(first.dtype, block_size, fused // 2)
+        else:
+            write = flash_cache_writer(first.dtype, block_size, fused // 2)
+        return probe_permutation(write, heads, block_size, fused // 2, first.dtype, first.device)
 
     def _start_handoff(self, caches, layout: str) -> None:
         """Registers vLLM's KV memory with the agent: a prefill serves its held
