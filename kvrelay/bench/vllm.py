@@ -1,5 +1,5 @@
 """`kvrelay bench vllm`: real vLLM engines (CPU) with `KvrelayConnector`,
-against vLLM's own `NixlConnector`, in one run.
+against vLLM's own `NixlConnector` (P/D) and LMCache (reuse), in one run.
 
 (a) P/D handoff: per connector a prefill engine and a decode engine, one
 pair running at a time (an idle pair's own polling must not slow the
@@ -11,36 +11,40 @@ and the transfer time (kvrelay: the connector's pull; NIXL: its
 `vllm:nixl_xfer_time_seconds`); per pair, the CPU its two engines use while
 idle.
 
-(b) Reuse: a kvrelay cache server; one engine computes every prompt cold
-(its pages go to the tier), then a fresh engine gets the same prompts: the
-share of prompt tokens it took from the tier and both TTFTs.
+(b) Reuse (`kvrelay.bench.vllm_reuse`): per connector (kvrelay's cache
+server, LMCache's server), one engine computes every prompt cold, then a
+fresh engine gets the same prompts: the share of prompt tokens it took from
+the store and both TTFTs.
 
-Every decode's and the warm engine's greedy tokens must equal the cold
+Every decode's and fresh engine's greedy tokens must equal the cold
 engine's. The engines run in vLLM's environment (`make vllm-deps`, plus
-`nixl-cu12` for NIXL: `make vllm-bench-deps`), in processes of their own
-(`kvrelay.bench.vllm_engine`).
+`nixl-cu12` for NIXL: `make vllm-bench-deps`; LMCache's in its own, `make
+lmcache-deps`), in processes of their own (`kvrelay.bench.vllm_engine`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import platform
 import random
-import select
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
+from kvrelay import options
+from kvrelay.bench import vllm_reuse
 from kvrelay.bench.stats import format_table, write_report
+from kvrelay.bench.vllm_lmcache import LMCacheServerConfig
+from kvrelay.bench.vllm_process import BLOCK, ROOT, Engine, longest_prompt, warm_up
+from kvrelay.bench.vllm_reuse import REUSE_CONNECTORS, TOKEN, kvrelay_transfer
 from kvrelay.ports import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
-TOKEN = "bench-vllm"
-BLOCK = 128  # vLLM's CPU block size: one kvrelay page
 CONNECTORS = ("kvrelay", "nixl")
+PARTS = ("pd", "reuse")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, default=4, help="the random model's")
     parser.add_argument("--kv-heads", type=int, default=4, help="the random model's")
     parser.add_argument("--sizes", default="1024,2048,4096,8192,16384",
-                        help="prompt lengths in tokens, comma separated")  # fmt: skip
+                        help="P/D prompt lengths in tokens, comma separated")  # fmt: skip
+    parser.add_argument("--reuse-sizes", default="1024,1500,2048,4096,5000,8192,16384",
+                        help="reuse prompt lengths in tokens (some not a multiple of "
+                        "LMCache's 256-token chunk)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3, help="P/D requests per size")
     parser.add_argument("--decode-tokens", type=int, default=8)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -63,83 +70,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "default, every core)")  # fmt: skip
     parser.add_argument("--backend", default="ucx", choices=["ucx", "tcp"],
                         help="kvrelay's transfer backend")  # fmt: skip
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help="which parts to run, of " + ",".join(PARTS))  # fmt: skip
     parser.add_argument("--connectors", default=",".join(CONNECTORS),
                         help="P/D connectors to compare, of " + ",".join(CONNECTORS))  # fmt: skip
+    parser.add_argument("--reuse-connectors", default=",".join(REUSE_CONNECTORS),
+                        help="reuse connectors, of " + ",".join(REUSE_CONNECTORS))  # fmt: skip
     parser.add_argument("--engine-timeout-s", type=float, default=600.0)
     parser.add_argument("--out", help="logs directory (default: a temporary one)")
     parser.add_argument("--json", metavar="PATH", help="write the results here")
-
-
-class Engine:
-    """One `vllm_engine` process: a request per stdin line, a reply per stdout line."""
-
-    def __init__(self, name: str, args, model_dir: Path, work: Path, transfer, env=None) -> None:
-        self.name, self.timeout_s = name, args.engine_timeout_s
-        longest = max(int(s) for s in args.sizes.split(","))
-        config = {"model": str(model_dir), "max_model_len": longest + args.decode_tokens + BLOCK,
-                  "dtype": args.dtype, "kv_transfer_config": transfer}  # fmt: skip
-        self.log = work / f"{name}.log"
-        self._pending = b""
-        # `--threads 1`: two engines share the host, and vLLM's processes spin
-        # (`sched_yield`) for a second after each step, so an OpenMP team of
-        # every core waits at each op for a thread a spinner displaced.
-        threads = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
-        full_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-                        PYTHONPATH=str(ROOT), **threads, **(env or {}))  # fmt: skip
-        with self.log.open("w") as err:
-            self.process = subprocess.Popen(
-                [args.vllm_python, "-m", "kvrelay.bench.vllm_engine", json.dumps(config)],
-                cwd=ROOT, env=full_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=err, text=True,
-            )  # fmt: skip
-
-    def ready(self) -> Engine:
-        """Waits for the engine to come up (engines start side by side)."""
-        self._read()  # {"ready": true}
-        return self
-
-    def _read(self) -> dict:
-        """The next JSON line on the engine's stdout (other lines are vLLM's).
-        Read from the descriptor, not the buffered file: a line left in the
-        file's buffer would never wake `select` again."""
-        deadline = time.monotonic() + self.timeout_s
-        fd = self.process.stdout.fileno()
-        while time.monotonic() < deadline:
-            while b"\n" in self._pending:
-                line, self._pending = self._pending.split(b"\n", 1)
-                if line.startswith(b"{"):
-                    return json.loads(line)
-            ready, _, _ = select.select([fd], [], [], 1.0)
-            if ready:
-                chunk = os.read(fd, 1 << 20)
-                if not chunk:
-                    break
-                self._pending += chunk
-            elif self.process.poll() is not None:
-                break
-        self.close()
-        raise RuntimeError(f"engine {self.name} stopped: {self.log.read_text()[-3000:]}")
-
-    def ask(self, tokens: list[int], max_tokens: int, params: dict | None = None) -> dict:
-        ask = {"tokens": tokens, "max_tokens": max_tokens, "kv_transfer_params": params}
-        self.process.stdin.write(json.dumps(ask) + "\n")
-        self.process.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.stdin.close()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-
-
-def kvrelay_transfer(role: str, extra: dict) -> dict:
-    return {"kv_connector": "KvrelayConnector", "kv_role": role,
-            "kv_connector_module_path": "kvrelay.adapters.vllm.connector",
-            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}  # fmt: skip
+    options.add_arguments(parser, LMCacheServerConfig)
 
 
 def nixl_transfer() -> dict:
@@ -174,13 +114,6 @@ def median(values) -> float | None:
     return statistics.median(values) if values else None
 
 
-def warm_up(args, sizes: list[int]) -> list[int]:
-    """An uncounted prompt: an engine's first request pays one-time costs
-    (first forward of each shape, a connector's first connection)."""
-    rnd = random.Random(99)
-    return [rnd.randrange(512) for _ in range(min(sizes))]
-
-
 def run_pd(args, names, model_dir, work, asks, sizes) -> tuple[dict, dict]:
     """Each connector's pair alone (the other's engines are not running: an
     idle NIXL pair keeps both cores of a 2-core host busy polling, which would
@@ -193,7 +126,7 @@ def run_pd(args, names, model_dir, work, asks, sizes) -> tuple[dict, dict]:
         try:
             for engine in (prefill, decode):
                 engine.ready()
-            for i, tokens in enumerate([warm_up(args, sizes), *asks]):
+            for i, tokens in enumerate([warm_up(sizes), *asks]):
                 held = prefill.ask(tokens, 1, {"do_remote_decode": True})
                 params = dict(held["kv_transfer_params"] or {})
                 params.pop("remote_prefill_cached_tokens", None)  # report the decode's own
@@ -233,30 +166,11 @@ def idle_cores(pids, seconds: float = 3.0) -> float:
     return (_cpu_seconds(pids) - before) / seconds
 
 
-def run_reuse(args, model_dir, work, asks, spec, sizes) -> tuple[list[dict], list[dict]]:
-    """A cold engine computes the prompts (writing through to the tier), then
-    a second engine, started beside it but asked only afterwards, takes them."""
-    from kvrelay.cache.launch import CacheServerProcess
-
-    pages = sum(-(-len(t) // BLOCK) for t in [*asks, warm_up(args, sizes)]) + 16
-    server = CacheServerProcess(token=TOKEN, page_bytes=spec.page_bytes, pages=pages,
-                                backend=args.backend)  # fmt: skip
-    extra = {"token": TOKEN, "backend": args.backend, "servers": [server.address],
-             "timeout_s": 60.0}  # fmt: skip
-    engines = [Engine(name, args, model_dir, work, kvrelay_transfer("kv_both", extra))
-               for name in ("reuse-cold", "reuse-warm")]  # fmt: skip
-    runs = []
-    try:
-        for engine in engines:
-            engine.ready()
-        for engine in engines:
-            engine.ask(warm_up(args, sizes), args.decode_tokens)  # the warm one hits the tier
-            runs.append([engine.ask(t, args.decode_tokens) | {"size": len(t)} for t in asks])
-    finally:
-        for engine in engines:
-            engine.close()
-        server.stop()
-    return runs[0], runs[1]
+def _names(text: str, known: tuple[str, ...], flag: str) -> list[str]:
+    names = [n for n in text.split(",") if n]
+    if set(names) - set(known):
+        raise SystemExit(f"kvrelay bench vllm: {flag} from {known}")
+    return names
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -265,39 +179,62 @@ def run(args: argparse.Namespace) -> dict:
     from kvrelay.model.loader import kv_spec
     from kvrelay.model.make_model import RandomModelSpec
 
-    names = [n for n in args.connectors.split(",") if n]
-    if not names or set(names) - set(CONNECTORS):
-        raise SystemExit(f"kvrelay bench vllm: --connectors from {CONNECTORS}")
+    parts = _names(args.parts, PARTS, "--parts")
+    names = _names(args.connectors, CONNECTORS, "--connectors") if "pd" in parts else []
+    reuse_names = _names(args.reuse_connectors, REUSE_CONNECTORS, "--reuse-connectors")
+    reuse_names = reuse_names if "reuse" in parts else []
+    lmcache = options.from_args(LMCacheServerConfig, args)
+    for field in dataclasses.fields(LMCacheServerConfig):  # the JSON's args: values, not "unset"
+        setattr(args, field.name, getattr(lmcache, field.name))
     if not Path(args.vllm_python).exists():
         raise SystemExit(f"kvrelay bench vllm: no {args.vllm_python} (make vllm-bench-deps)")
     sizes = [int(s) for s in args.sizes.split(",") if s]
-    if not sizes or min(sizes) < 2 or args.rounds < 1 or args.decode_tokens < 1:
+    reuse_sizes = [int(s) for s in args.reuse_sizes.split(",") if s]
+    if not sizes or not reuse_sizes or min(sizes + reuse_sizes) < 2 or args.rounds < 1 \
+            or args.decode_tokens < 1:  # fmt: skip
         raise SystemExit("kvrelay bench vllm: sizes >= 2 tokens, rounds and decode tokens >= 1")
+    print(host_facts(), flush=True)
     work = Path(args.out or tempfile.mkdtemp(prefix="kvrelay-bench-vllm-"))
     work.mkdir(parents=True, exist_ok=True)
     random_model = RandomModelSpec(layers=args.layers, hidden=args.hidden, heads=args.heads,
                                    kv_heads=args.kv_heads, vocab=512, seed=11,
-                                   max_positions=max(sizes) + 1024)  # fmt: skip
+                                   max_positions=longest_prompt(args) + 1024)  # fmt: skip
     model_dir = Path(args.model or write_model(work / "llama", random_model))
     spec = kv_spec(model_dir, ModelConfig.from_dir(model_dir), args.dtype, BLOCK)
-    asks = prompts(sizes, args.rounds)
-    cold, warm = run_reuse(args, model_dir, work, asks[: len(sizes)], spec, sizes)
+    asks = prompts(sizes, args.rounds) if names else []
+    reuse = vllm_reuse.run_reuse(args, lmcache, reuse_names, model_dir, work, spec)
     pd, idle = run_pd(args, names, model_dir, work, asks, sizes)
-    return report(args, names, sizes, asks, cold, warm, pd, idle)
+    return report(args, names, sizes, asks, reuse, pd, idle)
+
+
+def host_facts() -> str:
+    """What the figures depend on besides the code: cores, CPU, memory, kernel,
+    and the load when the bench started (others' work shares the cores)."""
+    with open("/proc/meminfo") as meminfo:
+        mem_gib = int(meminfo.readline().split()[1]) / (1 << 20)
+    model = "?"
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (f"host: {os.cpu_count()} CPUs ({model}), {mem_gib:.0f} GiB, kernel "
+            f"{platform.release()}, load average at start {load}")  # fmt: skip
 
 
 REQUEST_FIELDS = ("size", "ttft_s", "transfer_s", "cached", "queued_to_scheduled_s",
                   "scheduled_to_first_token_s")  # fmt: skip
 
 
-def compare_outputs(names, asks, cold, warm, pd) -> tuple[bool, list[dict]]:
-    """Whether every generation of each prompt agrees: the cold engine's (first
-    round's prompts), the warm one's, each decode's, each prefill's first
-    token; and, for each prompt where they do not, every source's tokens."""
+def compare_outputs(names, asks, reuse_outputs, pd) -> tuple[bool, list[dict]]:
+    """Whether every generation of each prompt agrees: each reuse connector's
+    cold and fresh engines', each decode's, each prefill's first token; and,
+    for each prompt where they do not, every source's tokens."""
     outputs: dict[tuple, dict[str, list[int]]] = {}
-    for source, replies in (("reuse-cold", cold), ("reuse-warm", warm)):
-        for tokens, reply in zip(asks[: len(cold)], replies, strict=True):
-            outputs.setdefault(tuple(tokens), {})[source] = reply["tokens"]
+    for source, pairs in reuse_outputs.items():
+        for tokens, generated in pairs:
+            outputs.setdefault(tuple(tokens), {})[source] = generated
     for name in names:
         for tokens, reply in zip(asks, pd[name], strict=True):
             seen = outputs.setdefault(tuple(tokens), {})
@@ -329,46 +266,32 @@ def pd_summary(replies: list[dict], sizes: list[int]) -> dict:
     }
 
 
-def reuse_summary(cold: list[dict], warm: list[dict]) -> dict:
-    return {
-        "hit_fraction": sum(w["cached"] for w in warm) / sum(w["size"] for w in warm),
-        "ttft_cold_p50_s": median(c["ttft_s"] for c in cold),
-        "ttft_hit_p50_s": median(w["ttft_s"] for w in warm),
-        "per_size": {
-            str(c["size"]): {
-                "ttft_cold_s": c["ttft_s"],
-                "ttft_hit_s": w["ttft_s"],
-                "hit_fraction": w["cached"] / w["size"],
-            }
-            for c, w in zip(cold, warm, strict=True)
-        },
-    }
-
-
-def report(args, names, sizes, asks, cold, warm, pd, idle) -> dict:
-    equal, differing = compare_outputs(names, asks, cold, warm, pd)
+def report(args, names, sizes, asks, reuse, pd, idle) -> dict:
+    equal, differing = compare_outputs(names, asks, vllm_reuse.outputs(reuse), pd)
+    reuse_summaries = {name: vllm_reuse.summary(run) for name, run in reuse.items()}
     result = {"outputs_equal": equal, "differing": differing,
               "pd": {name: pd_summary(pd[name], sizes) | {"idle_cores": idle.get(name)}
-                     for name in names},
-              "reuse": reuse_summary(cold, warm)}  # fmt: skip
-    rows = []
-    for name in names:
-        summary = result["pd"][name]
-        for n, size in [*summary["per_size"].items(), ("all", summary)]:
-            rows.append([name, n, _ms(size["ttft_p50_s"]), _ms(size["transfer_p50_s"])])
-    reuse = result["reuse"]
-    reuse_rows = [
-        [s, f"{v['hit_fraction']:.3f}", _ms(v["ttft_cold_s"]), _ms(v["ttft_hit_s"])]
-        for s, v in reuse["per_size"].items()
-    ]
-    print("P/D handoff: decode-side TTFT and KV transfer, medians in ms")
-    print(format_table(["connector", "prompt tokens", "TTFT", "transfer"], rows))
-    for name in names:
-        print(f"{name}: its idle pair keeps {result['pd'][name]['idle_cores']:.2f} cores busy")
-    print("\nReuse through the tier (a fresh engine after a cold one)")
-    print(format_table(["prompt tokens", "hit fraction", "TTFT cold ms", "TTFT hit ms"],
-                       reuse_rows))  # fmt: skip
-    print(f"\noutputs equal: {equal}; reuse hit fraction {reuse['hit_fraction']:.3f}")
+                     for name in names}}  # fmt: skip
+    if "kvrelay" in reuse_summaries:
+        result["reuse"] = reuse_summaries["kvrelay"]
+    result["reuse_peers"] = {n: s for n, s in reuse_summaries.items() if n != "kvrelay"}
+    if names:
+        rows = []
+        for name in names:
+            summary = result["pd"][name]
+            for n, size in [*summary["per_size"].items(), ("all", summary)]:
+                rows.append([name, n, _ms(size["ttft_p50_s"]), _ms(size["transfer_p50_s"])])
+        print("P/D handoff: decode-side TTFT and KV transfer, medians in ms")
+        print(format_table(["connector", "prompt tokens", "TTFT", "transfer"], rows))
+        for name in names:
+            print(f"{name}: its idle pair keeps {result['pd'][name]['idle_cores']:.2f} cores busy")
+    if reuse_summaries:
+        print("\nReuse (a fresh engine after a cold one, through each connector's store)")
+        print(format_table(vllm_reuse.TABLE_HEADER, vllm_reuse.table_rows(reuse_summaries)))
+        for name, summary in reuse_summaries.items():
+            if "absent" in summary:
+                print(f"{name}: absent: {summary['absent']}")
+    print(f"\noutputs equal: {equal}")
     for case in differing:
         print(f"  {case['prompt_tokens']}-token prompt:", json.dumps(case["outputs"]))
     write_report(args, "vllm", result)
