@@ -77,47 +77,70 @@ from kvrelay.layout.ring import HashRing
 from kvrelay.transfer import create_agent
 
 
+def _lookup_round(
+    tiers: list[CacheTier], route, number: int, keys, counts: Counts
+) -> tuple[int, bool]:
+    """One lookup of `keys` on their tiers, as a client makes it: the global
+    prefix found and whether the tier that ended it may hold more."""
+    slot_bytes = tiers[0].arena.page_bytes
+    groups: dict[int, list[int]] = {}
+    for position, key in enumerate(keys):
+        groups.setdefault(route(number, key), []).append(position)
+    found, in_l2 = {}, {}
+    for t, positions in groups.items():
+        mine = [keys[p] for p in positions]
+        # Leading pages resident before the lookup; the rest of its hits are promoted.
+        in_l2[t] = next((i for i, k in enumerate(mine) if k not in tiers[t].index), len(mine))
+        found[t] = tiers[t].lookup(mine, namespace=NAMESPACE)
+    # Global prefix: up to the first key its tier does not hold sealed.
+    taken = dict.fromkeys(groups, 0)
+    hits, wrong = 0, False
+    for key in keys:
+        t = route(number, key)
+        if taken[t] >= found[t].hits:
+            break
+        # What a reader would pull: the page must be this key's bytes.
+        if tiers[t].arena.view(found[t].entries[taken[t]].slot) != page_content(key, slot_bytes):
+            counts.wrong_pages += 1
+            wrong = True
+            break
+        taken[t] += 1
+        hits += 1
+    for t, count in taken.items():
+        counts.l2_hit_pages += min(count, in_l2[t])
+        counts.l3_hit_pages += max(0, count - in_l2[t])
+    more = not wrong and hits < len(keys) and found[route(number, keys[hits])].more
+    return hits, more
+
+
 def _replay_tiers(tiers: list[CacheTier], route, requests, key_lists, args, progress) -> Counts:
     counts = Counts()
     slot_bytes = tiers[0].arena.page_bytes
     for number, (request, keys) in enumerate(zip(requests, key_lists, strict=True)):
-        groups: dict[int, list[int]] = {}
-        for position, key in enumerate(keys):
-            groups.setdefault(route(number, key), []).append(position)
-        found, in_l2 = {}, {}
-        for t, positions in groups.items():
-            mine = [keys[p] for p in positions]
-            # Leading pages resident before the lookup; the rest of its hits are promoted.
-            in_l2[t] = next((i for i, k in enumerate(mine) if k not in tiers[t].index), len(mine))
-            found[t] = tiers[t].lookup(mine, namespace=NAMESPACE).entries
-        # Global prefix: up to the first key its tier does not hold sealed.
-        taken = dict.fromkeys(groups, 0)
         hits = 0
-        for key in keys:
-            t = route(number, key)
-            if taken[t] >= len(found[t]):
+        # Rounds while a tier answers part of its share and has more (see CacheClient.lookup).
+        while hits < len(keys):
+            got, more = _lookup_round(tiers, route, number, keys[hits:], counts)
+            hits += got
+            if not (got and more):
                 break
-            # What a reader would pull: the page must be this key's bytes.
-            if tiers[t].arena.view(found[t][taken[t]].slot) != page_content(key, slot_bytes):
-                counts.wrong_pages += 1
-                break
-            taken[t] += 1
-            hits += 1
-        for t, count in taken.items():
-            counts.l2_hit_pages += min(count, in_l2[t])
-            counts.l3_hit_pages += max(0, count - in_l2[t])
         # Write what missed, each tier its share in chain order, as a client does.
         writes: dict[int, list[bytes]] = {}
         for key in keys[hits:]:
             writes.setdefault(route(number, key), []).append(key)
         for t, mine in writes.items():
             tier = tiers[t]
-            slots, lease = tier.reserve(mine, lease_s=60, namespace=NAMESPACE)
-            for key, slot in zip(mine, slots, strict=True):
-                if slot is not None:
-                    tier.arena.view(slot)[:] = page_content(key, slot_bytes)
-                    tier.commit(key, [(0, slot_bytes)])
-            tier.release(lease.lease_id)
+            while mine:  # in turns while the tier refuses pages for room it can make
+                slots, lease = tier.reserve(mine, lease_s=60, namespace=NAMESPACE)
+                for key, slot in zip(mine, slots, strict=True):
+                    if slot is not None:
+                        tier.arena.view(slot)[:] = page_content(key, slot_bytes)
+                        tier.commit(key, [(0, slot_bytes)])
+                more = tier.refused_for_room(mine, slots)
+                tier.release(lease.lease_id)
+                if not more or all(slot is None for slot in slots):
+                    break
+                mine = [k for k, slot in zip(mine, slots, strict=True) if slot is None]
         counts.add(len(keys), hits, request["input_length"], args.block_tokens, args.page_bytes)
         progress()
     counts.add_tiers(tiers)

@@ -25,8 +25,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+from kvrelay.cache.client_config import CacheClientConfig, ClientStats
 from kvrelay.cache.identities import IdentityNotes
 from kvrelay.cache.policy import WritePolicy
 from kvrelay.cache.ring_follow import RingFollower
@@ -34,7 +34,6 @@ from kvrelay.cache.writeback import WriteBackQueue
 from kvrelay.layout import HashRing, ModelKVSpec, Rectangle, ring_prefix
 from kvrelay.rpc import Unavailable
 from kvrelay.rpc.cache_ops import (
-    DEFAULT_LEASE_S,
     CacheStats,
     CacheStatsReply,
     CacheWelcome,
@@ -52,45 +51,6 @@ from kvrelay.rpc.cache_ops import (
     ReserveReply,
 )
 from kvrelay.transfer import Agent, Arena, TransferError
-
-
-@dataclass(frozen=True, slots=True)
-class CacheClientConfig:
-    servers: tuple[str, ...]  # "host:port" control addresses
-    token: str
-    timeout_s: float = 2.0
-    lease_s: float = DEFAULT_LEASE_S
-    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
-    # Write-back: pages the client can hold (its staging arena holds this many
-    # rectangles; pages offered beyond it are dropped, not waited for) ...
-    write_back_pages: int = 64
-    # ... pushed as soon as this many wait, or this long after one was queued.
-    write_back_batch: int = 16
-    write_back_delay_s: float = 0.05
-    # Ask a server for the ring control published this often (0: keep `servers`).
-    ring_poll_s: float = 1.0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "write_policy", WritePolicy.of(self.write_policy, "write_policy"))
-        if not 0 < self.write_back_batch <= self.write_back_pages:
-            raise ValueError("need 0 < write_back_batch <= write_back_pages")
-        if self.write_back_delay_s < 0 or self.timeout_s <= 0 or self.ring_poll_s < 0:
-            raise ValueError("need write_back_delay_s >= 0, timeout_s > 0, ring_poll_s >= 0")
-
-
-@dataclass(slots=True)
-class ClientStats:
-    lookups: int = 0
-    lookup_pages: int = 0
-    hit_pages: int = 0  # from the servers and from the write-back queue
-    queue_hit_pages: int = 0  # of those, answered from the write-back queue
-    written_pages: int = 0  # went into a server (pages already sealed there do not count)
-    queued_pages: int = 0  # write-back: accepted into the queue
-    pending_pages: int = 0  # write-back: waiting now
-    dropped_pages: int = 0  # write-back: queue full, or the push failed
-    bytes_in: int = 0  # pulled from the tier
-    bytes_out: int = 0  # pushed to the tier
-    errors: int = 0  # server calls that failed and were answered as misses
 
 
 class CacheClient:
@@ -176,24 +136,18 @@ class CacheClient:
         ring = self.ring
         self.stats.lookups += 1
         self.stats.lookup_pages += len(keys)
-        groups = ring.group(keys)
-        answers = await asyncio.gather(
-            *(self._lookup_one(s, [keys[p] for p in ps]) for s, ps in groups.items())
-        )
-        found = {s: a for s, a in zip(groups, answers, strict=True)}
-        prefix, taken = ring_prefix(ring, keys, {s: a[0] for s, a in found.items()})
-        pulls = []
-        for server, positions in groups.items():
-            lease = found[server][1]
-            count = taken[server]
-            if count:
-                pulls.append(self._pull(server, lease, positions[:count], dest, page_offsets))
-        results = await asyncio.gather(*pulls, return_exceptions=True)
-        await self._release_all([(s, a[1]) for s, a in found.items() if a[1] is not None])
-        if any(isinstance(r, BaseException) for r in results):
-            # A pull failed midway: which pages arrived is unknown, so none count.
-            self.stats.errors += 1
-            return 0
+        prefix = 0
+        # Rounds: a server whose L2 cannot hold its share of a long chain at
+        # once answers what fits and says `more`; once those pages are pulled
+        # and released the rest is asked for, from the first page not taken.
+        while prefix < len(keys):
+            got, more = await self._lookup_round(ring, keys[prefix:], dest, page_offsets[prefix:])
+            if got < 0:  # a pull failed midway: which pages arrived is unknown
+                self.stats.errors += 1
+                return 0
+            prefix += got
+            if not (got and more):
+                break
         # Pages this client wrote back but has not pushed yet continue the prefix.
         if self._queue is not None:
             while prefix < len(keys) and self._queue.copy_out(
@@ -204,7 +158,30 @@ class CacheClient:
         self.stats.hit_pages += prefix
         return prefix
 
-    async def _lookup_one(self, server: str, keys: list[bytes]) -> tuple[int, int | None]:
+    async def _lookup_round(
+        self, ring: HashRing, keys: Sequence[bytes], dest: Arena | None, page_offsets=()
+    ) -> tuple[int, bool]:
+        """One lookup of `keys` on their servers and, with `dest`, the pulls of
+        the prefix found: (its length, or -1 if a pull failed; whether the
+        server that ended it may hold more)."""
+        groups = ring.group(keys)
+        answers = await asyncio.gather(
+            *(self._lookup_one(s, [keys[p] for p in ps]) for s, ps in groups.items())
+        )
+        found = dict(zip(groups, answers, strict=True))
+        prefix, taken = ring_prefix(ring, keys, {s: a[0] for s, a in found.items()})
+        pulls = [
+            self._pull(server, found[server][1], positions[: taken[server]], dest, page_offsets)
+            for server, positions in groups.items()
+            if dest is not None and taken[server]
+        ]
+        results = await asyncio.gather(*pulls, return_exceptions=True)
+        await self._release_all([(s, a[1]) for s, a in found.items() if a[1] is not None])
+        if any(isinstance(r, BaseException) for r in results):
+            return -1, False
+        return prefix, prefix < len(keys) and found[ring.server_for(keys[prefix])][2]
+
+    async def _lookup_one(self, server: str, keys: list[bytes]) -> tuple[int, int | None, bool]:
         await self.notes.announce(server, self._servers[server])
         try:
             reply = await self._servers[server].call(
@@ -212,21 +189,19 @@ class CacheClient:
             )
         except Unavailable:
             self.stats.errors += 1
-            return 0, None
-        return reply.hits, reply.lease
+            return 0, None, False
+        return reply.hits, reply.lease, reply.more
 
     async def count_prefix(self, keys: Sequence[bytes]) -> int:
         """Length of the sealed prefix of `keys` in the tier, moving no page bytes
-        (a lookup whose pins are released at once; a server down counts as misses)."""
+        (lookups whose pins are released at once; a server down counts as misses)."""
         self._follow_ring()
-        ring = self.ring
-        groups = ring.group(keys)
-        answers = await asyncio.gather(
-            *(self._lookup_one(s, [keys[p] for p in ps]) for s, ps in groups.items())
-        )
-        found = dict(zip(groups, answers, strict=True))
-        prefix, _ = ring_prefix(ring, keys, {s: a[0] for s, a in found.items()})
-        await self._release_all([(s, a[1]) for s, a in found.items() if a[1] is not None])
+        ring, prefix = self.ring, 0
+        while prefix < len(keys):
+            got, more = await self._lookup_round(ring, keys[prefix:], None)
+            prefix += got
+            if not (got and more):
+                break
         return prefix
 
     async def _pull(self, server, lease, positions, dest, page_offsets) -> None:
@@ -317,39 +292,49 @@ class CacheClient:
         return written, sum(f for _, f in results)
 
     async def _write_one(self, server, positions, keys, src, offsets) -> tuple[int, int]:
+        """Reserve, fill and commit this server's pages; (written, failed).
+        In turns while the server refuses some for want of room it can make
+        (its L3 takes what L2 must let go): a prompt longer than L2 is kept."""
         await self.notes.announce(server, self._servers[server])
         conn = self._servers[server]
-        mine = [keys[p] for p in positions]
-        lease = None
-        try:
-            reply = await conn.call(
-                Reserve(mine, self.config.lease_s, self.namespace), ReserveReply
-            )
-            lease = reply.lease
-            todo = [p for p, slot in zip(positions, reply.slots, strict=True) if slot is not None]
-            if not todo:
-                return 0, 0
-            handle = await conn.call(
-                PublishHandle(lease, len(todo), self.runs, self.namespace), HandleReply
-            )
-            await self.agent.write(
-                handle.handle,
-                src,
-                [o for p in todo for o in offsets[p]],
-                namespace=self.namespace,
-                timeout=self.config.timeout_s,
-            )
-            await conn.call(
-                Commit([keys[p] for p in todo], self._commit_runs, self.namespace), CommitReply
-            )
-            self.stats.bytes_out += len(todo) * self.rect.num_bytes(self.spec)
-            return len(todo), 0
-        except (Unavailable, TransferError):
-            self.stats.errors += 1
-            return 0, len(positions)
-        finally:
-            if lease is not None:
-                await self._release_all([(server, lease)])
+        written, positions = 0, list(positions)
+        while positions:
+            lease = None
+            try:
+                mine = [keys[p] for p in positions]
+                reply = await conn.call(
+                    Reserve(mine, self.config.lease_s, self.namespace), ReserveReply
+                )
+                lease = reply.lease
+                slots = reply.slots
+                todo = [p for p, slot in zip(positions, slots, strict=True) if slot is not None]
+                if todo:
+                    handle = await conn.call(
+                        PublishHandle(lease, len(todo), self.runs, self.namespace), HandleReply
+                    )
+                    await self.agent.write(
+                        handle.handle,
+                        src,
+                        [o for p in todo for o in offsets[p]],
+                        namespace=self.namespace,
+                        timeout=self.config.timeout_s,
+                    )
+                    await conn.call(
+                        Commit([keys[p] for p in todo], self._commit_runs, self.namespace),
+                        CommitReply,
+                    )
+                    self.stats.bytes_out += len(todo) * self.rect.num_bytes(self.spec)
+                    written += len(todo)
+            except (Unavailable, TransferError):
+                self.stats.errors += 1
+                return written, len(positions)
+            finally:
+                if lease is not None:
+                    await self._release_all([(server, lease)])
+            if not (todo and reply.more):
+                break
+            positions = [p for p, slot in zip(positions, slots, strict=True) if slot is None]
+        return written, 0
 
     async def server_stats(self) -> dict[str, dict | None]:
         """Each server's tier and L3 statistics (evictions, demotions, promotions,

@@ -56,10 +56,16 @@ class PinLease:
 
 @dataclass(frozen=True, slots=True)
 class LookupResult:
-    """The hit prefix of a lookup: entries in key order and, if pinned, their lease."""
+    """The hit prefix of a lookup: entries in key order and, if pinned, their lease.
+
+    `more`: the answer stopped short of what the tier may hold (L2 had no room
+    to bring more pages up from L3); a reader that has taken these pages and
+    released them asks again from the first key not answered.
+    """
 
     entries: tuple[PageEntry, ...]
     lease: PinLease | None
+    more: bool = False
 
     @property
     def hits(self) -> int:

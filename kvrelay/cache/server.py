@@ -196,7 +196,7 @@ class CacheServer:
             lease = hit.lease.lease_id if hit.lease else None
             if lease is not None:
                 self._lease_keys[lease] = (request.ns, [e.key for e in hit.entries])
-            return LookupReply(hit.hits, lease)
+            return LookupReply(hit.hits, lease, hit.more)
         if isinstance(request, Reserve):
             keys = tenant_keys(request.ns, request.keys)
             slots, lease = tier.reserve(keys, request.lease_s, request.ns or b"")
@@ -204,7 +204,7 @@ class CacheServer:
                 request.ns,
                 [k for k, s in zip(keys, slots, strict=True) if s is not None],
             )
-            return ReserveReply(slots, lease.lease_id)
+            return ReserveReply(slots, lease.lease_id, tier.refused_for_room(keys, slots))
         if isinstance(request, PublishHandle):
             return self._publish(request)
         if isinstance(request, Commit):

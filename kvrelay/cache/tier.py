@@ -13,6 +13,7 @@ loop (L3 calls block for at most the store's short timeout).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -83,15 +84,23 @@ class CacheTier:
         self.stats.lookup_pages += len(keys)
         # One read per lookup: the policy must not count the check as a use too.
         hits = self.index.peek(keys)
+        asked_to = hits  # keys before this were in L2 or asked of L3
+        starved = False
         if self.l3 is not None and hits < len(keys):
             # The L2 hits are pinned while L3 pages come up behind them, so
             # that making room for those cannot evict them.
             guard = self.index.pin(keys[:hits], lease_s=60.0) if hits else None
             parent = keys[hits - 1] if hits else None
-            self._promote(keys[hits : hits + self.config.max_promote], namespace, parent)
+            window = keys[hits : hits + self.config.max_promote]
+            starved = self._promote(window, namespace, parent)
+            asked_to = hits + len(window)
             if guard is not None:
                 self.index.release(guard.lease_id)
         result = self.index.lookup(keys, lease_s)
+        # A chain longer than L2 (or than one promotion) is answered in turns:
+        # the reader takes these pages, releases them and asks from the next.
+        if result.hits < len(keys) and (starved or result.hits >= asked_to > hits):
+            result = dataclasses.replace(result, more=True)
         self.stats.hit_pages += result.hits
         if 0 < result.hits < len(keys):
             self._hint_parent(keys[result.hits], keys[result.hits - 1])
@@ -133,6 +142,17 @@ class CacheTier:
             slots.append(entry.slot)
             pinned.append(key)
         return slots, self.index.pin(pinned, lease_s)
+
+    def refused_for_room(self, keys: Sequence[bytes], slots: Sequence[int | None]) -> bool:
+        """Whether `reserve` refused some of `keys` (no slot, not sealed) where
+        room can be made once this reservation is released: an L3 takes the
+        pages that then make way, so a long chain is written in turns."""
+        if self.l3 is None:
+            return False
+        return any(
+            slot is None and not ((e := self.index.get(key)) is not None and e.sealed)
+            for key, slot in zip(keys, slots, strict=True)
+        )
 
     def commit(self, key: bytes, runs: Sequence[tuple[int, int]]) -> bool:
         """Record `runs` (page offsets) of a reserved page as written; True once sealed."""
@@ -225,15 +245,17 @@ class CacheTier:
         if len(hints) > _PARENT_HINTS:
             del hints[next(iter(hints))]
 
-    def _promote(self, keys: Sequence[bytes], namespace: bytes, parent: bytes | None) -> None:
+    def _promote(self, keys: Sequence[bytes], namespace: bytes, parent: bytes | None) -> bool:
         """Bring the leading run of `keys` found in L3 into L2 slots, sealed
-        (`parent`: the L2 hit before them)."""
+        (`parent`: the L2 hit before them). True when it stopped for want of
+        a free slot (every one pinned), not at a page L3 lacks."""
         # Pages L2 holds already (this server owned them before) come back
         # from L3 as None; making room for an earlier page may demote one.
         in_l2 = {k for k in keys if k in self.index}
         pages = self.l3.get_many(keys, namespace)
         # Pin what is promoted so promoting page i+1 cannot evict page i.
         leases: list[int] = []
+        starved = False
         for key, page in zip(keys, pages, strict=True):
             resident = self.index.get(key)
             if resident is not None:
@@ -249,6 +271,7 @@ class CacheTier:
                 break
             slot = self._take_slot()
             if slot is None:
+                starved = True
                 break
             self.arena.view(slot)[:] = page
             if parent is not None and parent not in self.index:
@@ -261,3 +284,4 @@ class CacheTier:
         # Unpin at once: the lookup that follows pins what it answers.
         for lease_id in leases:
             self.index.release(lease_id)
+        return starved

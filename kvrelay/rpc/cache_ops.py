@@ -53,6 +53,10 @@ class Lookup(Message, tag="lookup"):
 class LookupReply(Message, tag="lookup_reply"):
     hits: Count
     lease: int | None = None
+    # The server may hold more of the chain than it could answer at once (its
+    # L2 had no room to bring more up from L3): ask again from `hits` after
+    # taking and releasing these.
+    more: bool = False
 
 
 class Reserve(Message, tag="reserve"):
@@ -64,6 +68,9 @@ class Reserve(Message, tag="reserve"):
 class ReserveReply(Message, tag="reserve_reply"):
     slots: list[int | None]
     lease: int
+    # Some pages were refused for want of room while the server has an L3
+    # to make room into: reserve them again after committing and releasing.
+    more: bool = False
 
 
 class PublishHandle(Message, tag="handle"):

@@ -8,5 +8,9 @@ PAGE = SPEC.page_bytes
 
 
 class ServerProcess(CacheServerProcess):
-    def __init__(self, *args: str, listen: str = "127.0.0.1:0", backend: str = "tcp") -> None:
-        super().__init__(*args, token=TOKEN, page_bytes=PAGE, listen=listen, backend=backend)
+    def __init__(
+        self, *args: str, listen: str = "127.0.0.1:0", backend: str = "tcp", pages: int = 64
+    ) -> None:
+        super().__init__(
+            *args, token=TOKEN, page_bytes=PAGE, pages=pages, listen=listen, backend=backend
+        )

@@ -165,6 +165,22 @@ async def test_restart_with_valkey_l3_keeps_pages(servers, kind, request):
 
 
 @pytest.mark.asyncio
+async def test_a_prompt_longer_than_the_servers_l2_is_read_whole_from_l3(servers, tmp_path):
+    """One server whose L2 holds 4 pages, behind it a file L3 holding all 12
+    of a prompt: a reader gets all 12 in turns of what L2 can pin at once."""
+    l3 = ["--l3", f"file:{tmp_path / 'l3'}", "--l3-gb", "0.01", "--l3-policy", "write-through"]
+    server = servers(*l3, pages=4)
+    assert await write_pages([server.address], ParallelConfig(tp=1), range(PAGES)) == PAGES
+    hits, pages = await read_pages([server.address], ParallelConfig(tp=2), PAGES)
+    assert hits == [PAGES, PAGES]
+    assert pages == expected(PAGES)
+    agent, client, _ = await rank_client([server.address], ParallelConfig(tp=1))
+    assert await client.count_prefix(KEYS) == PAGES
+    await client.close()
+    await agent.close()
+
+
+@pytest.mark.asyncio
 async def test_killed_server_degrades_to_misses(servers):
     a, b = servers(), servers()
     addresses = [a.address, b.address]

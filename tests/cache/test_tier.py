@@ -285,3 +285,44 @@ async def test_promotion_walks_past_pages_l2_already_holds(tmp_path):
     pages = [bytes(tier.arena.view(e.slot)) for e in result.entries]
     assert pages == [content(i) for i in range(5)]
     await agent.close()
+
+
+@pytest.mark.asyncio
+async def test_a_chain_longer_than_l2_is_answered_in_turns(tmp_path):
+    """L2 holds 4 pages and L3 the chain's 8: a lookup answers the 4 that fit,
+    pinned, and says more may follow; released, the next lookup from page 4
+    brings up the rest. A chain that ends in L3 says nothing more."""
+    agent, tier = await make_tier(tmp_path, slots=4)
+    for i in range(8):
+        assert tier.l3.put(KEYS[i], content(i))
+    first = tier.lookup(KEYS[:8], lease_s=30)
+    assert (first.hits, first.more) == (4, True)
+    assert [bytes(tier.arena.view(e.slot)) for e in first.entries] == [content(i) for i in range(4)]
+    tier.release(first.lease.lease_id)
+    second = tier.lookup(KEYS[4:8], lease_s=30)
+    assert (second.hits, second.more) == (4, False)
+    assert [bytes(tier.arena.view(e.slot)) for e in second.entries] == [
+        content(i) for i in range(4, 8)
+    ]
+    tier.release(second.lease.lease_id)
+    tier.l3.flush()
+    for i in (0, 1):
+        assert tier.l3.put(KEYS[i], content(i))
+    short = tier.lookup(KEYS[:8])
+    assert (short.hits, short.more) == (2, False)
+    await agent.close()
+
+
+@pytest.mark.asyncio
+async def test_a_lookup_at_its_promotion_cap_says_more_may_follow(tmp_path):
+    agent, tier = await make_tier(tmp_path, slots=8, max_promote=3)
+    fill(tier, 0)
+    for i in range(1, 6):
+        assert tier.l3.put(KEYS[i], content(i))
+    first = tier.lookup(KEYS[:6])
+    assert (first.hits, first.more) == (4, True)  # one L2 hit, three promoted
+    rest = tier.lookup(KEYS[4:6])
+    assert (rest.hits, rest.more) == (2, False)
+    everything = tier.lookup(KEYS[:6])
+    assert (everything.hits, everything.more) == (6, False)  # all in L2 now
+    await agent.close()
