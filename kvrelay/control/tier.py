@@ -47,22 +47,31 @@ class TierProbe:
                 self._servers[address] = Channel(address, self.token, CacheWelcome, self.timeout_s)
 
     async def probe(self, namespace: bytes, keys: Sequence[bytes]) -> int:
-        """Pages of the longest prefix of `keys` the tier holds sealed right now."""
+        """Pages of the longest prefix of `keys` the tier holds sealed right now
+        (in turns where a server's L2 cannot hold its share at once)."""
         ring = self.ring  # a new ring published meanwhile applies to the next probe
         if not keys or not ring.servers:
             return 0
         self.probes += 1
+        prefix = 0
+        while prefix < len(keys):
+            got, more = await self._probe_round(ring, namespace, keys[prefix:])
+            prefix += got
+            if not (got and more):
+                break
+        return prefix
+
+    async def _probe_round(self, ring: HashRing, namespace: bytes, keys: Sequence[bytes]):
         groups = ring.group(keys)
         answers = await asyncio.gather(
             *(self._lookup(s, namespace, [keys[p] for p in ps]) for s, ps in groups.items())
         )
-        hits = {s: a[0] for s, a in zip(groups, answers, strict=True)}
+        found = dict(zip(groups, answers, strict=True))
         await asyncio.gather(
-            *(self._release(s, lease) for s, (_, lease) in zip(groups, answers, strict=True)
-              if lease is not None)
-        )  # fmt: skip
-        prefix, _ = ring_prefix(ring, keys, hits)
-        return prefix
+            *(self._release(s, lease) for s, (_, lease, _) in found.items() if lease is not None)
+        )
+        prefix, _ = ring_prefix(ring, keys, {s: a[0] for s, a in found.items()})
+        return prefix, prefix < len(keys) and found[ring.server_for(keys[prefix])][2]
 
     async def _lookup(self, server: str, namespace: bytes, keys: list[bytes]):
         try:
@@ -71,8 +80,8 @@ class TierProbe:
             )
         except Unavailable:
             self.errors += 1
-            return 0, None
-        return reply.hits, reply.lease
+            return 0, None, False
+        return reply.hits, reply.lease, reply.more
 
     async def _release(self, server: str, lease: int) -> None:
         try:

@@ -12,6 +12,7 @@ import pytest
 from kvrelay.cache.client import CacheClient, CacheClientConfig
 from kvrelay.cache.l3 import open_store
 from kvrelay.cache.tenants import tenant_key
+from kvrelay.control.tier import TierProbe
 from kvrelay.layout import ParallelConfig, rank_rectangle
 from kvrelay.transfer import create_agent
 from tests.cache.server_process import PAGE, TOKEN
@@ -178,6 +179,11 @@ async def test_a_prompt_longer_than_the_servers_l2_is_read_whole_from_l3(servers
     assert await client.count_prefix(KEYS) == PAGES
     await client.close()
     await agent.close()
+    probe = TierProbe([server.address], TOKEN)
+    try:
+        assert await probe.probe(SPEC.namespace(), KEYS) == PAGES  # control's routing probe
+    finally:
+        probe.close()
 
 
 @pytest.mark.asyncio
