@@ -119,6 +119,28 @@ def test_bench_cache_with_l3_reaches_the_optimum_at_small_l2(tmp_path):
     assert "shared_l3" not in json.loads(out.read_text())["capacities"][0]
 
 
+def test_prompts_longer_than_l2_are_kept_whole_by_the_l3(tmp_path):
+    """Two conversations of 40-block prompts over a tier whose L2 holds 8
+    pages: each is written and read in turns, so with the L3 every repeat
+    hits whole, as with an infinite cache; L2 alone keeps almost nothing."""
+    trace = tmp_path / "trace.jsonl"
+    lines = [
+        json.dumps({"timestamp": r, "input_length": 512 * 40, "output_length": 4,
+                    "hash_ids": [(r % 2) * 1000 + i for i in range(40)]})
+        for r in range(6)
+    ]  # fmt: skip
+    trace.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.json"
+    main(["bench", "cache", "--trace", str(trace), "--workers", "1", "--servers", "1",
+          "--capacities", "8", "--json", str(out), "--no-progress"])  # fmt: skip
+    payload = json.loads(out.read_text())
+    (entry,) = payload["capacities"]
+    assert payload["infinite"]["block_hit_rate"] == 160 / 240
+    assert entry["shared"]["block_hit_rate"] < 0.1
+    assert entry["shared_l3"]["block_hit_rate"] == 160 / 240
+    assert entry["shared_l3"]["wrong_pages"] == 0
+
+
 class ShiftedStore(FileStore):
     """Answers every L3 hit with the bytes of the page stored before it: a wrong page."""
 
