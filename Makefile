@@ -32,7 +32,7 @@ EXT_SOURCES := $(wildcard kvrelay/cuda_ext/csrc/*) $(wildcard kvrelay/transfer/c
   $(wildcard kvrelay/cache/eviction/csrc/*)
 NVCC ?= nvcc
 
-.PHONY: setup sglang-deps peers-deps test-peers lmcache-deps vllm-deps vllm-bench-deps test-vllm test test-slow test-all test-fast test-numba test-sglang test-gpu gpu-check lint cuda-check bench demo clean
+.PHONY: setup sglang-deps peers-deps test-peers lmcache-deps test-peers-vllm vllm-deps vllm-bench-deps test-vllm test test-slow test-all test-fast test-numba test-sglang test-gpu gpu-check lint cuda-check bench demo clean
 
 setup: $(VENV)/.ext-stamp
 
@@ -199,9 +199,19 @@ test-peers: setup peers-deps
 	  --durations=10 tests/adapters/test_sglang_mooncake.py
 
 # KvrelayConnector against real vLLM engines on CPU and a real cache server.
+# (LMCache's peer test is test-peers-vllm's: it needs LMCache's environment.)
 test-vllm: setup vllm-deps
 	KVRELAY_VLLM_TESTS=1 PYTHONPATH=$(CURDIR) $(VENV_VLLM)/bin/python -m pytest -q \
-	  -p no:cacheprovider --durations=10 tests/vllm
+	  -p no:cacheprovider --durations=10 --ignore=tests/vllm/test_lmcache_peer.py tests/vllm
+
+# LMCache as `kvrelay bench vllm`'s reuse peer: the bench starts a real
+# `lmcache server` and vLLM engines with LMCacheMPConnector from LMCache's
+# environment, on a tiny model; and stopped by a signal, leaves none running.
+# Not part of `make test` (building .venv-lmcache takes about 1m40s, the
+# tests about 4 min on 2 cores).
+test-peers-vllm: setup vllm-deps lmcache-deps
+	KVRELAY_VLLM_TESTS=1 PYTHONPATH=$(CURDIR) $(VENV_VLLM)/bin/python -m pytest -q \
+	  -p no:cacheprovider --durations=10 tests/vllm/test_lmcache_peer.py
 
 # Exactly the gpu-marked tests (kernel vs oracle, UCX GPU pulls, the runner
 # on CUDA vs HF, the two-GPU cluster, the GPU benches): under 10 minutes on

@@ -136,6 +136,10 @@ def run_pd(args, names, model_dir, work, asks, sizes) -> tuple[dict, dict]:
                 else:
                     time.sleep(1.0)  # the handoff's release settles, then the pair idles
                     idle[name] = idle_cores([prefill.process.pid, decode.process.pid])
+        except BaseException:  # an error or a signal's unwind: nothing more to wait for
+            for engine in (prefill, decode):
+                engine.stop()
+            raise
         finally:
             for engine in (prefill, decode):
                 engine.close()

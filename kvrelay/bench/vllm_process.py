@@ -91,7 +91,19 @@ class Engine:
         self.process.stdin.flush()
         return self._read()
 
+    def stop(self) -> None:
+        """Ends the engine now (a bench interrupted mid-run: an engine still
+        loading or computing would read its closed stdin only when done)."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
     def close(self) -> None:
+        """Ends the engine as a client would: no more requests (stdin closed)."""
         if self.process.poll() is None:
             self.process.stdin.close()
             try:

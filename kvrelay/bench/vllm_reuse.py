@@ -44,6 +44,10 @@ def _cold_then_fresh(engines: list[Engine], args, asks, sizes) -> tuple[list[dic
         for engine in engines:
             engine.ask(warm_up(sizes), args.decode_tokens)
             runs.append([engine.ask(t, args.decode_tokens) | {"size": len(t)} for t in asks])
+    except BaseException:  # an error or a signal's unwind: nothing more to wait for
+        for engine in engines:
+            engine.stop()
+        raise
     finally:
         for engine in engines:
             engine.close()

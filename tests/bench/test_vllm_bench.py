@@ -3,6 +3,7 @@ process tree keeps busy while it should be idle."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -28,3 +29,18 @@ def test_idle_cores_sees_a_polling_child_and_not_a_sleeping_one():
             process.wait(10)
     assert busy > 0.3  # a core, less what two cores shared with others leave it
     assert quiet < 0.1
+
+
+def test_a_missing_lmcache_environment_is_reported_absent_with_its_make_target(tmp_path, capsys):
+    # No engine starts: the only connector asked for is LMCache, whose
+    # environment is not there.
+    from kvrelay.cli import main
+
+    out = tmp_path / "bench.json"
+    main(["bench", "vllm", "--vllm-python", sys.executable, "--parts", "reuse",
+          "--reuse-connectors", "lmcache", "--lmcache-python", str(tmp_path / "none" / "python"),
+          "--layers", "1", "--hidden", "32", "--heads", "1", "--kv-heads", "1",
+          "--reuse-sizes", "300", "--out", str(tmp_path / "logs"), "--json", str(out)])  # fmt: skip
+    absent = json.loads(out.read_text())["reuse_peers"]["lmcache"]["absent"]
+    assert "make lmcache-deps" in absent and str(tmp_path / "none" / "python") in absent
+    assert "lmcache: absent: " in capsys.readouterr().out
