@@ -132,7 +132,7 @@ def connector(server: str, spec) -> dict:
 
 async def tier_pages(server: str, spec, tokens, write_rows: torch.Tensor | None = None):
     """Reads (or, with `write_rows`, writes) the full pages of `tokens` in the tier."""
-    keys = spec.page_keys(tokens[: len(tokens) // BLOCK * BLOCK])
+    keys = spec.page_keys(tokens[: len(tokens) // spec.page_size * spec.page_size])
     agent = await create_agent("tcp", token=TOKEN)
     try:
         client = CacheClient(
