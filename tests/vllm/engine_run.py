@@ -47,10 +47,11 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     config = json.loads(Path(sys.argv[1]).read_text())
-    extra = {}
+    extra = dict(config.get("engine_args") or {})
     if config["connector"] is not None:
         extra["kv_transfer_config"] = connector_config(config["connector"])
-    llm = LLM(model=config["model"], dtype="bfloat16", max_model_len=4096, enforce_eager=True,
+    dtype = extra.pop("dtype", "bfloat16")
+    llm = LLM(model=config["model"], dtype=dtype, max_model_len=4096, enforce_eager=True,
               skip_tokenizer_init=True, **extra)  # fmt: skip
     results = Path(f"{config['go_file']}.results")
     for phase, prompts in enumerate(config["phases"]):

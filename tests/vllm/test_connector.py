@@ -87,12 +87,15 @@ def spec(model_dir):
     return kv_spec(model_dir, ModelConfig.from_dir(model_dir), "bfloat16", BLOCK)
 
 
-def run_engine(tmp: Path, model_dir: Path, connector: dict | None, phases, between=None, env=None):
-    """Runs engine_run.py; `between(phase)` runs before each phase after the first."""
+def run_engine(tmp: Path, model_dir: Path, connector: dict | None, phases, between=None, env=None,
+               engine_args: dict | None = None):  # fmt: skip
+    """Runs engine_run.py; `between(phase)` runs before each phase after the first;
+    `engine_args`: more of vLLM's `LLM` arguments."""
     tmp.mkdir(parents=True, exist_ok=True)
     config = tmp / "engine.json"
     config.write_text(json.dumps({"model": str(model_dir), "connector": connector,
-                                  "phases": phases, "go_file": str(tmp / "phase")}))  # fmt: skip
+                                  "phases": phases, "go_file": str(tmp / "phase"),
+                                  "engine_args": engine_args}))  # fmt: skip
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
                PYTHONPATH=str(ROOT), **(env or {}))  # fmt: skip
     log = tmp / "engine.log"

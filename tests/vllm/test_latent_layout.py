@@ -137,10 +137,14 @@ def model_config(tmp_path, arch: str):
     return ModelConfig(model=str(path), dtype="bfloat16", skip_tokenizer_init=True)
 
 
-def vllm_config_of(model):
+def vllm_config_of(model, custom_ops=("-rotary_embedding", "all"), device="cpu"):
     cache = SimpleNamespace(block_size=BLOCK, cache_dtype="auto")
     parallel = SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1)
-    return SimpleNamespace(model_config=model, cache_config=cache, parallel_config=parallel)
+    return SimpleNamespace(
+        model_config=model, cache_config=cache, parallel_config=parallel,
+        device_config=SimpleNamespace(device_type=device),
+        compilation_config=SimpleNamespace(custom_ops=list(custom_ops)),
+    )  # fmt: skip
 
 
 def test_an_mla_engine_names_the_runners_latent_spec(tmp_path):
@@ -162,3 +166,18 @@ def test_a_sparse_attention_model_is_refused(tmp_path):
     model = model_config(tmp_path, "deepseek_v32")
     with pytest.raises(ConnectorConfigError, match="sparse attention"):
         engine_spec(ConnectorConfig(token="t"), vllm_config_of(model))
+
+
+def test_an_mla_model_on_vllms_cpu_rotary_op_is_refused(tmp_path):
+    """vLLM's CPU rotary op misrotates DeepSeek's k_pe (the engine tests run
+    with its native twin, whose pages equal the runner's): refused on CPU
+    unless it is turned off, and no matter on other devices."""
+    model = model_config(tmp_path, "deepseek_v3")
+    config = ConnectorConfig(token="t")
+    for ops in (["all"], [], ["none", "+rotary_embedding"]):
+        with pytest.raises(ConnectorConfigError, match="-rotary_embedding"):
+            engine_spec(config, vllm_config_of(model, ops))
+    for ops in (["-rotary_embedding", "all"], ["none"]):
+        assert engine_spec(config, vllm_config_of(model, ops)).attention_kind == "mla"
+    on_gpu = vllm_config_of(model, ["all"], device="cuda")
+    assert engine_spec(config, on_gpu).attention_kind == "mla"

@@ -65,6 +65,7 @@ def _latent_spec(config: ConnectorConfig, vllm_config, dtype: str) -> ModelKVSpe
             "keeps the indexer's keys as fp8 with per-token scales, which a kvrelay page's "
             "indexer part does not hold"
         )
+    _refuse_cpu_rotary_op(vllm_config)
     rope = int(text.qk_rope_head_dim)
     width = int(text.kv_lora_rank) + rope
     if model.get_head_size() != width:
@@ -91,3 +92,21 @@ def _latent_spec(config: ConnectorConfig, vllm_config, dtype: str) -> ModelKVSpe
 def rank_rect(spec: ModelKVSpec, vllm_config, tp_rank: int) -> Rectangle:
     tp = vllm_config.parallel_config.tensor_parallel_size
     return rank_rectangle(spec, ParallelConfig(tp=tp, pp=1, tp_rank=tp_rank, pp_rank=0))
+
+
+def _refuse_cpu_rotary_op(vllm_config) -> None:
+    """vLLM 0.32's CPU `rotary_embedding` op rotates DeepSeek's k_pe (a
+    strided view of kv_a_proj's output) by wrong positions, and past the
+    first few tokens of a batch by none: such an engine's pages hold keys no
+    other engine would compute, and a shared tier would hand them to every
+    reader of the same weights. Its torch-native twin is right."""
+    if vllm_config.device_config.device_type != "cpu":
+        return
+    ops = list(vllm_config.compilation_config.custom_ops or ())
+    if "-rotary_embedding" in ops or ("none" in ops and "+rotary_embedding" not in ops):
+        return
+    raise ConnectorConfigError(
+        "KvrelayConnector refuses an MLA model on vLLM's CPU rotary_embedding op, which "
+        "misrotates DeepSeek's RoPE keys; start vLLM with "
+        '--compilation-config \'{"custom_ops": ["-rotary_embedding"]}\''
+    )
