@@ -122,7 +122,7 @@ def test_latent_geometry_refusals():
     assert latent_permutation(1, 6, 4, True).tolist() == [0, 1, 2, 4, 3, 5]
 
 
-def model_config(tmp_path, arch: str):
+def model_config(tmp_path, arch: str, *more: str):
     """vLLM's ModelConfig of a tiny checkpoint of `arch` written by make-model."""
     from vllm.config import ModelConfig
 
@@ -131,7 +131,7 @@ def model_config(tmp_path, arch: str):
         [sys.executable, "-m", "kvrelay.cli", "make-model", "--arch", arch, "--layers", "2",
          "--hidden", "64", "--heads", "2", "--kv-heads", "2", "--vocab", "256",
          "--kv-lora-rank", str(LORA), "--qk-rope-dim", str(ROPE), "--dtype", "bfloat16",
-         str(path)],
+         *more, str(path)],
         check=True, capture_output=True, timeout=120,
     )  # fmt: skip
     return ModelConfig(model=str(path), dtype="bfloat16", skip_tokenizer_init=True)
@@ -163,9 +163,13 @@ def test_an_mla_engine_names_the_runners_latent_spec(tmp_path):
 
 
 def test_a_sparse_attention_model_is_refused(tmp_path):
-    model = model_config(tmp_path, "deepseek_v32")
-    with pytest.raises(ConnectorConfigError, match="sparse attention"):
+    """Refused until DSA runs (on GPUs), naming the pages it would take."""
+    model = model_config(tmp_path, "deepseek_v32", "--index-head-dim", "128")
+    with pytest.raises(ConnectorConfigError, match=r"sparse attention.*132-byte fp8 records"):
         engine_spec(ConnectorConfig(token="t"), vllm_config_of(model))
+    narrow = model_config(tmp_path / "narrow", "deepseek_v32")  # 32-wide keys: no fp8 record
+    with pytest.raises(ConnectorConfigError, match=r"sparse attention.*scale groups"):
+        engine_spec(ConnectorConfig(token="t"), vllm_config_of(narrow))
 
 
 def test_an_mla_model_on_vllms_cpu_rotary_op_is_refused(tmp_path):

@@ -7,17 +7,18 @@ of another, or by kvrelay's own workers when the identity matches theirs.
 
 An MLA model's page is its latent rows (`kv_lora_rank + qk_rope_head_dim`
 per token and layer, one head, no V), the same on every TP rank: rank 0
-writes it, every rank reads it. DeepSeek sparse attention's indexer cache
-is refused: vLLM keeps its keys as fp8 with a float32 scale per token
-(`DeepseekV32IndexerCache`), a unified page's indexer part holds them in
-the index dtype without scales.
+writes it, every rank reads it. DeepSeek sparse attention's pages add the
+indexer's quantized key records (`indexer_blocks`); the connector refuses
+DSA models until that path has run on a GPU (vLLM runs DSA on GPUs only).
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvrelay.adapters.vllm.blocks import BlockLayoutError
 from kvrelay.adapters.vllm.config import ConnectorConfig, ConnectorConfigError
+from kvrelay.adapters.vllm.indexer_blocks import dsa_spec
 from kvrelay.layout import ModelKVSpec, ParallelConfig, Rectangle, rank_rectangle
 
 # The KV dtypes a unified page can hold, by torch dtype.
@@ -57,15 +58,27 @@ def engine_spec(config: ConnectorConfig, vllm_config) -> ModelKVSpec:
 
 
 def _latent_spec(config: ConnectorConfig, vllm_config, dtype: str) -> ModelKVSpec:
-    model, cache = vllm_config.model_config, vllm_config.cache_config
-    text = model.hf_text_config
+    text = vllm_config.model_config.hf_text_config
     if getattr(text, "index_topk", None) is not None:
+        # The page layout is built (`indexer_blocks`): named here so the
+        # refusal says which namespace the model's pages would take.
+        try:
+            dsa = dsa_spec(_latent_rows_spec(config, vllm_config, dtype), text)
+        except BlockLayoutError as e:
+            raise ConnectorConfigError(f"a DeepSeek sparse attention model: {e}") from None
         raise ConnectorConfigError(
-            "KvrelayConnector does not move DeepSeek sparse attention (DSA) caches: vLLM "
-            "keeps the indexer's keys as fp8 with per-token scales, which a kvrelay page's "
-            "indexer part does not hold"
+            "KvrelayConnector does not move DeepSeek sparse attention (DSA) caches yet: vLLM "
+            "runs sparse attention on GPUs only, where this path has not run (its pages "
+            f"would be namespace {dsa.namespace().hex()[:16]}, indexer keys as "
+            f"{dsa.index_head_dim}-byte fp8 records in layers {list(dsa.index_layers)})"
         )
     _refuse_cpu_rotary_op(vllm_config)
+    return _latent_rows_spec(config, vllm_config, dtype)
+
+
+def _latent_rows_spec(config: ConnectorConfig, vllm_config, dtype: str) -> ModelKVSpec:
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    text = model.hf_text_config
     rope = int(text.qk_rope_head_dim)
     width = int(text.kv_lora_rank) + rope
     if model.get_head_size() != width:
