@@ -208,7 +208,7 @@ test-vllm: setup vllm-deps
 # `lmcache server` and vLLM engines with LMCacheMPConnector from LMCache's
 # environment, on a tiny model; and stopped by a signal, leaves none running.
 # Not part of `make test` (building .venv-lmcache takes about 1m40s, the
-# tests about 4 min on 2 cores).
+# tests 2-4 min on 2 cores, as loaded).
 test-peers-vllm: setup vllm-deps lmcache-deps
 	KVRELAY_VLLM_TESTS=1 PYTHONPATH=$(CURDIR) $(VENV_VLLM)/bin/python -m pytest -q \
 	  -p no:cacheprovider --durations=10 tests/vllm/test_lmcache_peer.py
