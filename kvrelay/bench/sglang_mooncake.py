@@ -18,10 +18,12 @@ them.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 from kvrelay.ports import free_port
@@ -123,6 +125,31 @@ class MasterProcess:
             "master_metrics_port": self.metrics_port,
         }
 
+    def key_count(self) -> int | None:
+        """Keys the master holds now (its `master_key_count` gauge), None unread."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as reply:
+                text = reply.read().decode()
+        except OSError:
+            return None
+        match = re.search(r"^master_key_count (\S+)$", text, re.MULTILINE)
+        return int(float(match.group(1))) if match else None
+
+    def empty(self, backend, timeout_s: float = 30.0) -> None:
+        """`remove_all` until the master holds no key: an object put or read
+        within its lease (`default_kv_lease_ttl`, 10 s) survives a remove_all,
+        and the next run's puts would then find the segment full."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            backend.clear()
+            if self.key_count() == 0:
+                return
+            if time.monotonic() > deadline:
+                left = self.key_count()
+                raise TimeoutError(f"Mooncake still holds {left} keys after {timeout_s:.0f} s")
+            time.sleep(0.5)
+
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.popen.poll() is None:
             self.popen.terminate()
@@ -158,7 +185,7 @@ def close_backend(backend) -> None:
         backend.store = None
 
 
-def fill_segment(backend, pool, global_segment_bytes: int) -> int:
+def fill_segment(master: MasterProcess, backend, pool, global_segment_bytes: int) -> int:
     """Puts pages until the segment has been written once, then `remove_all`: a
     segment whose memory was never touched puts at a fraction of its later rate
     (first-touch page faults), which a deployed store has long paid. Returns
@@ -175,7 +202,7 @@ def fill_segment(backend, pool, global_segment_bytes: int) -> int:
         put += n
         if not all(results):  # full: the rest would be refused too
             break
-    backend.clear()
+    master.empty(backend)
     return put
 
 

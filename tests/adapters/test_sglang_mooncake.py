@@ -43,7 +43,7 @@ def test_sglang_mooncake_backend_round_trips_pages_and_the_master_stops():
             master, pool, layout="page_first", model="test/mooncake", global_segment_bytes=segment
         )
         try:
-            assert mooncake.fill_segment(backend, pool, segment) > 0
+            assert mooncake.fill_segment(master, backend, pool, segment) > 0
             keys = env.sglang_keys(list(range(16)), 4)
             idx = torch.arange(16, dtype=torch.int64)
             assert backend.batch_exists(keys) == 0  # remove_all after the fill
@@ -54,6 +54,10 @@ def test_sglang_mooncake_backend_round_trips_pages_and_the_master_stops():
             assert torch.equal(pool.kv_buffer[:, :16], want[:, :16])
             missing = env.sglang_keys(list(range(100, 104)), 4)
             assert not any(backend.batch_get_v1(missing, torch.arange(4, dtype=torch.int64)))
+            # Just read, the pages are leased: emptying waits them out
+            assert master.key_count() > 0
+            master.empty(backend)
+            assert master.key_count() == 0 and backend.batch_exists(keys) == 0
         finally:
             mooncake.close_backend(backend)
     finally:
