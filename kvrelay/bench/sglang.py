@@ -28,7 +28,8 @@ from kvrelay.bench.stats import Summary, format_table, write_report
 from kvrelay.cache import launch
 
 ROWS = ("kvrelay set", "kvrelay get", "HiCacheFile set", "HiCacheFile get")
-MOONCAKE_ROWS = ("Mooncake set", "Mooncake get")
+# Mooncake's settings by row name: whether a separate process holds the segment.
+MOONCAKE_SETTINGS = {"Mooncake": False, "Mooncake-holder": True}
 MODEL = "bench/sglang-hicache"
 
 
@@ -173,15 +174,18 @@ def _kvrelay_store(h, args, transport: str, page_bytes: int, stack: ExitStack):
     return backend, pages
 
 
-def _mooncake_store(h, args, master, stack: ExitStack, page_bytes: int):
-    """(Mooncake backend, its pages, its segment bytes), or Nones without a master."""
+def _mooncake_store(h, args, master, stack: ExitStack, page_bytes: int, holder: bool):
+    """(Mooncake backend, its pages, its segment bytes), or Nones without a master.
+    `holder`: the segment is mounted by a process of its own, not by the rank."""
     if master is None:
         return None, None, 0
     # One run's pages twice over: the bench removes them after each run.
     segment = max(mooncake.MIN_SEGMENT_BYTES, 2 * args.pages * page_bytes)
+    if holder:
+        stack.callback(mooncake.SegmentHolder(master, segment, args.timeout_s).stop)
     mc_pool = _pool(h, args)
     mc = mooncake.create_backend(master, mc_pool, layout=args.layout, model=MODEL,
-                                 global_segment_bytes=segment)  # fmt: skip
+                                 global_segment_bytes=0 if holder else segment)  # fmt: skip
     stack.callback(mooncake.close_backend, mc)
     mooncake.fill_segment(master, mc, mc_pool, segment)
     return mc, _Pages(mc_pool, args.pages), segment
@@ -200,9 +204,14 @@ def _measure_stores(h, args, master, stack: ExitStack, tmp: str) -> dict:
         for name in [*map(_kvrelay_row, args.transport), "HiCacheFile"]
         for op in ("set", "get")
     }
-    mc, mc_pages, segment = _mooncake_store(h, args, master, stack, page_bytes)
-    if mc is not None:
-        seconds |= {row: [] for row in MOONCAKE_ROWS}
+    # Mooncake as SGLang sets it up by default (the rank mounts the segment)
+    # and with a separate segment holder: each its own store, run in turn.
+    stores = {}
+    for name, holder in MOONCAKE_SETTINGS.items():
+        mc, mc_pages, segment = _mooncake_store(h, args, master, stack, page_bytes, holder)
+        if mc is not None:
+            stores[name] = (mc, mc_pages, segment)
+            seconds |= {f"{name} {op}": [] for op in ("set", "get")}
     for run in range(args.runs):
         g = torch.Generator().manual_seed(1 + run)
         tokens = torch.randint(0, 150_000, (args.pages * args.page_size,), generator=g)
@@ -217,12 +226,12 @@ def _measure_stores(h, args, master, stack: ExitStack, tmp: str) -> dict:
         file_pages.zero()
         seconds["HiCacheFile get"].append(_timed(_file_get, hicache_file, file_pool, keys, args))
         file_pages.check("HiCacheFile")
-        if mc is not None:
+        for name, (mc, mc_pages, _) in stores.items():
             # SGLang's v1 calls, as its cache controller makes them (both zero-copy).
-            seconds["Mooncake set"].append(_timed(_kvrelay_set, mc, keys, args))
+            seconds[f"{name} set"].append(_timed(_kvrelay_set, mc, keys, args))
             mc_pages.zero()
-            seconds["Mooncake get"].append(_timed(_kvrelay_get, mc, keys, args))
-            mc_pages.check("Mooncake")
+            seconds[f"{name} get"].append(_timed(_kvrelay_get, mc, keys, args))
+            mc_pages.check(name)
             master.empty(mc)  # untimed: the next run's pages fit the segment
     rows = {}
     for row, times in seconds.items():
@@ -241,9 +250,16 @@ def _measure_stores(h, args, master, stack: ExitStack, tmp: str) -> dict:
     entry = {"page_bytes": page_bytes, "page_size": args.page_size, "rows": rows,
              "kvrelay": best, "kvrelay_transports": transports,
              "file": _peer(rows, "HiCacheFile")}  # fmt: skip
-    if mc is not None:
-        checked["mooncake_pages"] = mc_pages.checked
-        entry["mooncake"] = _peer(rows, "Mooncake", protocol="tcp", global_segment_bytes=segment)
+    for name, (_, mc_pages, segment) in stores.items():
+        field = name.lower().replace("-", "_")
+        checked[f"{field}_pages"] = mc_pages.checked
+        entry[field] = _peer(
+            rows,
+            name,
+            protocol="tcp",
+            global_segment_bytes=segment,
+            segment_in="holder process" if MOONCAKE_SETTINGS[name] else "rank",
+        )
     entry["byte_check"] = checked
     return entry
 

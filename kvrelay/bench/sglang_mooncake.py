@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -211,3 +213,51 @@ def _indices(first_page: int, pages: int, page_tokens: int):
 
     return torch.arange(first_page * page_tokens, (first_page + pages) * page_tokens,
                         dtype=torch.int64)  # fmt: skip
+
+
+class SegmentHolder:
+    """A process that only mounts a global segment on `master` (Mooncake's
+    second deployment form: the engine's ranks mount none, every page crosses
+    to this process over the transfer engine, as kvrelay's pages cross to
+    its cache servers). It dies with this process and on `stop()`."""
+
+    def __init__(self, master: MasterProcess, segment_bytes: int, timeout_s: float = 60.0):
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "kvrelay.bench.sglang_mooncake", master.master_address,
+             str(segment_bytes)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            preexec_fn=die_with_parent(),
+        )  # fmt: skip
+        ready, _, _ = select.select([self.popen.stdout], [], [], timeout_s)
+        line = self.popen.stdout.readline() if ready else ""
+        if line.strip() != "mounted":
+            self.stop()
+            raise RuntimeError(f"Mooncake segment holder did not mount its segment: {line!r}")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+        for stream in (self.popen.stdin, self.popen.stdout):
+            stream.close()
+
+
+def _hold(master_address: str, segment_bytes: int) -> None:
+    """The holder process: mount the segment, say so, serve until stdin closes."""
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    code = store.setup("127.0.0.1", "P2PHANDSHAKE", segment_bytes, MIN_SEGMENT_BYTES, "tcp", "",
+                       master_address)  # fmt: skip
+    print("mounted" if code == 0 else f"setup returned {code}", flush=True)
+    if code == 0:
+        sys.stdin.read()  # EOF: the bench closed the pipe or died
+    store.close()
+
+
+if __name__ == "__main__":
+    _hold(sys.argv[1], int(sys.argv[2]))

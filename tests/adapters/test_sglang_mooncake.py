@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvrelay.bench import sglang_mooncake as mooncake
-from kvrelay.bench.sglang import MOONCAKE_ROWS, ROWS
+from kvrelay.bench.sglang import MOONCAKE_SETTINGS, ROWS
 from tests.adapters import sglang_env as env
 
 pytestmark = pytest.mark.skipif(mooncake.missing() is not None, reason=str(mooncake.missing()))
@@ -88,9 +88,13 @@ def test_bench_sglang_races_mooncake_beside_kvrelay_and_file(tmp_path):
     assert [s["page_bytes"] for s in result["sizes"]] == [512, 1024]
     for size in result["sizes"]:
         ucx_rows = {"kvrelay-ucx set", "kvrelay-ucx get"} if "ucx" in transports else set()
-        assert set(size["rows"]) == {*ROWS, *MOONCAKE_ROWS, *ucx_rows}
+        mooncake_rows = {f"{name} {op}" for name in MOONCAKE_SETTINGS for op in ("set", "get")}
+        assert set(size["rows"]) == {*ROWS, *mooncake_rows, *ucx_rows}
         assert size["byte_check"]["mooncake_pages"] == PAGES * RUNS
-        for store in ("kvrelay", "mooncake", "file"):
+        assert size["byte_check"]["mooncake_holder_pages"] == PAGES * RUNS
+        assert size["mooncake"]["segment_in"] == "rank"
+        assert size["mooncake_holder"]["segment_in"] == "holder process"
+        for store in ("kvrelay", "mooncake", "mooncake_holder", "file"):
             assert size[store]["set_gbps"] > 0 and size[store]["get_gbps"] > 0
         assert list(size["kvrelay_transports"]) == transports
         assert size["kvrelay"] in size["kvrelay_transports"].values()
@@ -98,6 +102,9 @@ def test_bench_sglang_races_mooncake_beside_kvrelay_and_file(tmp_path):
     alive = subprocess.run(["pgrep", "-f", f"rpc_port={host.split(':')[1]}"],
                            capture_output=True, timeout=10)  # fmt: skip
     assert alive.returncode == 1, "the bench's mooncake_master outlived it"
+    holders = subprocess.run(["pgrep", "-f", f"sglang_mooncake {host}"], capture_output=True,
+                             timeout=10)  # fmt: skip
+    assert holders.returncode == 1, "a Mooncake segment holder outlived the bench"
 
 
 def _children_named(pid: int, name: str) -> list[int]:
