@@ -175,20 +175,24 @@ def _kvrelay_store(h, args, transport: str, page_bytes: int, stack: ExitStack):
 
 
 def _mooncake_store(h, args, master, stack: ExitStack, page_bytes: int, holder: bool):
-    """(Mooncake backend, its pages, its segment bytes), or Nones without a master.
-    `holder`: the segment is mounted by a process of its own, not by the rank."""
+    """(Mooncake backend, its pages, its segment bytes, its master), or Nones
+    without a master. `holder`: the segment is mounted by a process of its
+    own, not by the rank, under a master of its own (one master places puts
+    on every segment mounted on it: the settings must not share one)."""
     if master is None:
-        return None, None, 0
+        return None, None, 0, None
     # One run's pages twice over: the bench removes them after each run.
     segment = max(mooncake.MIN_SEGMENT_BYTES, 2 * args.pages * page_bytes)
     if holder:
+        master = mooncake.MasterProcess(timeout_s=args.timeout_s)
+        stack.callback(master.stop)  # registered first: stopped after its clients
         stack.callback(mooncake.SegmentHolder(master, segment, args.timeout_s).stop)
     mc_pool = _pool(h, args)
     mc = mooncake.create_backend(master, mc_pool, layout=args.layout, model=MODEL,
                                  global_segment_bytes=0 if holder else segment)  # fmt: skip
     stack.callback(mooncake.close_backend, mc)
     mooncake.fill_segment(master, mc, mc_pool, segment)
-    return mc, _Pages(mc_pool, args.pages), segment
+    return mc, _Pages(mc_pool, args.pages), segment, master
 
 
 def _measure_stores(h, args, master, stack: ExitStack, tmp: str) -> dict:
@@ -208,9 +212,11 @@ def _measure_stores(h, args, master, stack: ExitStack, tmp: str) -> dict:
     # and with a separate segment holder: each its own store, run in turn.
     stores = {}
     for name, holder in MOONCAKE_SETTINGS.items():
-        mc, mc_pages, segment = _mooncake_store(h, args, master, stack, page_bytes, holder)
+        mc, mc_pages, segment, mc_master = _mooncake_store(
+            h, args, master, stack, page_bytes, holder
+        )
         if mc is not None:
-            stores[name] = (mc, mc_pages, segment)
+            stores[name] = (mc, mc_pages, segment, mc_master)
             seconds |= {f"{name} {op}": [] for op in ("set", "get")}
     for run in range(args.runs):
         g = torch.Generator().manual_seed(1 + run)
@@ -226,13 +232,13 @@ def _measure_stores(h, args, master, stack: ExitStack, tmp: str) -> dict:
         file_pages.zero()
         seconds["HiCacheFile get"].append(_timed(_file_get, hicache_file, file_pool, keys, args))
         file_pages.check("HiCacheFile")
-        for name, (mc, mc_pages, _) in stores.items():
+        for name, (mc, mc_pages, _, mc_master) in stores.items():
             # SGLang's v1 calls, as its cache controller makes them (both zero-copy).
             seconds[f"{name} set"].append(_timed(_kvrelay_set, mc, keys, args))
             mc_pages.zero()
             seconds[f"{name} get"].append(_timed(_kvrelay_get, mc, keys, args))
             mc_pages.check(name)
-            master.empty(mc)  # untimed: the next run's pages fit the segment
+            mc_master.empty(mc)  # untimed: the next run's pages fit the segment
     rows = {}
     for row, times in seconds.items():
         base = seconds["HiCacheFile " + row.split()[-1]]  # the same op's baseline
@@ -250,7 +256,7 @@ def _measure_stores(h, args, master, stack: ExitStack, tmp: str) -> dict:
     entry = {"page_bytes": page_bytes, "page_size": args.page_size, "rows": rows,
              "kvrelay": best, "kvrelay_transports": transports,
              "file": _peer(rows, "HiCacheFile")}  # fmt: skip
-    for name, (_, mc_pages, segment) in stores.items():
+    for name, (_, mc_pages, segment, _) in stores.items():
         field = name.lower().replace("-", "_")
         checked[f"{field}_pages"] = mc_pages.checked
         entry[field] = _peer(

@@ -102,8 +102,8 @@ def test_bench_sglang_races_mooncake_beside_kvrelay_and_file(tmp_path):
     alive = subprocess.run(["pgrep", "-f", f"rpc_port={host.split(':')[1]}"],
                            capture_output=True, timeout=10)  # fmt: skip
     assert alive.returncode == 1, "the bench's mooncake_master outlived it"
-    holders = subprocess.run(["pgrep", "-f", f"sglang_mooncake {host}"], capture_output=True,
-                             timeout=10)  # fmt: skip
+    holders = subprocess.run(["pgrep", "-f", "kvrelay.bench.sglang_mooncake 127.0.0.1:"],
+                             capture_output=True, timeout=10)  # fmt: skip
     assert holders.returncode == 1, "a Mooncake segment holder outlived the bench"
 
 
