@@ -195,6 +195,18 @@ def _mooncake_store(h, args, master, stack: ExitStack, page_bytes: int, holder: 
     return mc, _Pages(mc_pool, args.pages), segment, master
 
 
+def _mooncake_stores(h, args, master, stack: ExitStack, page_bytes: int) -> dict:
+    """Mooncake as SGLang sets it up by default (the rank mounts the segment)
+    and with a separate segment holder, by row name: each its own store, run
+    in turn; none without a master."""
+    stores = {}
+    for name, holder in MOONCAKE_SETTINGS.items():
+        mc, pages, segment, mc_master = _mooncake_store(h, args, master, stack, page_bytes, holder)
+        if mc is not None:
+            stores[name] = (mc, pages, segment, mc_master)
+    return stores
+
+
 def _measure_stores(h, args, master, stack: ExitStack, tmp: str) -> dict:
     page_bytes = 2 * args.layers * args.page_size * args.heads * args.head_dim * 2
     kvrelay = {t: _kvrelay_store(h, args, t, page_bytes, stack) for t in args.transport}
@@ -208,16 +220,8 @@ def _measure_stores(h, args, master, stack: ExitStack, tmp: str) -> dict:
         for name in [*map(_kvrelay_row, args.transport), "HiCacheFile"]
         for op in ("set", "get")
     }
-    # Mooncake as SGLang sets it up by default (the rank mounts the segment)
-    # and with a separate segment holder: each its own store, run in turn.
-    stores = {}
-    for name, holder in MOONCAKE_SETTINGS.items():
-        mc, mc_pages, segment, mc_master = _mooncake_store(
-            h, args, master, stack, page_bytes, holder
-        )
-        if mc is not None:
-            stores[name] = (mc, mc_pages, segment, mc_master)
-            seconds |= {f"{name} {op}": [] for op in ("set", "get")}
+    stores = _mooncake_stores(h, args, master, stack, page_bytes)
+    seconds |= {f"{name} {op}": [] for name in stores for op in ("set", "get")}
     for run in range(args.runs):
         g = torch.Generator().manual_seed(1 + run)
         tokens = torch.randint(0, 150_000, (args.pages * args.page_size,), generator=g)
@@ -242,11 +246,8 @@ def _measure_stores(h, args, master, stack: ExitStack, tmp: str) -> dict:
     rows = {}
     for row, times in seconds.items():
         base = seconds["HiCacheFile " + row.split()[-1]]  # the same op's baseline
-        rows[row] = _rates(times, args.pages, page_bytes) | {
-            "x_hicache_file": Summary.of(
-                [b / t for b, t in zip(base, times, strict=True)]
-            ).to_json()
-        }
+        ratios = Summary.of([b / t for b, t in zip(base, times, strict=True)]).to_json()
+        rows[row] = _rates(times, args.pages, page_bytes) | {"x_hicache_file": ratios}
     transports = {t: _peer(rows, _kvrelay_row(t), transport=t) for t in args.transport}
     # kvrelay's entry is its best transport (the slower of set and get decides).
     best = max(transports.values(), key=lambda e: min(e["set_gbps"], e["get_gbps"]))
@@ -259,13 +260,9 @@ def _measure_stores(h, args, master, stack: ExitStack, tmp: str) -> dict:
     for name, (_, mc_pages, segment, _) in stores.items():
         field = name.lower().replace("-", "_")
         checked[f"{field}_pages"] = mc_pages.checked
-        entry[field] = _peer(
-            rows,
-            name,
-            protocol="tcp",
-            global_segment_bytes=segment,
-            segment_in="holder process" if MOONCAKE_SETTINGS[name] else "rank",
-        )
+        held = "holder process" if MOONCAKE_SETTINGS[name] else "rank"
+        entry[field] = _peer(rows, name, protocol="tcp", global_segment_bytes=segment,
+                             segment_in=held)  # fmt: skip
     entry["byte_check"] = checked
     return entry
 
