@@ -1,6 +1,8 @@
 """What Linux's /proc says of a process, read in one place: its stat fields
 (state, process group), its memory counters, its descendants. Every read is
-best effort: a process may exit at any moment, and then reads as gone."""
+best effort: a process may exit at any moment, and then reads as gone. Also
+the two ends of a child's life that benches and tests share: tying it to its
+parent (`die_with_parent`) and ending it (`end_process`)."""
 
 from __future__ import annotations
 
@@ -78,3 +80,18 @@ def die_with_parent():
     import threading
 
     return _die_with_parent if threading.current_thread() is threading.main_thread() else None
+
+
+def end_process(popen, term_wait_s: float, kill_wait_s: float) -> None:
+    """SIGTERM a child still running, wait `term_wait_s`, then SIGKILL and
+    wait `kill_wait_s`: every stop of a server or engine a bench started."""
+    import subprocess
+
+    if popen.poll() is not None:
+        return
+    popen.terminate()
+    try:
+        popen.wait(timeout=term_wait_s)
+    except subprocess.TimeoutExpired:
+        popen.kill()
+        popen.wait(timeout=kill_wait_s)

@@ -29,7 +29,7 @@ import urllib.request
 from pathlib import Path
 
 from kvrelay.ports import free_port
-from kvrelay.procfs import die_with_parent
+from kvrelay.procfs import die_with_parent, end_process
 
 # Mooncake's client refuses a global segment under 16 MiB ("Total size must be at least").
 MIN_SEGMENT_BYTES = 16 << 20
@@ -153,13 +153,7 @@ class MasterProcess:
             time.sleep(0.5)
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(timeout=timeout_s)
+        end_process(self.popen, timeout_s, timeout_s)
         self.log.close()
 
 
@@ -235,13 +229,7 @@ class SegmentHolder:
             raise RuntimeError(f"Mooncake segment holder did not mount its segment: {line!r}")
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(5)
+        end_process(self.popen, timeout_s, 5.0)
         for stream in (self.popen.stdin, self.popen.stdout):
             stream.close()
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from kvrelay.options import option
 from kvrelay.ports import free_port
-from kvrelay.procfs import die_with_parent
+from kvrelay.procfs import die_with_parent, end_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -144,11 +144,5 @@ class LMCacheServer:
                                               "lmcache.mp.port": self.port}}  # fmt: skip
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(timeout=timeout_s)
+        end_process(self.popen, timeout_s, timeout_s)
         self.log.close()

@@ -12,7 +12,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from kvrelay.procfs import die_with_parent
+from kvrelay.procfs import die_with_parent, end_process
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 128  # vLLM's CPU block size: one kvrelay page
@@ -94,13 +94,7 @@ class Engine:
     def stop(self) -> None:
         """Ends the engine now (a bench interrupted mid-run: an engine still
         loading or computing would read its closed stdin only when done)."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+        end_process(self.process, 15.0, 10.0)
 
     def close(self) -> None:
         """Ends the engine as a client would: no more requests (stdin closed)."""
