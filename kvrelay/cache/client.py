@@ -31,7 +31,7 @@ from kvrelay.cache.identities import IdentityNotes
 from kvrelay.cache.policy import WritePolicy
 from kvrelay.cache.ring_follow import RingFollower
 from kvrelay.cache.writeback import WriteBackQueue
-from kvrelay.layout import HashRing, ModelKVSpec, Rectangle, ring_prefix
+from kvrelay.layout import HashRing, ModelKVSpec, Rectangle, prefix_in_turns, ring_prefix
 from kvrelay.rpc import Unavailable
 from kvrelay.rpc.cache_ops import (
     CacheStats,
@@ -136,18 +136,13 @@ class CacheClient:
         ring = self.ring
         self.stats.lookups += 1
         self.stats.lookup_pages += len(keys)
-        prefix = 0
-        # Rounds: a server whose L2 cannot hold its share of a long chain at
-        # once answers what fits and says `more`; once those pages are pulled
-        # and released the rest is asked for, from the first page not taken.
-        while prefix < len(keys):
-            got, more = await self._lookup_round(ring, keys[prefix:], dest, page_offsets[prefix:])
-            if got < 0:  # a pull failed midway: which pages arrived is unknown
-                self.stats.errors += 1
-                return 0
-            prefix += got
-            if not (got and more):
-                break
+        prefix = await prefix_in_turns(
+            len(keys),
+            lambda start: self._lookup_round(ring, keys[start:], dest, page_offsets[start:]),
+        )
+        if prefix < 0:  # a pull failed midway: which pages arrived is unknown
+            self.stats.errors += 1
+            return 0
         # Pages this client wrote back but has not pushed yet continue the prefix.
         if self._queue is not None:
             while prefix < len(keys) and self._queue.copy_out(
@@ -196,13 +191,10 @@ class CacheClient:
         """Length of the sealed prefix of `keys` in the tier, moving no page bytes
         (lookups whose pins are released at once; a server down counts as misses)."""
         self._follow_ring()
-        ring, prefix = self.ring, 0
-        while prefix < len(keys):
-            got, more = await self._lookup_round(ring, keys[prefix:], None)
-            prefix += got
-            if not (got and more):
-                break
-        return prefix
+        ring = self.ring
+        return await prefix_in_turns(
+            len(keys), lambda start: self._lookup_round(ring, keys[start:], None)
+        )
 
     async def _pull(self, server, lease, positions, dest, page_offsets) -> None:
         reply = await self._servers[server].call(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from kvrelay.layout import HashRing, ring_prefix
+from kvrelay.layout import HashRing, prefix_in_turns, ring_prefix
 from kvrelay.rpc import Channel, Unavailable
 from kvrelay.rpc.cache_ops import (
     CacheWelcome,
@@ -53,13 +53,9 @@ class TierProbe:
         if not keys or not ring.servers:
             return 0
         self.probes += 1
-        prefix = 0
-        while prefix < len(keys):
-            got, more = await self._probe_round(ring, namespace, keys[prefix:])
-            prefix += got
-            if not (got and more):
-                break
-        return prefix
+        return await prefix_in_turns(
+            len(keys), lambda start: self._probe_round(ring, namespace, keys[start:])
+        )
 
     async def _probe_round(self, ring: HashRing, namespace: bytes, keys: Sequence[bytes]):
         groups = ring.group(keys)

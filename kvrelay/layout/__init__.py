@@ -10,7 +10,7 @@ from kvrelay.layout.parallel import (
     rank_rectangle,
     stage_layers,
 )
-from kvrelay.layout.ring import HashRing, ring_prefix
+from kvrelay.layout.ring import HashRing, prefix_in_turns, ring_prefix
 from kvrelay.layout.spec import (
     ATTENTION_KINDS,
     DEFAULT_PAGE_SIZE,
@@ -38,6 +38,7 @@ __all__ = [
     "draft_rectangle",
     "page_keys",
     "page_writers",
+    "prefix_in_turns",
     "rank_rectangle",
     "ring_prefix",
     "stage_layers",

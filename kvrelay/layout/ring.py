@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 DEFAULT_VNODES = 160
 
@@ -99,3 +99,23 @@ def ring_prefix(
         taken[server] += 1
         prefix += 1
     return prefix, taken
+
+
+async def prefix_in_turns(count: int, turn: Callable[[int], Awaitable[tuple[int, bool]]]) -> int:
+    """Length of the tier's prefix of `count` keys, asked for in turns.
+
+    A cache server pins what it answers while it is read, so one whose L2
+    cannot hold its share of a long chain at once answers what fits and
+    says it may hold more. `turn(start)` looks up the keys from `start`
+    (and reads what it found) and answers (pages found, or -1 when a read
+    failed; whether the server that ended them may hold more); the next
+    turn starts at the first page not taken. -1 when a turn failed."""
+    prefix = 0
+    while prefix < count:
+        got, more = await turn(prefix)
+        if got < 0:
+            return -1
+        prefix += got
+        if not (got and more):
+            break
+    return prefix
