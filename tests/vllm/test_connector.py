@@ -158,6 +158,23 @@ async def tier_pages(server: str, spec, tokens, write_rows: torch.Tensor | None 
         await agent.close()
 
 
+def plant_pages(server: str, spec, read, reuse, poison, ours, ours_rows) -> torch.Tensor:
+    """While a writer engine holds its P/D blocks: returns the full pages of
+    `read` in the tier, puts `reuse`'s real pages under `poison`'s keys (the
+    negative control) and `ours_rows` (kvrelay's runner's) under `ours`'s."""
+    found = asyncio.run(tier_pages(server, spec, read))
+    wrong = asyncio.run(tier_pages(server, spec, reuse))
+    asyncio.run(tier_pages(server, spec, poison, write_rows=wrong))
+    asyncio.run(tier_pages(server, spec, ours, write_rows=ours_rows))
+    return found
+
+
+def held_handoffs(writer_dir: Path) -> list[dict]:
+    """The writer engine's phase-1 replies: the P/D prefills it holds."""
+    lines = (writer_dir / "phase.results").read_text().splitlines()
+    return [json.loads(line) for line in lines if json.loads(line)["phase"] == 1]
+
+
 def kvrelay_pages(model_dir: Path, tokens) -> torch.Tensor:
     """kvrelay's own runner: the full pages of `tokens`, computed cold, as unified rows."""
     engine = load_engine(model_dir, dtype="bfloat16", page_size=BLOCK, num_pages=64)
@@ -203,15 +220,17 @@ def runs(tmp_path_factory, model_dir, spec):
         def read_while_the_writer_holds(phase: int) -> None:
             if phase != 2:
                 return
-            found["vllm_kv"] = asyncio.run(tier_pages(server.address, spec, P_VLLM_KV))
+            found["vllm_kv"] = plant_pages(
+                server.address,
+                spec,
+                P_VLLM_KV,
+                P_REUSE,
+                P_POISON,
+                P_KVRELAY_KV,
+                kvrelay_pages(model_dir, P_KVRELAY_KV),
+            )
             found["ours"] = kvrelay_pages(model_dir, P_VLLM_KV)
-            # Negative control: P_REUSE's real pages under P_POISON's keys.
-            wrong = asyncio.run(tier_pages(server.address, spec, P_REUSE))
-            asyncio.run(tier_pages(server.address, spec, P_POISON, write_rows=wrong))
-            asyncio.run(tier_pages(server.address, spec, P_KVRELAY_KV,
-                                   write_rows=kvrelay_pages(model_dir, P_KVRELAY_KV)))  # fmt: skip
-            lines = (tmp / "writer" / "phase.results").read_text().splitlines()
-            held = [json.loads(line) for line in lines if json.loads(line)["phase"] == 1]
+            held = held_handoffs(tmp / "writer")
             found["reader"] = run_engine(
                 tmp / "reader", model_dir, extra,
                 [[P_REUSE, P_POISON, P_KVRELAY_KV, {"batch": P_TOGETHER},

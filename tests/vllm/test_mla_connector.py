@@ -19,8 +19,6 @@ pulling the writer's blocks.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import random
 import subprocess
 import sys
@@ -35,7 +33,7 @@ from kvrelay.model.page_export import export_prefix
 from kvrelay.model.requests import Request
 from kvrelay.model.sampling import SamplingParams
 from kvrelay.ports import free_port
-from tests.vllm.test_connector import TOKEN, connector, run_engine, tier_pages
+from tests.vllm.test_connector import TOKEN, connector, held_handoffs, plant_pages, run_engine
 
 BLOCK = 16  # the CPU MLA backend's only block size: one kvrelay page
 LORA, ROPE = 512, 64
@@ -126,15 +124,17 @@ def runs(tmp_path_factory, model_dir, spec):
         def read_while_the_writer_holds(phase: int) -> None:
             if phase != 2:
                 return
-            found["vllm_kv"] = asyncio.run(tier_pages(server.address, spec, P_VLLM_KV))
+            found["vllm_kv"] = plant_pages(
+                server.address,
+                spec,
+                P_VLLM_KV,
+                P_REUSE,
+                P_POISON,
+                P_KVRELAY_KV,
+                runner_pages(model_dir, P_KVRELAY_KV),
+            )
             found["ours"] = runner_pages(model_dir, P_VLLM_KV)
-            # Negative control: P_REUSE's real pages under P_POISON's keys.
-            wrong = asyncio.run(tier_pages(server.address, spec, P_REUSE))
-            asyncio.run(tier_pages(server.address, spec, P_POISON, write_rows=wrong))
-            asyncio.run(tier_pages(server.address, spec, P_KVRELAY_KV,
-                                   write_rows=runner_pages(model_dir, P_KVRELAY_KV)))  # fmt: skip
-            lines = (tmp / "writer" / "phase.results").read_text().splitlines()
-            held = [json.loads(line) for line in lines if json.loads(line)["phase"] == 1]
+            held = held_handoffs(tmp / "writer")
             found["reader"] = run_engine(
                 tmp / "reader", model_dir, extra,
                 [[P_REUSE, P_POISON, P_KVRELAY_KV, PD_SWAPPED, *decode_requests(held)]],
