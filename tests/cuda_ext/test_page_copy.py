@@ -1,5 +1,8 @@
 """gather/scatter_pages: every implementation against the torch-indexing oracle, bit for bit."""
 
+import os
+import subprocess
+import sys
 import zlib
 from dataclasses import dataclass
 
@@ -7,7 +10,7 @@ import pytest
 import torch
 
 from kvrelay.cuda_ext import slot_mapping_from_block_table, torch_ref
-from tests.cuda_ext.impls import DTYPES, IMPLS, random_pool
+from tests.cuda_ext.impls import DTYPES, IMPLS, compiled, random_pool
 
 # "cuda": the same cases through the CUDA kernel, whenever a GPU is present.
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
@@ -236,3 +239,20 @@ def test_large_call_takes_the_threaded_and_streaming_paths(k_dim):
         check_scatter("dispatch", case)
     finally:
         torch.set_num_threads(previous)
+
+
+def test_the_baseline_loops_pass_the_same_cases():
+    """CPUs without AVX2 run the plain x86-64 build of the loops; an AVX2
+    machine runs the other build, so this file runs again with it turned off."""
+    module = compiled()
+    if os.environ.get("KVRELAY_PAGE_COPY_LOOPS") == "baseline":
+        assert module.cpu_page_copy_loops() == "baseline"
+        return
+    env = {**os.environ, "KVRELAY_PAGE_COPY_LOOPS": "baseline"}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+         "-k", "cpp or dispatch or baseline or large"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and " failed" not in run.stdout

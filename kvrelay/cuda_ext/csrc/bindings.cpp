@@ -242,6 +242,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "rectangle (heads x layers) of unified page objects (rows of `pages`).");
   def_copy("scatter_pages", &kvrelay::copy_entry<false>,
            "Inverse of gather_pages: copy page-object rectangles into the pool.");
+  m.def("cpu_page_copy_loops", &kvrelay::cpu_page_copy_loops,
+        "Which build of the CPU loops runs: 'avx2' or 'baseline' (plain x86-64).");
 #ifdef KVRELAY_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

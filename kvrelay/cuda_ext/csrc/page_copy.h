@@ -69,6 +69,8 @@ inline int64_t block_offset(const PageCopyParams& p, int64_t head, int64_t layer
 // scatter: pages -> pool. Tokens with slot -1 are skipped.
 void gather_pages_cpu(const PageCopyParams& p);
 void scatter_pages_cpu(const PageCopyParams& p);
+// Which build of the CPU loops runs: "avx2" or "baseline" (plain x86-64).
+const char* cpu_page_copy_loops();
 
 #ifdef KVRELAY_WITH_CUDA
 // Asynchronous on `stream` (a cudaStream_t passed as void* to keep this header
