@@ -28,9 +28,12 @@ from kvrelay.model.paged_attention import accumulation_dtype
 
 # Score (or gathered-row) elements per block of queries, and the most
 # elements expanded K and V of one context may take before the absorbed form
-# is used instead: they bound memory whatever the context length.
+# is used instead: they bound memory whatever the context length. Sparse
+# attention gathers its selected rows this many elements at a time (a few
+# queries' worth: they stay in the cache while three products read them).
 SCORE_BLOCK_ELEMENTS = 1 << 24
 EXPANDED_ELEMENTS = 1 << 26
+GATHER_ELEMENTS = 1 << 18
 
 
 def absorbed_is_cheaper(queries: int, context: int, heads: int, nope: int, rank: int, v: int):
@@ -66,13 +69,28 @@ def mla_attend(
         q = (q_nope[rows].to(acc), q_rot[rows].to(acc))
         # A query with at most index_topk visible tokens sees them all.
         if topk is not None and context > topk.size(1):
-            pages = (latent_layer, table, ps)
-            result = _sparse(q, pages, w_uk, w_uv, topk[rows], context - length, scale)
+            gather = _token_rows(latent_layer, table, context, ps, acc, length * topk.size(1))
+            result = _sparse(q, gather, w_uk, w_uv, topk[rows], context - length, scale)
         else:
             latent = context_rows(latent_layer, table, context, ps).to(acc)
             result = _dense(q, latent, w_uk, w_uv, context - length, scale)
         out[rows] = result.to(out.dtype)
     return out
+
+
+def _token_rows(layer, table, context: int, page_size: int, dtype, selections: int):
+    """tokens -> their latent rows [tokens, rank + rope] in `dtype`. A prefill
+    chunk selecting more rows than its context holds copies the context once
+    and gathers from it; decode rows gather by pool slot."""
+    if selections >= context:
+        latent = context_rows(layer, table, context, page_size).to(dtype)
+        return lambda tokens: latent.index_select(0, tokens)
+
+    def by_slot(tokens: torch.Tensor) -> torch.Tensor:
+        slots = table[tokens // page_size] * page_size + tokens % page_size
+        return layer.index_select(0, slots).to(dtype)
+
+    return by_slot
 
 
 def _causal(cached: int, r0: int, r1: int, context: int, device) -> torch.Tensor:
@@ -110,29 +128,44 @@ def _dense(q, latent, w_uk, w_uv, cached: int, scale: float) -> torch.Tensor:
     return out
 
 
-def _sparse(q, pages, w_uk, w_uv, topk, cached: int, scale: float) -> torch.Tensor:
-    """Each row attends to the latent rows of its selected tokens only,
-    read from the pool by slot (absorbed form); selections past a row's
-    position (a row with fewer visible tokens than index_topk) and -1 pads
-    are masked. pages: (pool layer, page table, page size)."""
-    latent_layer, table, ps = pages
+def _sparse(q, gather, w_uk, w_uv, topk, cached: int, scale: float) -> torch.Tensor:
+    """Each row attends to the latent rows of its selected tokens only
+    (absorbed form); selections past a row's position (a row with fewer
+    visible tokens than index_topk) and -1 pads are masked. gather: tokens
+    -> latent rows (`_token_rows`)."""
     q_nope, q_rot = q
-    rank = w_uk.size(2)
+    heads, rank = w_uk.size(0), w_uk.size(2)
     length, k = topk.shape
-    out = q_nope.new_empty(length, w_uk.size(0), w_uv.size(1))
-    block = max(1, SCORE_BLOCK_ELEMENTS // (k * max(w_uk.size(0), latent_layer.size(1))))
+    out = q_nope.new_empty(length, heads, w_uv.size(1))
+    # A block's q_lat and output projections are products with a block's
+    # rows as M: their rounding depends on M, so blocks stay this size.
+    width = rank + q_rot.size(-1)
+    block = max(1, SCORE_BLOCK_ELEMENTS // (k * max(heads, width)))
+    sub = max(1, GATHER_ELEMENTS // (k * width))
     for r0 in range(0, length, block):
         r1 = min(length, r0 + block)
-        chosen = topk[r0:r1]
-        position = cached + torch.arange(r0, r1, device=chosen.device)
-        valid = (chosen >= 0) & (chosen <= position[:, None])
-        tokens = chosen.clamp(min=0)
-        selected = latent_layer[table[tokens // ps] * ps + tokens % ps].to(w_uk.dtype)
-        c, k_rot = selected[..., :rank], selected[..., rank:]
         q_lat = torch.matmul(q_nope[r0:r1].transpose(0, 1), w_uk).transpose(0, 1)  # [L, h, r]
-        scores = torch.matmul(q_lat, c.transpose(1, 2))  # [L, heads, k]
-        scores = (scores + torch.matmul(q_rot[r0:r1], k_rot.transpose(1, 2))) * scale
-        probs = torch.softmax(scores.masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
-        o_lat = torch.matmul(probs, c)  # [L, heads, rank]
+        o_lat = q_lat.new_empty(r1 - r0, heads, rank)
+        for s0 in range(r0, r1, sub):
+            s1 = min(r1, s0 + sub)
+            o_lat[s0 - r0 : s1 - r0] = _attend_selected(
+                q_lat[s0 - r0 : s1 - r0], q_rot[s0:s1], gather, topk[s0:s1], cached + s0, scale
+            )
         out[r0:r1] = torch.matmul(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
     return out
+
+
+def _attend_selected(q_lat, q_rot, gather, chosen, first: int, scale: float) -> torch.Tensor:
+    """[rows, heads, rank] latent outputs of rows at positions first.. over
+    their selected tokens (index_select copies whole rows, where indexing a
+    tensor by a 2D index costs a pass per element)."""
+    rows, k = chosen.shape
+    rank = q_lat.size(-1)
+    position = first + torch.arange(rows, device=chosen.device)
+    valid = (chosen >= 0) & (chosen <= position[:, None])
+    selected = gather(chosen.clamp(min=0).flatten()).view(rows, k, -1)
+    c, k_rot = selected[..., :rank], selected[..., rank:]
+    scores = torch.matmul(q_lat, c.transpose(1, 2))  # [rows, heads, k]
+    scores = (scores + torch.matmul(q_rot, k_rot.transpose(1, 2))) * scale
+    probs = torch.softmax(scores.masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
+    return torch.matmul(probs, c)
