@@ -6,7 +6,7 @@ tokens whatever the row's length."""
 import torch
 
 from kvrelay.model import Request, SamplingParams, load_engine
-from kvrelay.model.dsa_indexer import _top
+from kvrelay.model.dsa_topk import top_k
 from tests.support.models import prompt_tokens
 
 
@@ -29,6 +29,6 @@ def test_tokens_do_not_depend_on_chunking_or_a_cached_prefix(mla_dirs):
 def test_ties_at_the_kth_score_go_to_the_earliest_tokens():
     row = torch.tensor([0.0, 3.0, 0.0, 2.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0])
     for length in (6, 8, 10):  # more tied tokens after the boundary change nothing
-        assert sorted(_top(row[None, :length], 5)[0].tolist()) == [0, 1, 2, 3, 5]
+        assert sorted(top_k(row[None, :length], 5)[0].tolist()) == [0, 1, 2, 3, 5]
     masked = torch.tensor([[5.0, float("-inf"), float("-inf")]])
-    assert _top(masked, 2)[0, 0] == 0
+    assert top_k(masked, 2)[0, 0] == 0
