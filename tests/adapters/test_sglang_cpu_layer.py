@@ -167,6 +167,27 @@ def test_kernel_ops_skip_negative_rows_and_refuse_bad_sizes():
                                       torch.tensor([1]), 16, 2)  # fmt: skip
 
 
+# SGLang's own tree build and greedy verify (eagle_utils, spec_tree) for a
+# chain of three drafts, through the stand-ins; defined first, called last.
+CHAIN = """
+def chain():
+    import torch
+    from sglang.srt.speculative.eagle_utils import build_tree_kernel_efficient
+    from sglang.kernels.ops.speculative.spec_tree import TreeMaskMode, verify_tree_greedy_func
+    parents, selected = torch.arange(-1, 2).view(1, 3), torch.arange(3).view(1, 3)
+    tree = build_tree_kernel_efficient(torch.tensor([4]), parents, selected,
+                                       torch.tensor([[5, 6, 7]]), torch.tensor([9]), 9, 1, 3, 4,
+                                       TreeMaskMode.QLEN_ONLY)
+    mask, positions, index, first, sibling, drafts = tree
+    assert positions.tolist() == [9, 10, 11, 12] and drafts.tolist() == [4, 5, 6, 7]
+    predicts, accept_index, accepted = verify_tree_greedy_func(
+        torch.zeros(4, dtype=torch.int32), torch.full((1, 4), -1, dtype=torch.int32),
+        torch.zeros(1, dtype=torch.int32), drafts.view(1, 4), index, first, sibling,
+        torch.tensor([[5, 6, 9, 0]]))
+    return f"{accept_index.tolist()} {accepted.tolist()} {predicts.tolist()}"
+"""
+
+
 def test_a_process_gets_the_stand_ins_and_sglang_imports_them():
     """In a fresh process (SGLang's CPU engine on), as the launcher applies it."""
     code = (
@@ -183,13 +204,21 @@ def test_a_process_gets_the_stand_ins_and_sglang_imports_them():
         "assert mha.transfer_kv_all_layer_lf_ph is kernels.transfer_kv_all_layer_lf_ph\n"
         "from sglang.srt.models.deepseek_common import attention_backend_handler as h\n"
         "assert h.AttentionBackendRegistry.get_handler('torch_native') is h._dispatch_mla_subtype\n"
-        "import sgl_kernel\n"
+        "from sglang.kernels.ops.speculative import cache_locs, spec_tree\n"
+        "from kvrelay.adapters.sglang.cpu import spec_kernels as sk\n"
+        "assert spec_tree.sgl_verify_tree_greedy_cpu is sk.verify_tree_greedy_cpu\n"
+        "assert cache_locs.assign_extend_cache_locs_cpu is sk.assign_extend_cache_locs_cpu\n"
+        "from sglang.srt.speculative.draft_utils import DraftBackendFactory\n"
+        "assert DraftBackendFactory._create_backend._kvrelay\n"
+        "from types import SimpleNamespace\n"
+        "from kvrelay.adapters.sglang.cpu import spec_attention\n"
         "try:\n"
-        "    sgl_kernel.verify_tree_greedy_cpu()\n"
+        "    spec_attention.draft_backend_entry(SimpleNamespace(topk=2), True)\n"
         "except NotImplementedError as e:\n"
-        "    assert 'speculative decoding' in str(e)\n"
+        "    assert '--speculative-eagle-topk 1' in str(e)\n"
         "else:\n"
-        "    raise AssertionError('a speculative op ran')\n"
+        "    raise AssertionError('a draft tree on torch_native')\n"
+        "print(chain())\n"
         "try:\n"
         "    from sgl_kernel import rmsnorm_cpu\n"
         "except ImportError:\n"
@@ -198,10 +227,14 @@ def test_a_process_gets_the_stand_ins_and_sglang_imports_them():
         "    raise AssertionError('an op with no stand-in imported')\n"
         "print(len(done))\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", CHAIN + code], capture_output=True, text=True,
                           timeout=240)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+    # Drafts 5, 6, 7 after the bonus 4; the target agrees with 5 and 6 only.
+    assert done.stdout.splitlines()[0] == "[[0, 1, 2, -1]] [2] [5, 6, 9, 0]"
     log = done.stderr
+    assert "speculative-decoding ops: pure-torch rotate_input_ids_cpu" in log
+    assert "speculative decoding on torch_native" in log
     assert "pure-torch copy_all_layer_kv_cache_cpu, assign_req_to_token_pool_cpu" in log
     assert "mha host pool: pure-torch transfer_kv_direct" in log
     assert "transfer_kv_per_layer_ph_lf" in log and "transfer_kv_all_layer_mla_lf_pf" in log

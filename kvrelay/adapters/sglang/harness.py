@@ -14,6 +14,7 @@ index's CUDA build of it import beside CPU torch.
 from __future__ import annotations
 
 import warnings
+from array import array
 from types import SimpleNamespace
 
 import torch
@@ -45,6 +46,7 @@ with warnings.catch_warnings():
     )
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+    from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
     from sglang.srt.mem_cache.utils import get_hash_str
 
@@ -163,7 +165,12 @@ def create_backend(config, pool):
     return backend
 
 
-def sglang_keys(tokens, page_size) -> list[str]:
+def sglang_keys(tokens, page_size, *, eagle: bool = False) -> list[str]:
+    """SGLang's page keys of `tokens`. With EAGLE / MTP its radix tree keys a
+    prompt by token pairs (t_i, t_i+1), so a page needs the next page's first
+    token."""
+    if eagle:
+        return get_hash_str(RadixKey(array("q", tokens), is_bigram=True), None, page_size)
     return get_hash_str(tokens, None, page_size=page_size)
 
 

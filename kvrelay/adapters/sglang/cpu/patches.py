@@ -7,9 +7,13 @@ process SGLang starts) and logs one line per stand-in it applies:
   (kernels/ops/kvcache/cache_move.py) and `assign_req_to_token_pool_cpu`
   (mem_cache/allocation.py) from it at import time. When `sgl_kernel` does not
   import, a module of that name holding the two pure-torch ops
-  (`kernels.py`) takes its place; the speculative-decoding ops SGLang's
-  scheduler imports are stubs that refuse when called, and any other name
-  asked of it fails as a missing name would.
+  (`kernels.py`) takes its place, with the seven speculative-decoding ops
+  SGLang's EAGLE / MTP worker calls (`spec_kernels.py`); any other name asked
+  of it fails as a missing name would.
+* Speculative decoding on `torch_native` attention (`spec_attention.py`):
+  target verify, the draft's extend and its decode steps for draft chains
+  (topk 1), and `torch.cuda.synchronize` as a no-op on a CPU-only torch
+  (DeepSeek's draft calls it after sharing the target's embedding and head).
 * HiCache's host<->device transfers, those of the `direct` io backend
   (`transfer_kv_direct` and the page_first_direct pair) and those of the
   `kernel` io backend (per-layer loads and all-layer backups for the
@@ -26,6 +30,7 @@ process SGLang starts) and logs one line per stand-in it applies:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.machinery
 import inspect
@@ -36,25 +41,14 @@ import types
 
 import torch
 
-from kvrelay.adapters.sglang.cpu import kernels
+from kvrelay.adapters.sglang.cpu import kernels, spec_kernels
 
 log = logging.getLogger("kvrelay.sglang.cpu")
 
 ENGINE_OPS = ("copy_all_layer_kv_cache_cpu", "assign_req_to_token_pool_cpu")
 # Speculative decoding's CPU ops: SGLang's scheduler modules import them
-# whether or not a draft model is configured. They are bound to stubs that
-# refuse when called, so a server asked for speculative decoding fails loudly.
-REFUSED_OPS = frozenset(
-    {
-        "rotate_input_ids_cpu",
-        "fill_accept_out_cache_loc_cpu",
-        "fill_bonus_tokens_cpu",
-        "assign_draft_cache_locs_contiguous_cpu",
-        "assign_extend_cache_locs_cpu",
-        "build_tree_kernel_efficient_cpu",
-        "verify_tree_greedy_cpu",
-    }
-)
+# whether or not a draft model is configured.
+SPEC_OPS = tuple(spec_kernels.SPEC_OPS)
 DIRECT_TRANSFERS = (
     "transfer_kv_direct",
     "transfer_kv_per_layer_direct_pf_lf",
@@ -89,22 +83,10 @@ def _stand_in_module(name: str, functions: dict) -> types.ModuleType:
     module.__dict__.update(functions)
 
     def __getattr__(attr: str):
-        if attr in REFUSED_OPS:
-            return _refusing(name, attr)
         raise AttributeError(f"{name} is kvrelay's CPU stand-in; it has no {attr!r}")
 
     module.__getattr__ = __getattr__
     return module
-
-
-def _refusing(module: str, op: str):
-    def refuse(*args, **kwargs):
-        raise NotImplementedError(
-            f"{module}.{op} has no kvrelay CPU stand-in (speculative decoding is not supported)"
-        )
-
-    refuse.__name__ = op
-    return refuse
 
 
 def _broken(name: str) -> bool:
@@ -126,9 +108,10 @@ def stand_in_engine_ops() -> None:
         if missing:
             raise RuntimeError(f"sgl_kernel imports but lacks {missing}: not a CPU build")
         return
-    ops = {op: getattr(kernels, op) for op in ENGINE_OPS}
+    ops = {op: getattr(kernels, op) for op in ENGINE_OPS} | spec_kernels.SPEC_OPS
     sys.modules["sgl_kernel"] = _stand_in_module("sgl_kernel", ops)
     _note(f"sgl_kernel does not import: pure-torch {', '.join(ENGINE_OPS)}")
+    _note(f"sgl_kernel's speculative-decoding ops: pure-torch {', '.join(SPEC_OPS)}")
 
 
 def torchvision_op_schemas() -> None:
@@ -197,6 +180,33 @@ def mla_on_torch_native() -> None:
     _note("MLA models on torch_native attention: the absorbed MLA form for every batch")
 
 
+def speculative_on_torch_native() -> None:
+    """EAGLE / MTP draft chains on `torch_native` attention (`spec_attention`)."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang.srt.speculative.draft_utils import DraftBackendFactory
+
+    from kvrelay.adapters.sglang.cpu import spec_attention
+
+    if getattr(DraftBackendFactory._create_backend, "_kvrelay", False):
+        return
+    TorchNativeAttnBackend.forward_extend = spec_attention.forward_extend
+    create = DraftBackendFactory._create_backend
+
+    def create_backend(self, backend_name, backend_map, error_template, stamps_children=False):
+        # SGLang's own entry, should it gain one, comes after and wins.
+        entry = functools.partial(spec_attention.draft_backend_entry, self, stamps_children)
+        backend_map = {"torch_native": entry, **backend_map}
+        return create(self, backend_name, backend_map, error_template, stamps_children)
+
+    create_backend._kvrelay = True
+    DraftBackendFactory._create_backend = create_backend
+    _note("speculative decoding on torch_native: target verify, draft extend and "
+          "draft steps for chains (topk 1)")  # fmt: skip
+    if not torch.cuda.is_available():
+        torch.cuda.synchronize = lambda device=None: None
+        _note("no accelerator: torch.cuda.synchronize waits for nothing")
+
+
 def apply() -> list[str]:
     """Apply every stand-in this process needs; returns what was stood in for."""
     global _applied_all
@@ -207,4 +217,5 @@ def apply() -> list[str]:
     stand_in_engine_ops()
     stand_in_host_pool()
     mla_on_torch_native()
+    speculative_on_torch_native()
     return applied

@@ -56,6 +56,7 @@ class Reply:
     cached_tokens: int
     storage_tokens: int  # of cached_tokens, read from the L3
     ttft_s: float | None = None  # streamed requests: time to the first token
+    spec: dict = field(default_factory=dict)  # speculative decoding: SGLang's spec_* counts
 
 
 @dataclass
@@ -77,6 +78,9 @@ class SGLangServer:
     # steady: OpenMP threads that wait on each other at every op stall
     # whenever a neighbour holds one of their cores.
     threads: int | None = None
+    # MTP / EAGLE speculative decoding: a draft chain (topk 1) of this many
+    # steps, verified as steps + 1 tokens; 0: none.
+    speculative_steps: int = 0
     # Requests wait for their L3 prefetch to finish: the hit is what the L3
     # holds, not what it delivers before a deadline (SGLang's default).
     prefetch_policy: str = "wait_complete"
@@ -100,6 +104,12 @@ class SGLangServer:
         ]  # fmt: skip
         if self.sleep_on_idle:
             args.append("--sleep-on-idle")
+        if self.speculative_steps:
+            steps = self.speculative_steps
+            args += [
+                "--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(steps),
+                "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(steps + 1),
+            ]  # fmt: skip
         if self.hierarchical:
             if self.layout not in IO_BACKENDS:
                 raise ValueError(f"host layout {self.layout!r}: one of {sorted(IO_BACKENDS)}")
@@ -223,7 +233,7 @@ class SGLangServer:
         return Reply(
             output_ids=list(last["output_ids"]), prompt_tokens=meta["prompt_tokens"],
             cached_tokens=meta["cached_tokens"], storage_tokens=details.get("storage", 0),
-            ttft_s=first,
+            ttft_s=first, spec={k: v for k, v in meta.items() if k.startswith("spec_")},
         )  # fmt: skip
 
     def flush(self, timeout_s: float = 60.0) -> None:
