@@ -188,12 +188,14 @@ test-numba: setup
 
 # kvrelay as SGLang's HiCache storage backend, against the real SGLang: its
 # host-pool and storage classes, and real SGLang server processes on CPU
-# (kvrelay/adapters/sglang/cpu), one at a time, about 4.5 min on 2 cores.
+# (kvrelay/adapters/sglang/cpu), one at a time, about 4.5 min on 2 cores, and
+# 2-3 min more for `bench sglang-server` across a TP=2 -> TP=1 redeploy.
 test-sglang: setup sglang-deps
 	KVRELAY_SGLANG_TESTS=1 PYTHONPATH=$(CURDIR)/$(VENV_SGLANG) $(PY) -m pytest -q --durations=10 tests/adapters
 
-# The peers' smoke tests (Mooncake Store through SGLang's backend factory);
-# they skip, saying why, where `make peers-deps` has not run.
+# The peers' smoke tests (Mooncake Store through SGLang's backend factory, and
+# `bench sglang-server`'s Mooncake modes across a TP redeploy); they skip,
+# saying why, where `make peers-deps` has not run. About 6 min on 2 cores.
 test-peers: setup peers-deps
 	KVRELAY_SGLANG_TESTS=1 PYTHONPATH=$(CURDIR)/$(VENV_SGLANG) $(PY) -m pytest -q -p no:xdist \
 	  --durations=10 tests/adapters/test_sglang_mooncake.py

@@ -1,6 +1,7 @@
 """Mooncake Store as `kvrelay bench sglang`'s peer: its master on
 loopback, SGLang's own mooncake backend over a real host pool, and the bench's
-mooncake columns. Skipped where `make peers-deps` has not installed it."""
+mooncake columns; and as `kvrelay bench sglang-server`'s modes across a
+redeploy. Skipped where `make peers-deps` has not installed it."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 from kvrelay.bench import sglang_mooncake as mooncake
 from kvrelay.bench.sglang import MOONCAKE_SETTINGS, ROWS
 from tests.adapters import sglang_env as env
+from tests.adapters.test_sglang_server_bench import bench_redeploy
 
 pytestmark = pytest.mark.skipif(mooncake.missing() is not None, reason=str(mooncake.missing()))
 
@@ -144,3 +146,14 @@ def test_bench_stops_its_mooncake_master_on_a_signal(sig):
     while _alive(masters[0]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(masters[0]), "the bench's mooncake_master outlived it"
+
+
+def test_after_a_tp_redeploy_only_a_segment_holder_keeps_mooncake_pages(tmp_path):
+    """TP=2 then TP=1 servers: SGLang's default setting (each rank mounts a
+    segment) loses its pages with the ranks; a segment holder keeps them, and
+    SGLang's `tp_lcm_size` keys them by head shards that TP=1 reads."""
+    after = bench_redeploy(tmp_path, ["mooncake", "mooncake-holder"])
+    assert after["mooncake"]["x_optimum"] < 0.5
+    assert after["mooncake-holder"]["x_optimum"] >= 0.95
+    held = after["l3_held"]["mooncake-holder"]
+    assert held["after"] >= held["before"] > 0

@@ -2,9 +2,10 @@
 
 `SGLangServer` starts `kvrelay.adapters.sglang.cpu.launch_server` (SGLang's
 launcher with the CPU stand-ins) for a model directory, with HiCache and an
-L3 (`kvrelay` through SGLang's `dynamic` backend, SGLang's own `file`, or
-none), waits for its health check and speaks its native HTTP API: `/generate`
-with token ids (the server runs with `--skip-tokenizer-init`), `/flush_cache`.
+L3 (`kvrelay` through SGLang's `dynamic` backend, SGLang's own `file` or
+`mooncake`, or none), waits for its health check and speaks its native HTTP
+API: `/generate` with token ids (the server runs with `--skip-tokenizer-init`),
+`/flush_cache`.
 Every wait is bounded; `stop()` ends the whole process group.
 """
 
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from kvrelay.ports import free_port
 
-L3_KINDS = ("kvrelay", "file", "none")
+L3_KINDS = ("kvrelay", "mooncake", "file", "none")
 # HiCache's io backend per host layout (both stood in for by the CPU layer):
 # `direct` moves per-layer token slots and whole pages of all layers, the
 # `kernel` backend token rows of page_first and page_head pools.
@@ -64,7 +65,7 @@ class SGLangServer:
     model_dir: Path
     log_path: Path
     l3: str = "kvrelay"
-    extra: dict = field(default_factory=dict)  # kvrelay: the extra config
+    extra: dict = field(default_factory=dict)  # kvrelay, mooncake: the extra config
     file_dir: Path | None = None  # file: SGLang's HiCacheFile directory
     layout: str = "layer_first"
     page_size: int = 16
@@ -120,8 +121,9 @@ class SGLangServer:
             ]  # fmt: skip
         if self.l3 != "none":
             args += ["--hicache-storage-prefetch-policy", self.prefetch_policy]
-        if self.l3 == "kvrelay":
-            args += ["--hicache-storage-backend", "dynamic",
+        if self.l3 in ("kvrelay", "mooncake"):
+            backend = "dynamic" if self.l3 == "kvrelay" else "mooncake"
+            args += ["--hicache-storage-backend", backend,
                      "--hicache-storage-backend-extra-config", json.dumps(self.extra)]  # fmt: skip
         elif self.l3 == "file":
             args += ["--hicache-storage-backend", "file"]
@@ -148,6 +150,10 @@ class SGLangServer:
             if self.file_dir is None:
                 raise ValueError("the file L3 needs file_dir")
             env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = str(self.file_dir)
+        if self.l3 == "mooncake":
+            # Mooncake's transfer engine reads it at setup (its listeners
+            # ignore it in 0.3.13.post1: kvrelay.bench.sglang_mooncake).
+            env["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
