@@ -32,7 +32,7 @@ EXT_SOURCES := $(wildcard kvrelay/cuda_ext/csrc/*) $(wildcard kvrelay/transfer/c
   $(wildcard kvrelay/cache/eviction/csrc/*)
 NVCC ?= nvcc
 
-.PHONY: setup sglang-deps peers-deps test-peers lmcache-deps test-peers-vllm vllm-deps vllm-bench-deps test-vllm test test-slow test-all test-fast test-numba test-sglang test-gpu gpu-check lint cuda-check bench demo clean
+.PHONY: setup sglang-deps peers-deps test-peers test-peers-smoke lmcache-deps test-peers-vllm vllm-deps vllm-bench-deps test-vllm test test-slow test-all test-fast test-numba test-sglang test-gpu gpu-check lint cuda-check bench demo clean
 
 setup: $(VENV)/.ext-stamp
 
@@ -79,8 +79,8 @@ $(VENV_SGLANG)/.stamp: requirements-sglang.txt $(VENV)/.deps-stamp
 # non-CUDA Mooncake wheel (the CUDA one needs libcuda to import) in SGLang's
 # layered environment, without its pins (aiohttp, requests and msgpack are
 # already there). Its store.so and mooncake_master link libibverbs.so.1 even
-# in this build, so the apt package comes first (root or sudo). Not part of
-# `make test`: `make test-peers` runs the peers' smoke tests.
+# in this build, so the apt package comes first (root or sudo). `make test`
+# runs test-peers-smoke; `make test-peers` runs every Mooncake test.
 peers-deps: $(VENV_SGLANG)/.peers-stamp
 
 $(VENV_SGLANG)/.peers-stamp: requirements-peers.txt $(VENV_SGLANG)/.stamp
@@ -164,6 +164,7 @@ test: setup lint
 	$(PY) -m pytest $(PYTEST_XDIST) -m "not slow" --durations=30
 	$(MAKE) --no-print-directory test-numba
 	$(MAKE) --no-print-directory test-sglang
+	$(MAKE) --no-print-directory test-peers-smoke
 	$(MAKE) --no-print-directory test-vllm
 
 # Only the slow ones; test-all: the whole suite, slow included.
@@ -199,6 +200,14 @@ test-sglang: setup sglang-deps
 test-peers: setup peers-deps
 	KVRELAY_SGLANG_TESTS=1 PYTHONPATH=$(CURDIR)/$(VENV_SGLANG) $(PY) -m pytest -q -p no:xdist \
 	  --durations=10 tests/adapters/test_sglang_mooncake.py
+
+# What CI runs of the peers: Mooncake installed as `make peers-deps` installs
+# it and its smoke test (a master on loopback, SGLang's own backend over a real
+# host pool, pages round-tripped byte-exact), about 1 min with the install.
+# The races themselves (test-peers, test-peers-vllm) take 6-10 min more.
+test-peers-smoke: setup peers-deps
+	KVRELAY_SGLANG_TESTS=1 PYTHONPATH=$(CURDIR)/$(VENV_SGLANG) $(PY) -m pytest -q -p no:xdist \
+	  tests/adapters/test_sglang_mooncake.py::test_sglang_mooncake_backend_round_trips_pages_and_the_master_stops
 
 # KvrelayConnector against real vLLM engines on CPU and a real cache server.
 # (LMCache's peer test is test-peers-vllm's: it needs LMCache's environment.)
