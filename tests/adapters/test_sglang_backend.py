@@ -58,7 +58,9 @@ def _share(truth, mla, heads, layers):
     return truth[:, :, layers[0] : layers[1], :, heads[0] : heads[1]]
 
 
-def _rank(opened, servers, layout, *, mla, tp=1, tp_rank=0, pp=1, pp_rank=0, groups=None):
+def _rank(
+    opened, servers, layout, *, mla, tp=1, tp_rank=0, pp=1, pp_rank=0, groups=None, extra=None
+):
     """A backend of one SGLang rank and its host pool; returns (backend, pool, heads, layers)."""
     layers_per_stage = LAYERS // pp
     layers = (pp_rank * layers_per_stage, (pp_rank + 1) * layers_per_stage)
@@ -73,7 +75,7 @@ def _rank(opened, servers, layout, *, mla, tp=1, tp_rank=0, pp=1, pp_rank=0, gro
         pool = env.mha_pool(layout, heads=per, layers=layers_per_stage, start_layer=layers[0],
                             page_size=PAGE, head_dim=DIM, dtype=DTYPE,
                             groups=per if groups is None else groups)  # fmt: skip
-    extra = env.dynamic_extra(servers, **IDENTITY)
+    extra = env.dynamic_extra(servers, **IDENTITY) | (extra or {})
     config = env.storage_config(tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank, mla=mla,
                                 layout=layout, extra=extra)  # fmt: skip
     backend = env.create_backend(config, pool)
@@ -140,6 +142,39 @@ def test_mha_tp2_pages_read_by_tp1_tp4_and_pp2(cache_servers, opened):
     # zero-copy one's straight into its pool on the get.
     assert stats.kvrelay["read_ahead_pages"] == PAGES
     assert readers[5][0].get_stats().kvrelay["read_ahead_pages"] == 0
+
+
+@pytest.mark.parametrize("cache_servers", [MHA_PAGE_BYTES], indirect=True)
+@pytest.mark.parametrize("layout", ["page_first", "page_head"])
+def test_calls_of_several_chunks_stop_at_a_miss_and_are_exact(cache_servers, opened, layout):
+    truth, keys = _truth(False, 5), env.sglang_keys(_tokens(5), PAGE)
+    chunked = {"staging_pages": 2}  # a call moves in chunks of 2 pages: 2 + 2 + 1
+    writer = _rank(opened, cache_servers, layout, mla=False, extra=chunked)
+    # Every page but the second chunk's second (page 3) is in.
+    assert _write(writer, truth, keys[:3], False) == [True] * 3
+    assert _write(writer, truth[4:], keys[4:], False) == [True]
+    reader = _rank(opened, cache_servers, layout, mla=False, extra=chunked)
+    backend, pool = reader[0], reader[1]
+    pool.kv_buffer.fill_(7)
+    indices = _host_indices(pool, PAGES)
+    # No lookup first (no read-ahead): the get reads chunk by chunk.
+    assert backend.batch_get_v1(keys, indices) == [True] * 3 + [False] * 2
+    expected = _share(truth, False, reader[2], reader[3])
+    for i in range(PAGES):
+        got = read_page(pool, int(indices[i * PAGE])).view(torch.int16)
+        want = expected[i] if i < 3 else torch.full_like(expected[i], 7)
+        assert torch.equal(got, want.view(torch.int16)), (layout, i)
+    client = backend.tier.clients[0][0]
+    assert client.stats.lookups == 2  # the chunk after the miss was never asked for
+    stats = backend.get_stats().kvrelay
+    assert stats["hit_pages"] == 3 and stats["bytes_read"] == 3 * MHA_PAGE_BYTES
+    assert stats["read_ahead_pages"] == 0 and stats["errors"] == 0
+    assert _write(writer, truth[3:], keys[3:], False) == [True] * 2
+    indices = _host_indices(pool, PAGES)
+    assert backend.batch_get_v1(keys, indices) == [True] * PAGES
+    for i in range(PAGES):
+        got = read_page(pool, int(indices[i * PAGE])).view(torch.int16)
+        assert torch.equal(got, expected[i].view(torch.int16)), (layout, i)
 
 
 @pytest.mark.parametrize("cache_servers", [MLA_PAGE_BYTES], indirect=True)
