@@ -27,7 +27,7 @@ def bench_redeploy(tmp_path, modes: list[str]) -> dict:
     result = json.loads(out.read_text())
     assert set(result["modes"]) == set(modes)
     assert result["outputs_equal"], result["outputs_differ"]
-    for mode in modes:  # the second session found the system prompt in the device pool
+    for mode in modes:  # before the redeploy the shared system prompt hits in the device pool
         assert result["modes"][mode]["storage_hit_rate"] == 0.0
         assert result["modes"][mode]["hit_rate"] > 0.0
     after = result["redeploy"]
