@@ -157,9 +157,9 @@ def _kvrelay_row(transport: str) -> str:
 def _kvrelay_store(h, args, transport: str, page_bytes: int, stack: ExitStack):
     """kvrelay's backend over `args.servers` cache servers speaking `transport`."""
     servers = []
+    slots = args.pages * args.runs + 64
     for _ in range(args.servers):  # each holds every run's pages: the hash spreads unevenly
-        server = launch.CacheServerProcess(token=h.TOKEN, page_bytes=page_bytes,
-                                           pages=args.pages * args.runs + 64,
+        server = launch.CacheServerProcess(token=h.TOKEN, page_bytes=page_bytes, pages=slots,
                                            backend=transport)  # fmt: skip
         stack.callback(server.stop)
         servers.append(server)
@@ -171,7 +171,23 @@ def _kvrelay_store(h, args, transport: str, page_bytes: int, stack: ExitStack):
     config = h.storage_config(layout=args.layout, extra=extra, model_name=MODEL)
     backend = h.create_backend(config, pool)
     stack.callback(backend.close)
+    _fill_arenas(h, backend, args, args.servers * slots)
     return backend, pages
+
+
+def _fill_arenas(h, backend, args, slots: int) -> None:
+    """Writes every server slot once, then drops the pages: memory never touched
+    (the servers' arenas, and their mapping in this process) writes at a
+    fraction of its later rate, which a deployed tier has long paid. The
+    Mooncake segment gets the same treatment (`sglang_mooncake.fill_segment`)."""
+    g = torch.Generator().manual_seed(12345)
+    for start in range(0, slots, args.batch):
+        n = min(args.batch, slots - start)
+        tokens = torch.randint(0, 150_000, (n * args.page_size,), generator=g)
+        keys = h.sglang_keys(tokens.tolist(), args.page_size)
+        idx = torch.arange(n * args.page_size, dtype=torch.int64)
+        backend.batch_set_v1(keys, idx)  # a full server refuses: that is fine here
+    backend.clear()
 
 
 def _mooncake_store(h, args, master, stack: ExitStack, page_bytes: int, holder: bool):
@@ -300,7 +316,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     layouts = ["layer_first", "page_first", "page_first_direct", "page_head"]
     parser.add_argument("--layout", default="page_first", choices=layouts)
     parser.add_argument("--batch", type=int, default=64, help="pages per backend call")
-    parser.add_argument("--servers", type=int, default=2, help="kvrelay cache server processes")
+    parser.add_argument("--servers", type=int, default=1,
+                        help="kvrelay cache server processes (one per host, as Mooncake's "
+                             "default has one segment per rank)")  # fmt: skip
     parser.add_argument("--transport", nargs="+", default=["tcp"], choices=["tcp", "ucx"],
                         help="kvrelay's transfer backends, each its own rows; ucx: shared "
                         "memory on one host")  # fmt: skip

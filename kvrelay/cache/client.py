@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 from kvrelay.cache.client_config import CacheClientConfig, ClientStats
 from kvrelay.cache.identities import IdentityNotes
+from kvrelay.cache.page_movers import ArenaPages, PageMover
 from kvrelay.cache.policy import WritePolicy
 from kvrelay.cache.ring_follow import RingFollower
 from kvrelay.cache.writeback import WriteBackQueue
@@ -50,7 +51,7 @@ from kvrelay.rpc.cache_ops import (
     Reserve,
     ReserveReply,
 )
-from kvrelay.transfer import Agent, Arena, TransferError
+from kvrelay.transfer import Agent, Arena, BlockHandle, TransferError
 
 
 class CacheClient:
@@ -127,24 +128,37 @@ class CacheClient:
                 raise results[0]
         await self.follower.close()
 
-    def _local_offsets(self, page_offsets: Sequence[int], positions: Sequence[int]) -> list[int]:
-        return [page_offsets[p] + offset for p in positions for offset, _ in self.runs]
+    def _mover(self, local: Arena | PageMover, page_offsets) -> PageMover:
+        if isinstance(local, Arena):
+            if page_offsets is None:
+                raise ValueError("pages in an arena need their page offsets")
+            return ArenaPages(local, page_offsets)
+        return local
 
-    async def lookup(self, keys: Sequence[bytes], dest: Arena, page_offsets: Sequence[int]) -> int:
-        """Pull this rank's rectangle of the longest cached prefix of `keys`; return its length."""
+    async def lookup(
+        self,
+        keys: Sequence[bytes],
+        dest: Arena | PageMover,
+        page_offsets: Sequence[int] | None = None,
+    ) -> int:
+        """Pull this rank's rectangle of the longest cached prefix of `keys`; return its length.
+
+        `dest`: an arena holding page i at `page_offsets[i]`, or a `PageMover`
+        that places the pages itself."""
+        mover = self._mover(dest, page_offsets)
         self._follow_ring()
         ring = self.ring
         self.stats.lookups += 1
         self.stats.lookup_pages += len(keys)
         prefix = await prefix_in_turns(
             len(keys),
-            lambda start: self._lookup_round(ring, keys[start:], dest, page_offsets[start:]),
+            lambda start: self._lookup_round(ring, keys[start:], mover.shifted(start)),
         )
         if prefix < 0:  # a pull failed midway: which pages arrived is unknown
             self.stats.errors += 1
             return 0
         # Pages this client wrote back but has not pushed yet continue the prefix.
-        if self._queue is not None:
+        if self._queue is not None and isinstance(dest, Arena):
             while prefix < len(keys) and self._queue.copy_out(
                 keys[prefix], dest, page_offsets[prefix]
             ):
@@ -154,21 +168,22 @@ class CacheClient:
         return prefix
 
     async def _lookup_round(
-        self, ring: HashRing, keys: Sequence[bytes], dest: Arena | None, page_offsets=()
+        self, ring: HashRing, keys: Sequence[bytes], dest: PageMover | None
     ) -> tuple[int, bool]:
         """One lookup of `keys` on their servers and, with `dest`, the pulls of
         the prefix found: (its length, or -1 if a pull failed; whether the
         server that ended it may hold more)."""
         groups = ring.group(keys)
+        pulling = dest is not None
         answers = await asyncio.gather(
-            *(self._lookup_one(s, [keys[p] for p in ps]) for s, ps in groups.items())
+            *(self._lookup_one(s, [keys[p] for p in ps], pulling) for s, ps in groups.items())
         )
         found = dict(zip(groups, answers, strict=True))
         prefix, taken = ring_prefix(ring, keys, {s: a[0] for s, a in found.items()})
         pulls = [
-            self._pull(server, found[server][1], positions[: taken[server]], dest, page_offsets)
+            self._pull(server, found[server], positions[: taken[server]], dest)
             for server, positions in groups.items()
-            if dest is not None and taken[server]
+            if pulling and taken[server]
         ]
         results = await asyncio.gather(*pulls, return_exceptions=True)
         await self._release_all([(s, a[1]) for s, a in found.items() if a[1] is not None])
@@ -176,16 +191,20 @@ class CacheClient:
             return -1, False
         return prefix, prefix < len(keys) and found[ring.server_for(keys[prefix])][2]
 
-    async def _lookup_one(self, server: str, keys: list[bytes]) -> tuple[int, int | None, bool]:
+    async def _lookup_one(
+        self, server: str, keys: list[bytes], pulling: bool
+    ) -> tuple[int, int | None, bool, bytes | None]:
+        """(hits, lease, more, the hits' handle when `pulling`)."""
         await self.notes.announce(server, self._servers[server])
+        runs = self.runs if pulling else None
         try:
             reply = await self._servers[server].call(
-                Lookup(keys, self.config.lease_s, self.namespace), LookupReply
+                Lookup(keys, self.config.lease_s, self.namespace, runs), LookupReply
             )
         except Unavailable:
             self.stats.errors += 1
-            return 0, None, False
-        return reply.hits, reply.lease, reply.more
+            return 0, None, False, None
+        return reply.hits, reply.lease, reply.more, reply.handle
 
     async def count_prefix(self, keys: Sequence[bytes]) -> int:
         """Length of the sealed prefix of `keys` in the tier, moving no page bytes
@@ -196,18 +215,37 @@ class CacheClient:
             len(keys), lambda start: self._lookup_round(ring, keys[start:], None)
         )
 
-    async def _pull(self, server, lease, positions, dest, page_offsets) -> None:
-        reply = await self._servers[server].call(
-            PublishHandle(lease, len(positions), self.runs, self.namespace), HandleReply
-        )
-        offsets = self._local_offsets(page_offsets, positions)
-        await self.agent.read(
-            reply.handle, dest, offsets, namespace=self.namespace, timeout=self.config.timeout_s
-        )
+    async def _pull(self, server, answer, positions, dest: PageMover) -> None:
+        _, lease, _, raw = answer
+        handle = await self._handle(server, lease, len(positions), raw)
+        await dest.pull(self, handle, positions)
         self.stats.bytes_in += len(positions) * self.rect.num_bytes(self.spec)
 
-    async def write(self, keys: Sequence[bytes], src: Arena, page_offsets: Sequence[int]) -> int:
-        """Write this rank's rectangle of full pages `keys`.
+    async def _handle(self, server, lease: int, count: int, raw: bytes | None) -> BlockHandle:
+        """The handle of the first `count` pages of `lease`: `raw` (published for
+        all of its pages with the lookup or reservation) narrowed, or asked for."""
+        if raw is None:  # a server that does not publish with lookups
+            raw = (
+                await self._servers[server].call(
+                    PublishHandle(lease, count, self.runs, self.namespace), HandleReply
+                )
+            ).handle
+        handle = BlockHandle.from_bytes(raw)
+        wanted = count * len(self.runs)
+        if len(handle.runs) < wanted:
+            raise TransferError(f"a handle of {len(handle.runs)} runs for {wanted}")
+        if len(handle.runs) > wanted:
+            handle = handle.narrow(handle.runs[:wanted])
+        return handle
+
+    async def write(
+        self,
+        keys: Sequence[bytes],
+        src: Arena | PageMover,
+        page_offsets: Sequence[int] | None = None,
+    ) -> int:
+        """Write this rank's rectangle of full pages `keys` (from an arena holding
+        page i at `page_offsets[i]`, or a `PageMover` that fills slots itself).
 
         Write-through: pushes now and returns how many pages went in (not
         those already sealed there). Write-back: copies them into the queue
@@ -215,14 +253,15 @@ class CacheClient:
         A page seals on its server when every writer rectangle is in. Replica
         ranks that do not write (`rect.writer` False) write nothing.
         """
-        if len(page_offsets) != len(keys):
+        if page_offsets is not None and len(page_offsets) != len(keys):
             raise ValueError(f"{len(page_offsets)} page offsets for {len(keys)} keys")
         if not self.rect.writer or not keys:
             return 0
         if self.config.write_policy is WritePolicy.WRITE_BACK:
+            if not isinstance(src, Arena):
+                raise ValueError("write-back copies pages from an arena, not a PageMover")
             return self._enqueue(keys, src, page_offsets)
-        offsets = [[page_offsets[p] + o for o, _ in self.runs] for p in range(len(keys))]
-        written, _ = await self._push(keys, src, offsets)
+        written, _ = await self._push(keys, self._mover(src, page_offsets))
         return written
 
     async def flush(self) -> int:
@@ -234,7 +273,8 @@ class CacheClient:
             if not keys:
                 return 0
             offsets = [self._queue.local_offsets(k) for k in keys]
-            written, failed = await self._push(keys, self._queue.arena, offsets)
+            queued = ArenaPages(self._queue.arena, run_offsets=offsets)
+            written, failed = await self._push(keys, queued)
             self._queue.remove(keys)
             self.stats.dropped_pages += failed
             self.stats.pending_pages = len(self._queue)
@@ -270,20 +310,18 @@ class CacheClient:
             self._batch_ready.clear()
             await self.flush()
 
-    async def _push(
-        self, keys: Sequence[bytes], src: Arena, offsets: Sequence[list[int]]
-    ) -> tuple[int, int]:
-        """Push page i's runs from `src` at `offsets[i]`; return (pages in, pages failed)."""
+    async def _push(self, keys: Sequence[bytes], src: PageMover) -> tuple[int, int]:
+        """Push the pages `keys` from `src`; return (pages in, pages failed)."""
         self._follow_ring()
         groups = self.ring.group(keys)
         results = await asyncio.gather(
-            *(self._write_one(s, ps, keys, src, offsets) for s, ps in groups.items())
+            *(self._write_one(s, ps, keys, src) for s, ps in groups.items())
         )
         written = sum(w for w, _ in results)
         self.stats.written_pages += written
         return written, sum(f for _, f in results)
 
-    async def _write_one(self, server, positions, keys, src, offsets) -> tuple[int, int]:
+    async def _write_one(self, server, positions, keys, src: PageMover) -> tuple[int, int]:
         """Reserve, fill and commit this server's pages; (written, failed).
         In turns while the server refuses some for want of room it can make
         (its L3 takes what L2 must let go): a prompt longer than L2 is kept."""
@@ -295,26 +333,19 @@ class CacheClient:
             try:
                 mine = [keys[p] for p in positions]
                 reply = await conn.call(
-                    Reserve(mine, self.config.lease_s, self.namespace), ReserveReply
+                    Reserve(mine, self.config.lease_s, self.namespace, self.runs), ReserveReply
                 )
                 lease = reply.lease
                 slots = reply.slots
                 todo = [p for p, slot in zip(positions, slots, strict=True) if slot is not None]
                 if todo:
-                    handle = await conn.call(
-                        PublishHandle(lease, len(todo), self.runs, self.namespace), HandleReply
-                    )
-                    await self.agent.write(
-                        handle.handle,
-                        src,
-                        [o for p in todo for o in offsets[p]],
-                        namespace=self.namespace,
-                        timeout=self.config.timeout_s,
-                    )
+                    handle = await self._handle(server, lease, len(todo), reply.handle)
+                    await src.push(self, handle, todo)
                     await conn.call(
-                        Commit([keys[p] for p in todo], self._commit_runs, self.namespace),
+                        Commit([keys[p] for p in todo], self._commit_runs, self.namespace, lease),
                         CommitReply,
                     )
+                    lease = None  # released by the commit
                     self.stats.bytes_out += len(todo) * self.rect.num_bytes(self.spec)
                     written += len(todo)
             except (Unavailable, TransferError):
@@ -361,9 +392,7 @@ class CacheClient:
         return dict(zip(servers, replies, strict=True))
 
     async def _release_all(self, leases: list[tuple[str, int]]) -> None:
-        async def release(server: str, lease: int) -> None:
-            # A lost release only keeps pages pinned until the lease expires.
-            with contextlib.suppress(Unavailable):
-                await self._servers[server].call(ReleaseLease(lease), ReleaseReply)
-
-        await asyncio.gather(*(release(s, lease) for s, lease in leases))
+        # Posted, not called: nothing waits on a release, and a lost one
+        # only keeps pages pinned until the lease expires.
+        for server, lease in leases:
+            await self._servers[server].post(ReleaseLease(lease), ReleaseReply)

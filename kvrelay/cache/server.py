@@ -2,7 +2,10 @@
 
 The messages are `kvrelay.rpc.cache_ops` (hello -> `CacheWelcome` with the
 page size and the transfer agent's address; then lookup, reserve, handle,
-commit, release, stats, flush). `lookup` and `reserve` may carry `ns`, the
+commit, release, stats, flush). A lookup or reservation that names the
+caller's runs is answered with their handle too, and a commit may release
+its reservation: a read or a write then takes two round trips, not three
+or five. `lookup` and `reserve` may carry `ns`, the
 namespace digest, recorded with each page so `flush` can drop one tenant's
 pages. Each request is answered with its reply or a typed `Error`.
 
@@ -190,27 +193,41 @@ class CacheServer:
             self._forget_dead_leases()
         if isinstance(request, Lookup | Reserve | Commit | PublishHandle):
             check_namespace(scope, request.ns)
+        if isinstance(request, Lookup | Reserve) and request.runs is not None:
+            if request.ns is None:
+                raise MalformedMessage("a handle needs the namespace (ns) of its pages")
+            _page_runs(request.runs, self.config.page_bytes)
         if isinstance(request, Lookup):
             keys = tenant_keys(request.ns, request.keys)
             hit = tier.lookup(keys, request.lease_s, request.ns or b"")
             lease = hit.lease.lease_id if hit.lease else None
+            handle = None
             if lease is not None:
                 self._lease_keys[lease] = (request.ns, [e.key for e in hit.entries])
-            return LookupReply(hit.hits, lease, hit.more)
+                if request.runs is not None:
+                    handle = self._publish(lease, hit.hits, request.runs, request.ns)
+            return LookupReply(hit.hits, lease, hit.more, handle)
         if isinstance(request, Reserve):
             keys = tenant_keys(request.ns, request.keys)
             slots, lease = tier.reserve(keys, request.lease_s, request.ns or b"")
-            self._lease_keys[lease.lease_id] = (
-                request.ns,
-                [k for k, s in zip(keys, slots, strict=True) if s is not None],
-            )
-            return ReserveReply(slots, lease.lease_id, tier.refused_for_room(keys, slots))
+            given = [k for k, s in zip(keys, slots, strict=True) if s is not None]
+            self._lease_keys[lease.lease_id] = (request.ns, given)
+            handle = None
+            if request.runs is not None and given:
+                handle = self._publish(lease.lease_id, len(given), request.runs, request.ns)
+            more = tier.refused_for_room(keys, slots)
+            return ReserveReply(slots, lease.lease_id, more, handle)
         if isinstance(request, PublishHandle):
-            return self._publish(request)
+            return HandleReply(
+                self._publish(request.lease, request.count, request.runs, request.ns)
+            )
         if isinstance(request, Commit):
             runs = _page_runs(request.runs, self.config.page_bytes)
             keys = tenant_keys(request.ns, request.keys)
-            return CommitReply([tier.commit(k, runs) for k in keys])
+            sealed = [tier.commit(k, runs) for k in keys]
+            if request.release is not None:
+                self._release(request.release, scope)
+            return CommitReply(sealed)
         if isinstance(request, ReleaseLease):
             return ReleaseReply(self._release(request.lease, scope))
         if isinstance(request, CacheStats):
@@ -254,20 +271,23 @@ class CacheServer:
             del self._lease_keys[lease]
             self._handle_leases.pop(lease, None)
 
-    def _publish(self, request: PublishHandle) -> HandleReply:
-        ns, keys = self._lease_keys.get(request.lease, (None, None))
-        live = self.tier.index.lease(request.lease) if keys is not None else None
-        if live is None or ns != request.ns:
-            raise MalformedMessage(f"lease {request.lease!r} is unknown or expired")
-        if request.count > len(keys):
+    def _publish(self, lease: int, count: int, page_runs, ns: bytes | None) -> bytes:
+        """A block handle of `page_runs` of the first `count` pages of `lease`."""
+        if ns is None:
+            raise MalformedMessage("a handle needs the namespace (ns) of its pages")
+        known_ns, keys = self._lease_keys.get(lease, (None, None))
+        live = self.tier.index.lease(lease) if keys is not None else None
+        if live is None or known_ns != ns:
+            raise MalformedMessage(f"lease {lease!r} is unknown or expired")
+        if not 1 <= count <= len(keys):
             raise MalformedMessage(f"count must be in [1, {len(keys)}]")
-        page_runs = _page_runs(request.runs, self.config.page_bytes)
+        page_runs = _page_runs(page_runs, self.config.page_bytes)
         arena = self.tier.arena
         runs = []
-        for key in keys[: request.count]:
+        for key in keys[:count]:
             runs += arena.runs(self.tier.index.get(key).slot, page_runs)
         # The handle lives as long as the pins that keep its slots from reuse.
         remaining = self.tier.index.seconds_left(live)
-        handle = self.agent.publish(arena.arena, runs, request.ns, max(remaining, 0.001))
-        self._handle_leases.setdefault(request.lease, []).append(handle.lease_id)
-        return HandleReply(handle.to_bytes())
+        handle = self.agent.publish(arena.arena, runs, ns, max(remaining, 0.001))
+        self._handle_leases.setdefault(lease, []).append(handle.lease_id)
+        return handle.to_bytes()

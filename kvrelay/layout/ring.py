@@ -78,6 +78,8 @@ class HashRing:
 
     def group(self, keys: Sequence[bytes]) -> dict[str, list[int]]:
         """Positions of `keys` per server, in key order, for one request per server."""
+        if len(self._servers) == 1:  # no key to hash: a single server holds every page
+            return {next(iter(self._servers)): list(range(len(keys)))} if keys else {}
         groups: dict[str, list[int]] = {}
         for position, key in enumerate(keys):
             groups.setdefault(self.server_for(key), []).append(position)
@@ -90,6 +92,10 @@ def ring_prefix(
     """The tier's prefix of `keys` when server s holds the first `hits[s]` of
     its share: it ends at the first key its server missed. Returns its length
     and how many of each server's keys it takes."""
+    if len(ring) == 1 and len(hits) == 1:
+        ((server, hit),) = hits.items()
+        prefix = min(hit, len(keys))
+        return prefix, {server: prefix}
     taken = dict.fromkeys(hits, 0)
     prefix = 0
     for key in keys:

@@ -1,13 +1,17 @@
 """Messages between cache clients (workers, control's tier probe) and a cache server.
 
-- `Lookup {keys, lease_s, ns}` -> `LookupReply {hits, lease}`: the length of
-  the sealed prefix, pinned under `lease` (None when nothing hit)
-- `Reserve {keys, lease_s, ns}` -> `ReserveReply {slots, lease}`: a slot per
-  key to write, None for a page already sealed or no room
+- `Lookup {keys, lease_s, ns, runs?}` -> `LookupReply {hits, lease, handle?}`:
+  the length of the sealed prefix, pinned under `lease` (None when nothing
+  hit); with `runs`, also the block handle of those runs of every hit page
+  (what `PublishHandle` would answer, without its round trip)
+- `Reserve {keys, lease_s, ns, runs?}` -> `ReserveReply {slots, lease,
+  handle?}`: a slot per key to write, None for a page already sealed or no
+  room; with `runs`, the handle of those runs of every slot given, in order
 - `PublishHandle {lease, count, runs, ns}` -> `HandleReply {handle}`: a block
   handle for the first `count` pages of a lookup or reservation lease,
   `runs` (the caller's rectangle within one page) of each
-- `Commit {keys, runs, ns}` -> `CommitReply {sealed}` per key
+- `Commit {keys, runs, ns, release?}` -> `CommitReply {sealed}` per key;
+  `release` names the reservation lease to release once committed
 - `ReleaseLease {lease}` -> `ReleaseReply {released}`
 - `CacheStats` -> `CacheStatsReply`; `Flush {ns?}` -> `FlushReply {dropped,
   l3_dropped}`: the unpinned L2 pages and the L3 pages of one namespace, or all
@@ -48,6 +52,7 @@ class Lookup(Message, tag="lookup"):
     keys: Keys
     lease_s: LeaseSeconds = DEFAULT_LEASE_S
     ns: Key | None = None
+    runs: Runs | None = None  # publish a handle of these runs of each hit (needs ns)
 
 
 class LookupReply(Message, tag="lookup_reply"):
@@ -57,12 +62,14 @@ class LookupReply(Message, tag="lookup_reply"):
     # L2 had no room to bring more up from L3): ask again from `hits` after
     # taking and releasing these.
     more: bool = False
+    handle: bytes | None = None  # with `runs`, when something hit
 
 
 class Reserve(Message, tag="reserve"):
     keys: Keys
     lease_s: LeaseSeconds = DEFAULT_LEASE_S
     ns: Key | None = None
+    runs: Runs | None = None  # publish a handle of these runs of each slot (needs ns)
 
 
 class ReserveReply(Message, tag="reserve_reply"):
@@ -71,6 +78,7 @@ class ReserveReply(Message, tag="reserve_reply"):
     # Some pages were refused for want of room while the server has an L3
     # to make room into: reserve them again after committing and releasing.
     more: bool = False
+    handle: bytes | None = None  # with `runs`, when a slot was given
 
 
 class PublishHandle(Message, tag="handle"):
@@ -88,6 +96,7 @@ class Commit(Message, tag="commit"):
     keys: Keys
     runs: Runs
     ns: Key | None = None
+    release: int | None = None  # the reservation's lease, released after the commit
 
 
 class CommitReply(Message, tag="commit_reply"):

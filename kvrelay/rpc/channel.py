@@ -6,15 +6,22 @@ covers the wait for the connection too.
 
 Any failure of a call (no connection, deadline, refusal) raises
 `Unavailable`, which the cache tier's callers answer as misses.
+
+`post` sends a request whose answer nobody waits for (a lease release): its
+reply is read, and dropped, before the next call's request goes out. Replies
+come in request order on one connection, so a posted request costs the
+caller no round trip and keeps calls and replies paired.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
 
-from kvrelay.rpc.client import call, connect
+from kvrelay.rpc.client import answer, call, connect
 from kvrelay.rpc.errors import RemoteError, RpcError
 from kvrelay.rpc.framing import Connection
 from kvrelay.rpc.messages import Message
@@ -42,6 +49,7 @@ class Channel:
         self.check = check  # what is wrong with a welcome, None when it is fine
         self.conn: Connection | None = None
         self.lock = asyncio.Lock()
+        self._posted: deque[type[Message]] = deque()  # replies of posted requests, unread
 
     async def call(self, request: Message, reply: type[R]) -> R:
         holding = False  # only the holder of the lock may close the connection
@@ -55,6 +63,7 @@ class Channel:
                     self.drop()
                 if self.conn is None:
                     await self._connect()
+                await self._drain_posted()
                 return await call(self.conn, request, reply, None)
         except RemoteError as exc:
             raise Unavailable(f"{self.address} refused: {exc}") from exc
@@ -66,6 +75,34 @@ class Channel:
             if holding:
                 self.lock.release()
 
+    async def post(self, request: Message, reply: type[Message]) -> bool:
+        """Send `request` on the open connection without waiting for its reply
+        (`reply`: its type, read and dropped before the next call). False when
+        it was not sent: no connection, or the send failed (best effort)."""
+        holding = False
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await self.lock.acquire()
+                holding = True
+                if self.conn is None or self.conn.closed_by_peer():
+                    return False
+                await self.conn.send(request)
+                self._posted.append(reply)
+                return True
+        except (RpcError, TimeoutError, OSError):
+            if holding:
+                self.drop()
+            return False
+        finally:
+            if holding:
+                self.lock.release()
+
+    async def _drain_posted(self) -> None:
+        while self._posted:
+            kind = self._posted.popleft()
+            with contextlib.suppress(RemoteError):  # a refused post: nobody waits for it
+                await answer(self.conn, kind)
+
     async def _connect(self) -> None:
         self.conn, welcome = await connect(self.address, self.token, self.welcome, self.timeout_s)
         problem = self.check(welcome) if self.check is not None else None
@@ -74,6 +111,7 @@ class Channel:
             raise Unavailable(f"{self.address}: {problem}")
 
     def drop(self) -> None:
+        self._posted.clear()  # their replies went with the connection
         if self.conn is not None:
             self.conn.close()
             self.conn = None

@@ -36,7 +36,7 @@ from kvrelay.transfer.errors import (
     TransferTimeout,
     UnknownArena,
 )
-from kvrelay.transfer.fastpath import copy_shared, host_id
+from kvrelay.transfer.fastpath import copy_shared, host_id, mapping
 from kvrelay.transfer.handle import BlockHandle, check_runs, plan_rows, rows_array
 from kvrelay.transfer.inline import InlineBudget
 from kvrelay.transfer.lease import LeaseTable
@@ -245,6 +245,44 @@ class Agent:
                 self._drop_peer(peer)
             raise
 
+    async def copy_mapped(self, handle, fn, *, namespace, timeout=None) -> bool:
+        """Calls `fn(arena)` with the owner's whole arena behind `handle` mapped
+        here (a uint8 tensor), when the owner is a same-host agent and the
+        arena a memfd; False, calling nothing, otherwise (move the bytes with
+        `read` / `write`). For a caller whose own copy goes straight between
+        its memory and the runs (a gather or scatter with the owner's pages
+        as its rows): one copy where `read` would make a second. Checked like
+        a transfer first (namespace, lease, rkey, every run in bounds); `fn`
+        must touch the handle's runs only, and runs synchronously, so the
+        mapping cannot go while it copies."""
+        if not isinstance(handle, BlockHandle):
+            handle = BlockHandle.from_bytes(handle)
+        handle.check(namespace)
+        timeout = self.config.timeout if timeout is None else timeout
+        peer = None
+        try:
+            async with asyncio.timeout(timeout):
+                peer = await self._peer(handle)
+                info = await self._arena_info(peer, handle.arena_id)
+            handle.check_key(info)
+            if not (peer.same_host and info.shm):
+                return False
+            check_runs(handle.runs, info.size, "remote")
+            fn(mapping(peer, info).tensor())
+        except TimeoutError:
+            if peer is not None:
+                self._drop_peer(peer)
+            raise TransferTimeout(f"{handle.agent} did not answer within {timeout} s") from None
+        except (PeerError, ProtocolError, AuthError, asyncio.CancelledError):
+            if peer is not None:
+                self._drop_peer(peer)
+            raise
+        # A mapping outlives its owner; a dead owner cannot honour its lease.
+        if peer.conn.closed_by_peer():
+            self._drop_peer(peer)
+            raise PeerError(f"agent {peer.address} died during the copy")
+        return True
+
     async def release_remote(self, handle: BlockHandle, timeout: float | None = None) -> None:
         """Tells the publisher the reader is done with the handle's pages."""
         # The deadline covers connecting too: a peer that accepts and never
@@ -304,8 +342,8 @@ class Agent:
         if self._peers.get(peer.address) is peer:
             del self._peers[peer.address]
         self.transport.drop_peer(peer)
-        for mapping in peer.mappings.values():
-            mapping.close()
+        for mapped in peer.mappings.values():
+            mapped.close()
         peer.mappings.clear()
         peer.conn.close()
 

@@ -200,8 +200,16 @@ class RemoteMapping:
         finally:
             os.close(fd)
         self.size = size
+        self._tensor: torch.Tensor | None = None
+
+    def tensor(self) -> torch.Tensor:
+        """The mapping as one uint8 tensor (made once; not valid after `close`)."""
+        if self._tensor is None:
+            self._tensor = tensor_at(self.address, self.size)
+        return self._tensor
 
     def close(self) -> None:
+        self._tensor = None
         if self.size:
             unmap(self.address, self.size)
             self.size = 0

@@ -57,15 +57,16 @@ def host_id() -> str:
     return f"{boot}:{pid_ns}:{net_ns}"
 
 
-def _mapping(peer, info: ArenaInfo) -> RemoteMapping:
-    mapping = peer.mappings.get(info.arena_id)
-    if mapping is None:
+def mapping(peer, info: ArenaInfo) -> RemoteMapping:
+    """The peer's arena `info` mapped here (once per arena and peer)."""
+    mapped = peer.mappings.get(info.arena_id)
+    if mapped is None:
         try:
-            mapping = RemoteMapping(info.shm, info.size)
+            mapped = RemoteMapping(info.shm, info.size)
         except OSError as exc:
             raise PeerError(f"cannot map the peer's arena {info.shm}: {exc}") from None
-        peer.mappings[info.arena_id] = mapping
-    return mapping
+        peer.mappings[info.arena_id] = mapped
+    return mapped
 
 
 def copy_job(peer, info: ArenaInfo, local, triples, read, nbytes: int, plan: CopyPlan):
@@ -80,9 +81,9 @@ def copy_job(peer, info: ArenaInfo, local, triples, read, nbytes: int, plan: Cop
         rows = np.ascontiguousarray(triples[:, [1, 0, 2]])
         choice = CopyChoice("readv", threads)
         return functools.partial(_readv, choice, pid, local.address, info.base, rows, read)
-    mapping = _mapping(peer, info)
+    mapped = mapping(peer, info)
     rows = np.ascontiguousarray(triples[:, [1, 0, 2]] if read else triples)  # (dst, src, length)
-    dst, src = (local.address, mapping.address) if read else (mapping.address, local.address)
+    dst, src = (local.address, mapped.address) if read else (mapped.address, local.address)
     footprint = destination_span(rows)
     stream = chosen.method == "map" and chosen.stream and footprint >= _STREAM_MIN_BYTES
     if footprint < _STREAM_MIN_BYTES:

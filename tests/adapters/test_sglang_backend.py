@@ -169,6 +169,11 @@ def test_calls_of_several_chunks_stop_at_a_miss_and_are_exact(cache_servers, ope
     stats = backend.get_stats().kvrelay
     assert stats["hit_pages"] == 3 and stats["bytes_read"] == 3 * MHA_PAGE_BYTES
     assert stats["read_ahead_pages"] == 0 and stats["errors"] == 0
+    # page_first: the compiled ops move pages between the pool and the
+    # same-host servers' slots; page_head: through the staging rows.
+    direct = layout == "page_first"
+    assert stats["direct_pages"] == (3 if direct else 0)
+    assert writer[0].get_stats().kvrelay["direct_pages"] == (4 if direct else 0)
     assert _write(writer, truth[3:], keys[3:], False) == [True] * 2
     indices = _host_indices(pool, PAGES)
     assert backend.batch_get_v1(keys, indices) == [True] * PAGES
@@ -323,3 +328,29 @@ def test_pages_a_lookup_pulled_are_read_on_the_callers_thread(cache_servers, ope
     assert torch.equal(got.view(torch.int16), expected[PAGES - 1].view(torch.int16))
     stats = backend.get_stats().kvrelay
     assert stats["read_ahead_pages"] == PAGES and stats["hit_pages"] == 2 * PAGES
+
+
+@pytest.mark.parametrize("cache_servers", [MHA_PAGE_BYTES], indirect=True)
+def test_without_the_fast_path_token_layouts_go_through_staging_rows(cache_servers, opened):
+    """Servers the agent may not map (another host; here the fast path turned
+    off): the same pages, byte for byte, through the staging rows."""
+    import dataclasses
+
+    truth, keys = _truth(False, 7), env.sglang_keys(_tokens(7), PAGE)
+    ranks = []
+    for _ in range(2):
+        rank = _rank(opened, cache_servers, "layer_first", mla=False)
+        agent = rank[0].tier.agent
+        agent.config = dataclasses.replace(agent.config, fast_path=False)
+        ranks.append(rank)
+    assert _write(ranks[0], truth, keys, False) == [True] * PAGES
+    backend, pool = ranks[1][0], ranks[1][1]
+    indices = _host_indices(pool, PAGES)
+    assert backend.batch_get_v1(keys, indices) == [True] * PAGES  # no lookup first
+    for i in range(PAGES):
+        got = read_page(pool, int(indices[i * PAGE]))
+        assert torch.equal(got.view(torch.int16), truth[i].view(torch.int16)), i
+    for rank in ranks:
+        stats = rank[0].get_stats().kvrelay
+        assert stats["direct_pages"] == 0 and stats["errors"] == 0
+    assert backend.get_stats().kvrelay["hit_pages"] == PAGES

@@ -84,3 +84,42 @@ async def test_wrong_token_and_old_wire_version_are_refused_over_tcp():
     reply = await _hello(server, {"op": "lookup", "keys": [KEY]})  # no hello first
     assert reply["error"] == "AuthError"
     await server.close()
+
+
+@pytest.mark.asyncio
+async def test_lookups_and_reservations_that_name_runs_carry_their_handle():
+    """One round trip per read or write: the handle comes with the lookup or
+    reservation, and the commit releases the reservation."""
+    from kvrelay.transfer import BlockHandle
+
+    server = await CacheServer(
+        CacheServerConfig(token="t", page_bytes=64, arena_bytes=4 * 64, backend="loopback")
+    ).start()
+    keys = [hashlib.sha256(bytes([i])).digest() for i in range(3)]
+    runs = [[16, 32]]
+    reserve = {"op": "reserve", "keys": keys, "lease_s": 5, "ns": KEY, "runs": runs}
+    reply = server.handle(request(reserve))
+    handle = BlockHandle.from_bytes(reply.handle)
+    assert [tuple(r) for r in handle.runs] == [(s * 64 + 16, 32) for s in reply.slots]
+    commit = {"op": "commit", "keys": keys, "runs": [[0, 64]], "ns": KEY, "release": reply.lease}
+    assert server.handle(request(commit)).sealed == [True] * 3
+    assert server.tier.index.lease(reply.lease) is None  # released by the commit
+    assert not server.agent.leases.get(handle.lease_id)  # and its handle's lease with it
+    # A sealed page needs no slot: nothing to publish.
+    again = server.handle(request(reserve))
+    assert again.slots == [None] * 3 and again.handle is None
+    looked = server.handle(request({"op": "lookup", "keys": keys[:2], "ns": KEY, "runs": runs}))
+    assert looked.hits == 2
+    runs_of = [tuple(r) for r in BlockHandle.from_bytes(looked.handle).runs]
+    assert runs_of == [tuple(r) for r in handle.runs[:2]]
+    miss = hashlib.sha256(b"miss").digest()
+    looked = server.handle(request({"op": "lookup", "keys": [miss], "ns": KEY, "runs": runs}))
+    assert looked.hits == 0 and looked.handle is None
+    for bad in (
+        {"op": "lookup", "keys": keys, "runs": runs},  # a handle needs the namespace
+        {"op": "lookup", "keys": keys, "ns": KEY, "runs": [[60, 8]]},  # past the page
+        {"op": "reserve", "keys": keys, "ns": KEY, "runs": []},
+    ):
+        with pytest.raises(MalformedMessage):
+            server.handle(request(bad))
+    await server.close()

@@ -168,3 +168,25 @@ async def test_a_channel_reconnects_to_a_restarted_peer_without_failing_a_call()
     assert (await channel.call(Echo("second"), Echoed)).text == "second"
     channel.drop()
     await again.close()
+
+
+@pytest.mark.asyncio
+async def test_a_posted_request_costs_no_round_trip_and_keeps_replies_paired():
+    """`Channel.post` sends and returns; the next call reads (and drops) the
+    posted request's reply before its own, so each call gets its own answer."""
+    server = await _server()
+    channel = rpc.Channel(server.address, TOKEN, Welcome, 5)
+    try:
+        assert not await channel.post(Echo("early"), Echoed)  # not connected: not sent
+        assert (await channel.call(Echo("a"), Echoed)).text == "a"
+        assert await channel.post(Echo("posted"), Echoed)
+        assert await channel.post(Echo("fail"), Echoed)  # its Error reply is dropped too
+        assert (await channel.call(Echo("b"), Echoed)).text == "b"
+        assert await channel.post(Echo("slow", sleep_s=0.05), Echoed)
+        assert (await channel.call(Echo("c"), Echoed)).text == "c"
+        assert await channel.post(Echo("lost"), Echoed)
+        channel.drop()  # the posted reply goes with the connection
+        assert (await channel.call(Echo("d"), Echoed)).text == "d"
+    finally:
+        channel.drop()
+        await server.close()

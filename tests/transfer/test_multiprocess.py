@@ -188,3 +188,28 @@ async def test_a_registered_host_tensor_is_copied_by_the_kernel_from_its_owner(s
         assert torch.equal(local.tensor[: SIZE // 2], expected[: SIZE // 2])
         assert torch.equal(local.tensor[SIZE // 2 : SIZE // 2 + 4096],
                            expected[SIZE // 2 + 64 : SIZE // 2 + 64 + 4096])  # fmt: skip
+
+
+@pytest.mark.asyncio
+async def test_copy_mapped_hands_a_same_host_peers_arena_to_the_caller(start_peer):
+    """`Agent.copy_mapped`: the owner's arena mapped here, after the checks a
+    transfer makes; refused (False) where the fast path is off."""
+    from kvrelay.transfer import NamespaceMismatch
+
+    runs = [(4096, 8192), (65536, 4096)]
+    peer = start_peer("fastpath-map", SIZE, [runs])
+    handle = BlockHandle.from_bytes(peer.handles[0])
+    want = pattern(SIZE, 0)
+    seen = []
+
+    def take(arena) -> None:
+        seen.append([_sha(arena[o : o + n]) for o, n in runs])
+
+    async with await create_agent("tcp", token=TOKEN) as agent:
+        assert await agent.copy_mapped(handle, take, namespace=NAMESPACE, timeout=30)
+        assert seen == [[_sha(want[o : o + n]) for o, n in runs]]
+        with pytest.raises(NamespaceMismatch):
+            await agent.copy_mapped(handle, take, namespace=b"x" * 32, timeout=30)
+    async with await create_agent("tcp", token=TOKEN, fast_path=False) as agent:
+        assert not await agent.copy_mapped(handle, take, namespace=NAMESPACE, timeout=30)
+    assert len(seen) == 1

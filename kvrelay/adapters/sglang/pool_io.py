@@ -102,6 +102,7 @@ class PoolMover:
             self._view = buffer
         if not self._paged and g.layout not in TOKEN_LAYOUTS:
             raise UnsupportedPool(f"host layout {g.layout!r} is not supported")
+        self._layers: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         # MLA rows whose RoPE part SGLang holds as interleaved pairs.
         self.rope = g.rope_head_dim if g.rope_pairs else 0
         # The pool's own bytes are unified pages: move them in place.
@@ -146,7 +147,7 @@ class PoolMover:
                 _permuted(src, axes, ("page", *self.target), self.geometry.local_layers)
             )
         else:
-            k, v = self._token_layers()
+            k, v = self.token_layers()
             slots = host_indices.to(torch.int64).reshape(n, self.page_size).contiguous()
             gather_pages(k, v, staging, torch.arange(n), slots, **self._op_geometry())
         if self.rope:
@@ -166,12 +167,18 @@ class PoolMover:
             src = self._compact(staging, n).permute([order.index(a) for a in axes])
             dest.index_copy_(axes.index("page"), pages, src)
             return
-        k, v = self._token_layers()
+        k, v = self.token_layers()
         slots = host_indices.to(torch.int64).reshape(n, self.page_size).contiguous()
         scatter_pages(k, v, staging, torch.arange(n), slots, **self._op_geometry())
 
-    def _token_layers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """One [slot, head, dim] view per target layer, K then V (none for MLA)."""
+    def token_layers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """One [slot, head, dim] view per target layer, K then V (none for MLA),
+        made once: the pool's buffer is the same for the backend's life."""
+        if self._layers is None:
+            self._layers = self._make_token_layers()
+        return self._layers
+
+    def _make_token_layers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         buffer, layers = self.pool.kv_buffer, range(self.geometry.local_layers)
         first = self.geometry.layout == "layer_first"
         if self.geometry.attention_kind == "mla":

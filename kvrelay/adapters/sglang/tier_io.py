@@ -2,8 +2,9 @@
 
 Pages move with `CacheClient`s of the rank's rectangle: straight into and out
 of the registered host pool when its bytes are unified pages (`PoolMover.zero_copy`),
-else through staging arenas of compact rectangles that `PoolMover` fills and
-empties. A client moves a page's rectangle runs to `page_offsets[i] + run
+else by the compiled ops between the pool and a same-host server's slots
+(`pool_pages`), else through staging arenas of compact rectangles that
+`PoolMover` fills and empties. A client moves a page's rectangle runs to `page_offsets[i] + run
 offset`; local memory holds compact rectangles, so each page offset is shifted
 back by where the rectangle's runs sit in a full page. A rectangle that spans
 every layer is one run per page; one that does not (a PP stage) gets a client
@@ -22,6 +23,7 @@ import torch
 
 from kvrelay.adapters.sglang.config import AdapterConfig
 from kvrelay.adapters.sglang.pool_io import PoolMover
+from kvrelay.adapters.sglang.pool_pages import PoolChunk, PoolPages, SlotGeometry
 from kvrelay.adapters.sglang.read_ahead import ReadAhead
 from kvrelay.cache.client import CacheClient, CacheClientConfig
 from kvrelay.layout import ModelKVSpec, Rectangle
@@ -42,6 +44,7 @@ class AdapterStats:
     bytes_written: int = 0  # rectangle bytes pushed to the tier
     exists_calls: int = 0
     read_ahead_pages: int = 0  # of hit_pages, pulled by the lookup (batch_exists) before
+    direct_pages: int = 0  # pages copied straight between the pool and a same-host server's slots
     errors: int = 0  # server calls answered as misses or failed writes
     timeouts: int = 0  # adapter calls cut at their time bound
 
@@ -94,6 +97,12 @@ class RankTier:
             (CacheClient(self.agent, self.spec, part, client_config, self.slot_bytes), shift)
             for part, shift in client_groups(self.spec, self.rect)
         ]
+        slot_bytes = self.slot_bytes or self.spec.page_bytes
+        self._slots = [
+            SlotGeometry.of(self.mover, self.spec, client.rect,
+                            client.rect.head_start - self.rect.head_start, slot_bytes)
+            for client, _ in self.clients
+        ]  # fmt: skip
         if self.mover.zero_copy:
             self._pool_arena = self.agent.register_tensor(self.mover.pool.kv_buffer)
         staging_rows = c.staging_rows(self.rect_bytes)
@@ -139,14 +148,22 @@ class RankTier:
         self.stats.errors += self._errors() - before
         return prefix
 
-    async def _lookup(self, keys, arena, bases: list[int]) -> int:
+    async def _lookup(self, keys, arena, bases: list[int] | None) -> int:
+        """Every client's prefix pulled into `arena` at `bases`, or a `PoolChunk`."""
         found = await asyncio.gather(
             *(
-                client.lookup(keys, arena, [b - shift for b in bases])
-                for client, shift in self.clients
+                client.lookup(keys, *self._local(arena, bases, i))
+                for i, (client, _) in enumerate(self.clients)
             )
         )
         return min(found)
+
+    def _local(self, arena, bases, i: int) -> tuple:
+        """Client i's (destination, page offsets) for a lookup or write."""
+        shift = self.clients[i][1]
+        if isinstance(arena, PoolChunk):
+            return PoolPages(arena, shift, self._slots[i]), None
+        return arena, [b - shift for b in bases]
 
     def take_ahead(self, keys: Sequence[bytes], host_indices: torch.Tensor) -> int:
         """Copy the longest prefix of `keys` that the read-ahead holds into the
@@ -174,12 +191,20 @@ class RankTier:
         ahead = self.take_ahead(keys, host_indices)
         if ahead == len(keys):
             return ahead
-        rest = host_indices[ahead * page :]
-
-        def scatter(rows: torch.Tensor, start: int, n: int) -> None:
-            self.mover.scatter(rows, rest[start * page : (start + n) * page], n)
-
-        return ahead + await self.read_staged(keys[ahead:], scatter)
+        arena, rows, lock = self._staging["read"]
+        total = 0
+        async with lock:
+            for start in range(ahead, len(keys), len(rows)):
+                chunk_keys = keys[start : start + len(rows)]
+                indices = host_indices[start * page : (start + len(chunk_keys)) * page]
+                chunk = PoolChunk(self.mover, indices, arena, rows)
+                found = await self._count_read(chunk_keys, chunk)
+                chunk.scatter_staged(found)
+                self.stats.direct_pages += len([p for p in chunk.direct if p < found])
+                total += found
+                if found < len(chunk_keys):
+                    break
+        return ahead + total
 
     async def read_staged(
         self, keys: Sequence[bytes], consume: Callable[[torch.Tensor, int, int], None]
@@ -199,7 +224,8 @@ class RankTier:
                     break
         return total
 
-    async def _count_read(self, keys, arena, bases: list[int]) -> int:
+    async def _count_read(self, keys, arena, bases: list[int] | None = None) -> int:
+        """Pull the prefix into `arena` at `bases` (or a `PoolChunk`); return its length."""
         before = self._errors()
         found = await self._lookup(keys, arena, bases)
         self.stats.errors += self._errors() - before
@@ -215,11 +241,16 @@ class RankTier:
             pages = self.mover.page_numbers(host_indices, len(keys))
             return await self._push(keys, self._pool_arena, self.mover.zero_copy_offsets(pages))
         page = self.mover.page_size
-
-        def gather(rows: torch.Tensor, start: int, n: int) -> None:
-            self.mover.gather(host_indices[start * page : (start + n) * page], rows, n)
-
-        return await self.write_staged(keys, gather)
+        arena, rows, lock = self._staging["write"]
+        ok = True
+        async with lock:
+            for start in range(0, len(keys), len(rows)):
+                chunk_keys = keys[start : start + len(rows)]
+                indices = host_indices[start * page : (start + len(chunk_keys)) * page]
+                chunk = PoolChunk(self.mover, indices, arena, rows)
+                ok = await self._push(chunk_keys, chunk) and ok
+                self.stats.direct_pages += len(chunk.direct)
+        return ok
 
     async def write_staged(
         self, keys: Sequence[bytes], produce: Callable[[torch.Tensor, int, int], None]
@@ -237,12 +268,13 @@ class RankTier:
                 ok = await self._push(chunk, arena, bases) and ok
         return ok
 
-    async def _push(self, keys, arena, bases: list[int]) -> bool:
+    async def _push(self, keys, arena, bases: list[int] | None = None) -> bool:
+        """Write from `arena` at `bases` (or a `PoolChunk`); True when no call failed."""
         before = self._errors()
         await asyncio.gather(
             *(
-                client.write(keys, arena, [b - shift for b in bases])
-                for client, shift in self.clients
+                client.write(keys, *self._local(arena, bases, i))
+                for i, (client, _) in enumerate(self.clients)
             )
         )
         failed = self._errors() - before
