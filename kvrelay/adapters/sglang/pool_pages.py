@@ -156,32 +156,22 @@ class PoolPages:
         chunk.direct.update(rows)
         return True
 
-    def _offsets(self, client: CacheClient, rows: list[int]) -> list[int]:
+    async def _staged(self, client: CacheClient, handle, rows: list[int], read: bool) -> None:
+        """The agent moves the rows' runs between the staging arena and the slots."""
         width = self.chunk.mover.rect_bytes
-        return [r * width - self.shift + offset for r in rows for offset, _ in client.runs]
+        offsets = [r * width - self.shift + offset for r in rows for offset, _ in client.runs]
+        move = client.agent.read if read else client.agent.write
+        await move(handle, self.chunk.staging, offsets, namespace=client.namespace,
+                   timeout=client.config.timeout_s)  # fmt: skip
 
     async def pull(self, client: CacheClient, handle: BlockHandle, positions) -> None:
         rows = self._rows(positions)
-        if await self._direct(client, handle, rows, gather=False):
-            return
-        await client.agent.read(
-            handle,
-            self.chunk.staging,
-            self._offsets(client, rows),
-            namespace=client.namespace,
-            timeout=client.config.timeout_s,
-        )
-        self.chunk.staged.update(rows)
+        if not await self._direct(client, handle, rows, gather=False):
+            await self._staged(client, handle, rows, read=True)
+            self.chunk.staged.update(rows)
 
     async def push(self, client: CacheClient, handle: BlockHandle, positions) -> None:
         rows = self._rows(positions)
-        if await self._direct(client, handle, rows, gather=True):
-            return
-        self.chunk.gather_rows()
-        await client.agent.write(
-            handle,
-            self.chunk.staging,
-            self._offsets(client, rows),
-            namespace=client.namespace,
-            timeout=client.config.timeout_s,
-        )
+        if not await self._direct(client, handle, rows, gather=True):
+            self.chunk.gather_rows()
+            await self._staged(client, handle, rows, read=False)
