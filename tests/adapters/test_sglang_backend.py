@@ -354,3 +354,25 @@ def test_without_the_fast_path_token_layouts_go_through_staging_rows(cache_serve
         stats = rank[0].get_stats().kvrelay
         assert stats["direct_pages"] == 0 and stats["errors"] == 0
     assert backend.get_stats().kvrelay["hit_pages"] == PAGES
+
+
+@pytest.mark.parametrize("cache_servers", [MHA_PAGE_BYTES], indirect=True)
+def test_pp_stages_move_their_heads_straight_between_pool_and_slots(cache_servers, opened):
+    """A PP stage's rectangle is a client per head: each copies its head's
+    blocks straight into (and out of) the same-host servers' slots."""
+    truth, keys = _truth(False, 9), env.sglang_keys(_tokens(9), PAGE)
+    for stage in range(2):
+        writer = _rank(opened, cache_servers, "page_first", mla=False, pp=2, pp_rank=stage)
+        assert _write(writer, truth, keys, False) == [True] * PAGES
+        assert writer[0].get_stats().kvrelay["direct_pages"] == PAGES
+    for layout, pp in (("layer_first", 1), ("page_first", 2)):
+        backend, pool, heads, layers = _rank(opened, cache_servers, layout, mla=False, pp=pp,
+                                             pp_rank=pp - 1)  # fmt: skip
+        indices = _host_indices(pool, PAGES)
+        assert backend.batch_get_v1(keys, indices) == [True] * PAGES  # no lookup first
+        expected = _share(truth, False, heads, layers)
+        for i in range(PAGES):
+            got = read_page(pool, int(indices[i * PAGE]))
+            assert torch.equal(got.view(torch.int16), expected[i].view(torch.int16)), (layout, i)
+        stats = backend.get_stats().kvrelay
+        assert stats["direct_pages"] == PAGES and stats["errors"] == 0
