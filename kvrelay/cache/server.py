@@ -198,25 +198,9 @@ class CacheServer:
                 raise MalformedMessage("a handle needs the namespace (ns) of its pages")
             _page_runs(request.runs, self.config.page_bytes)
         if isinstance(request, Lookup):
-            keys = tenant_keys(request.ns, request.keys)
-            hit = tier.lookup(keys, request.lease_s, request.ns or b"")
-            lease = hit.lease.lease_id if hit.lease else None
-            handle = None
-            if lease is not None:
-                self._lease_keys[lease] = (request.ns, [e.key for e in hit.entries])
-                if request.runs is not None:
-                    handle = self._publish(lease, hit.hits, request.runs, request.ns)
-            return LookupReply(hit.hits, lease, hit.more, handle)
+            return self._lookup(request)
         if isinstance(request, Reserve):
-            keys = tenant_keys(request.ns, request.keys)
-            slots, lease = tier.reserve(keys, request.lease_s, request.ns or b"")
-            given = [k for k, s in zip(keys, slots, strict=True) if s is not None]
-            self._lease_keys[lease.lease_id] = (request.ns, given)
-            handle = None
-            if request.runs is not None and given:
-                handle = self._publish(lease.lease_id, len(given), request.runs, request.ns)
-            more = tier.refused_for_room(keys, slots)
-            return ReserveReply(slots, lease.lease_id, more, handle)
+            return self._reserve(request)
         if isinstance(request, PublishHandle):
             return HandleReply(
                 self._publish(request.lease, request.count, request.runs, request.ns)
@@ -254,6 +238,28 @@ class CacheServer:
             l2, l3 = tier.flush(request.ns)
             return FlushReply(l2, l3)
         raise MalformedMessage(f"a cache server does not serve {type(request).__name__}")
+
+    def _lookup(self, request: Lookup) -> LookupReply:
+        keys = tenant_keys(request.ns, request.keys)
+        hit = self.tier.lookup(keys, request.lease_s, request.ns or b"")
+        lease = hit.lease.lease_id if hit.lease else None
+        handle = None
+        if lease is not None:
+            self._lease_keys[lease] = (request.ns, [e.key for e in hit.entries])
+            if request.runs is not None:
+                handle = self._publish(lease, hit.hits, request.runs, request.ns)
+        return LookupReply(hit.hits, lease, hit.more, handle)
+
+    def _reserve(self, request: Reserve) -> ReserveReply:
+        keys = tenant_keys(request.ns, request.keys)
+        slots, lease = self.tier.reserve(keys, request.lease_s, request.ns or b"")
+        given = [k for k, s in zip(keys, slots, strict=True) if s is not None]
+        self._lease_keys[lease.lease_id] = (request.ns, given)
+        handle = None
+        if request.runs is not None and given:
+            handle = self._publish(lease.lease_id, len(given), request.runs, request.ns)
+        more = self.tier.refused_for_room(keys, slots)
+        return ReserveReply(slots, lease.lease_id, more, handle)
 
     def _release(self, lease: int, scope: rpc.Scope) -> bool:
         known = self._lease_keys.get(lease)
