@@ -71,15 +71,14 @@ class ArenaPages:
     async def pull(
         self, client: CacheClient, handle: BlockHandle, positions: Sequence[int]
     ) -> None:
-        offsets = self._offsets(client, positions)
-        await client.agent.read(
-            handle, self.arena, offsets, namespace=client.namespace, timeout=client.config.timeout_s
-        )
+        await self._move(client, handle, positions, read=True)
 
     async def push(
         self, client: CacheClient, handle: BlockHandle, positions: Sequence[int]
     ) -> None:
-        offsets = self._offsets(client, positions)
-        await client.agent.write(
-            handle, self.arena, offsets, namespace=client.namespace, timeout=client.config.timeout_s
-        )
+        await self._move(client, handle, positions, read=False)
+
+    async def _move(self, client: CacheClient, handle, positions, *, read: bool) -> None:
+        move = client.agent.read if read else client.agent.write
+        await move(handle, self.arena, self._offsets(client, positions),
+                   namespace=client.namespace, timeout=client.config.timeout_s)  # fmt: skip

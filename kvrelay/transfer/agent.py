@@ -207,20 +207,11 @@ class Agent:
             raise ValueError(f"{len(local_offsets)} local offsets for {len(handle.runs)} runs")
         timeout = self.config.timeout if timeout is None else timeout
         # One deadline for the whole pull, passed down rather than enforced
-        # by an asyncio.timeout around it: a known peer and arena need no
-        # wait before the move, and the timer's set-up and cancel cost about
-        # 100 us per pull from a cold cache (a 64 KiB run moves in 10).
+        # by an asyncio.timeout around it (`_peer_arena`).
         deadline = asyncio.get_running_loop().time() + timeout
         peer = None
         try:
-            peer = self._peers.get(handle.agent)
-            info = peer.arenas.get(handle.arena_id) if peer is not None else None
-            if info is None or peer.agent_id != handle.agent_id:
-                # Connecting or refreshing the arena table waits on the network.
-                async with asyncio.timeout_at(deadline):
-                    peer = await self._peer(handle)
-                    info = await self._arena_info(peer, handle.arena_id)
-            handle.check_key(info)
+            peer, info = await self._peer_arena(handle, deadline)
             # Both sides' bounds, checked before any byte moves.
             # (numpy-free: from a cold cache every numpy call costs tens of us)
             rows, nbytes = plan_rows(handle.runs_buffer, local_offsets, info.size, local.size)
@@ -259,12 +250,10 @@ class Agent:
             handle = BlockHandle.from_bytes(handle)
         handle.check(namespace)
         timeout = self.config.timeout if timeout is None else timeout
+        deadline = asyncio.get_running_loop().time() + timeout
         peer = None
         try:
-            async with asyncio.timeout(timeout):
-                peer = await self._peer(handle)
-                info = await self._arena_info(peer, handle.arena_id)
-            handle.check_key(info)
+            peer, info = await self._peer_arena(handle, deadline)
             if not (peer.same_host and info.shm):
                 return False
             check_runs(handle.runs, info.size, "remote")
@@ -282,6 +271,26 @@ class Agent:
             self._drop_peer(peer)
             raise PeerError(f"agent {peer.address} died during the copy")
         return True
+
+    async def _peer_arena(self, handle: BlockHandle, deadline: float) -> tuple[Peer, ArenaInfo]:
+        """The handle's peer and arena, rkey and base checked. A known peer and
+        arena need no wait and no timer (setting one up and cancelling it costs
+        about 100 us from a cold cache; a 64 KiB run moves in 10): only
+        connecting or refreshing the arena table waits, until `deadline` (loop
+        clock). A peer that fails or times out meanwhile is dropped."""
+        peer = self._peers.get(handle.agent)
+        info = peer.arenas.get(handle.arena_id) if peer is not None else None
+        if info is None or peer.agent_id != handle.agent_id:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    peer = await self._peer(handle)
+                    info = await self._arena_info(peer, handle.arena_id)
+            except (TimeoutError, PeerError, ProtocolError, AuthError, asyncio.CancelledError):
+                if peer is not None:
+                    self._drop_peer(peer)
+                raise
+        handle.check_key(info)
+        return peer, info
 
     async def release_remote(self, handle: BlockHandle, timeout: float | None = None) -> None:
         """Tells the publisher the reader is done with the handle's pages."""

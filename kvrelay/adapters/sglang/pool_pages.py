@@ -22,6 +22,7 @@ import torch
 
 from kvrelay.adapters.sglang.pool_io import TOKEN_LAYOUTS, PoolMover
 from kvrelay.cache.client import CacheClient
+from kvrelay.cache.page_movers import ArenaPages
 from kvrelay.cuda_ext import gather_pages, scatter_pages
 from kvrelay.layout import ModelKVSpec, Rectangle
 from kvrelay.transfer import Arena, BlockHandle, TransferError
@@ -33,13 +34,8 @@ class SlotGeometry:
     in the compiled ops' terms (`gather_pages` with whole slots as pages)."""
 
     slot_bytes: int
-    page_heads: int
-    page_layers: int
-    page_head_start: int
-    page_layer_start: int
-    pool_head_start: int
-    num_heads: int
     first_run: int  # byte offset in a slot of the rectangle's first run
+    op_args: dict[str, int]  # the ops' page geometry: heads and layers of a slot, the part's
 
     @classmethod
     def of(
@@ -56,19 +52,15 @@ class SlotGeometry:
             or part.num_layers != g.local_layers
         ):
             return None
-        first = part.byte_runs(spec)[0][0]
-        return cls(slot_bytes, spec.num_kv_heads, spec.num_layers, part.head_start,
-                   part.layer_start, pool_head, part.num_heads, first)  # fmt: skip
-
-    def op_args(self) -> dict[str, int]:
-        return {
-            "page_heads": self.page_heads,
-            "page_layers": self.page_layers,
-            "page_head_start": self.page_head_start,
-            "page_layer_start": self.page_layer_start,
-            "pool_head_start": self.pool_head_start,
-            "num_heads": self.num_heads,
+        op_args = {
+            "page_heads": spec.num_kv_heads,
+            "page_layers": spec.num_layers,
+            "page_head_start": part.head_start,
+            "page_layer_start": part.layer_start,
+            "pool_head_start": pool_head,
+            "num_heads": part.num_heads,
         }
+        return cls(slot_bytes, part.byte_runs(spec)[0][0], op_args)
 
     def slots(self, handle: BlockHandle, runs_per_page: int) -> torch.Tensor:
         """The slot of each page the handle names (its first run per page)."""
@@ -147,7 +139,7 @@ class PoolPages:
             slots = geometry.slots(handle, len(client.runs))
             k, v = chunk.mover.token_layers()
             op = gather_pages if gather else scatter_pages
-            op(k, v, pages, slots, chunk.token_slots(rows), **geometry.op_args())
+            op(k, v, pages, slots, chunk.token_slots(rows), **geometry.op_args)
 
         if not await client.agent.copy_mapped(
             handle, copy, namespace=client.namespace, timeout=client.config.timeout_s
@@ -156,22 +148,20 @@ class PoolPages:
         chunk.direct.update(rows)
         return True
 
-    async def _staged(self, client: CacheClient, handle, rows: list[int], read: bool) -> None:
-        """The agent moves the rows' runs between the staging arena and the slots."""
+    def _staged(self) -> ArenaPages:
+        """The chunk's staging rows from this view's start, as the agent moves them."""
         width = self.chunk.mover.rect_bytes
-        offsets = [r * width - self.shift + offset for r in rows for offset, _ in client.runs]
-        move = client.agent.read if read else client.agent.write
-        await move(handle, self.chunk.staging, offsets, namespace=client.namespace,
-                   timeout=client.config.timeout_s)  # fmt: skip
+        rows = range(self.start, len(self.chunk.slots))
+        return ArenaPages(self.chunk.staging, [r * width - self.shift for r in rows])
 
     async def pull(self, client: CacheClient, handle: BlockHandle, positions) -> None:
         rows = self._rows(positions)
         if not await self._direct(client, handle, rows, gather=False):
-            await self._staged(client, handle, rows, read=True)
+            await self._staged().pull(client, handle, positions)
             self.chunk.staged.update(rows)
 
     async def push(self, client: CacheClient, handle: BlockHandle, positions) -> None:
         rows = self._rows(positions)
         if not await self._direct(client, handle, rows, gather=True):
             self.chunk.gather_rows()
-            await self._staged(client, handle, rows, read=False)
+            await self._staged().push(client, handle, positions)
