@@ -8,7 +8,10 @@ promotion).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from kvrelay.transfer import Agent, Arena
 
@@ -61,10 +64,17 @@ class PageArena:
         self._check(slot)
         return slot * self.page_bytes
 
-    def runs(self, slot: int, page_runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """`page_runs` (offsets inside a page) as arena runs of `slot`."""
-        base = self.offset(slot)
-        return [(base + offset, length) for offset, length in page_runs]
+    def slot_runs(self, slots: Sequence[int], page_runs) -> np.ndarray:
+        """`page_runs` of each of `slots`, slot by slot, as (n, 2) uint64 arena
+        runs (what `Agent.publish` takes): one array op for a batch's handle."""
+        ids = np.asarray(slots, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_slots):
+            raise ValueError(f"a slot is outside an arena of {self.num_slots} slots")
+        inside = np.asarray(page_runs, dtype=np.uint64).reshape(-1, 2)
+        runs = np.empty((len(ids), len(inside), 2), dtype=np.uint64)
+        runs[:, :, 0] = ids.astype(np.uint64)[:, None] * np.uint64(self.page_bytes) + inside[:, 0]
+        runs[:, :, 1] = inside[:, 1]
+        return runs.reshape(-1, 2)
 
     def view(self, slot: int) -> memoryview:
         """The slot's bytes, writable, without a copy."""

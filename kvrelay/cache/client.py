@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 from collections.abc import Sequence
 
+from kvrelay import aio
 from kvrelay.cache.client_config import CacheClientConfig, ClientStats
 from kvrelay.cache.identities import IdentityNotes
 from kvrelay.cache.page_movers import ArenaPages, PageMover
@@ -175,7 +176,7 @@ class CacheClient:
         server that ended it may hold more)."""
         groups = ring.group(keys)
         pulling = dest is not None
-        answers = await asyncio.gather(
+        answers = await aio.gather(
             *(self._lookup_one(s, [keys[p] for p in ps], pulling) for s, ps in groups.items())
         )
         found = dict(zip(groups, answers, strict=True))
@@ -185,7 +186,7 @@ class CacheClient:
             for server, positions in groups.items()
             if pulling and taken[server]
         ]
-        results = await asyncio.gather(*pulls, return_exceptions=True)
+        results = await aio.gather(*pulls, return_exceptions=True)
         await self._release_all([(s, a[1]) for s, a in found.items() if a[1] is not None])
         if any(isinstance(r, BaseException) for r in results):
             return -1, False
@@ -225,11 +226,12 @@ class CacheClient:
         """The handle of the first `count` pages of `lease`: `raw` (published for
         all of its pages with the lookup or reservation) narrowed, or asked for."""
         if raw is None:  # a server that does not publish with lookups
-            raw = (
-                await self._servers[server].call(
-                    PublishHandle(lease, count, self.runs, self.namespace), HandleReply
-                )
-            ).handle
+            ask = PublishHandle(lease, count, self.runs, self.namespace)
+            raw = (await self._servers[server].call(ask, HandleReply)).handle
+        return self.pages_handle(raw, count)
+
+    def pages_handle(self, raw: bytes, count: int) -> BlockHandle:
+        """A published handle narrowed to this client's runs of its first `count` pages."""
         handle = BlockHandle.from_bytes(raw)
         wanted = count * len(self.runs)
         if len(handle.runs) < wanted:
@@ -314,9 +316,7 @@ class CacheClient:
         """Push the pages `keys` from `src`; return (pages in, pages failed)."""
         self._follow_ring()
         groups = self.ring.group(keys)
-        results = await asyncio.gather(
-            *(self._write_one(s, ps, keys, src) for s, ps in groups.items())
-        )
+        results = await aio.gather(*(self._write_one(s, ps, keys, src) for s, ps in groups.items()))
         written = sum(w for w, _ in results)
         self.stats.written_pages += written
         return written, sum(f for _, f in results)

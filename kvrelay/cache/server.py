@@ -247,7 +247,8 @@ class CacheServer:
         if lease is not None:
             self._lease_keys[lease] = (request.ns, [e.key for e in hit.entries])
             if request.runs is not None:
-                handle = self._publish(lease, hit.hits, request.runs, request.ns)
+                slots = [e.slot for e in hit.entries]
+                handle = self._publish(lease, hit.hits, request.runs, request.ns, slots)
         return LookupReply(hit.hits, lease, hit.more, handle)
 
     def _reserve(self, request: Reserve) -> ReserveReply:
@@ -257,7 +258,10 @@ class CacheServer:
         self._lease_keys[lease.lease_id] = (request.ns, given)
         handle = None
         if request.runs is not None and given:
-            handle = self._publish(lease.lease_id, len(given), request.runs, request.ns)
+            given_slots = [s for s in slots if s is not None]
+            handle = self._publish(
+                lease.lease_id, len(given), request.runs, request.ns, given_slots
+            )
         more = self.tier.refused_for_room(keys, slots)
         return ReserveReply(slots, lease.lease_id, more, handle)
 
@@ -277,8 +281,11 @@ class CacheServer:
             del self._lease_keys[lease]
             self._handle_leases.pop(lease, None)
 
-    def _publish(self, lease: int, count: int, page_runs, ns: bytes | None) -> bytes:
-        """A block handle of `page_runs` of the first `count` pages of `lease`."""
+    def _publish(
+        self, lease: int, count: int, page_runs, ns: bytes | None, slots: list[int] | None = None
+    ) -> bytes:
+        """A block handle of `page_runs` of the first `count` pages of `lease`
+        (`slots`: theirs, where the caller has them at hand)."""
         if ns is None:
             raise MalformedMessage("a handle needs the namespace (ns) of its pages")
         known_ns, keys = self._lease_keys.get(lease, (None, None))
@@ -289,9 +296,9 @@ class CacheServer:
             raise MalformedMessage(f"count must be in [1, {len(keys)}]")
         page_runs = _page_runs(page_runs, self.config.page_bytes)
         arena = self.tier.arena
-        runs = []
-        for key in keys[:count]:
-            runs += arena.runs(self.tier.index.get(key).slot, page_runs)
+        if slots is None:
+            slots = [self.tier.index.get(key).slot for key in keys[:count]]
+        runs = arena.slot_runs(slots[:count], page_runs)
         # The handle lives as long as the pins that keep its slots from reuse.
         remaining = self.tier.index.seconds_left(live)
         handle = self.agent.publish(arena.arena, runs, ns, max(remaining, 0.001))

@@ -16,6 +16,8 @@ import os
 import uuid
 from collections.abc import Sequence
 
+import numpy as np
+
 from kvrelay import rpc
 from kvrelay.rpc.agent_ops import (
     AgentRequest,
@@ -36,13 +38,14 @@ from kvrelay.transfer.errors import (
     TransferTimeout,
     UnknownArena,
 )
-from kvrelay.transfer.fastpath import copy_shared, host_id, mapping
-from kvrelay.transfer.handle import BlockHandle, check_runs, plan_rows, rows_array
+from kvrelay.transfer.fastpath import copy_shared, host_id
+from kvrelay.transfer.handle import BlockHandle, Runs, check_runs, plan_rows, rows_array
 from kvrelay.transfer.inline import InlineBudget
 from kvrelay.transfer.lease import LeaseTable
+from kvrelay.transfer.mapped_copies import MappedCopies
 
 
-class Agent:
+class Agent(MappedCopies):
     def __init__(self, config: AgentConfig, transport: Transport) -> None:
         if not config.token:
             raise ValueError("an agent needs a non-empty cluster token")
@@ -167,13 +170,18 @@ class Agent:
         namespace: bytes,
         lease_seconds: float | None = None,
     ) -> BlockHandle:
-        """A handle for `runs` of `arena` under a new lease."""
+        """A handle for `runs` of `arena` under a new lease: (offset, length)
+        pairs, or an (n, 2) uint64 array (a batch's runs, kept as an array)."""
         if self.arenas.get(arena.arena_id) is not arena:
             raise UnknownArena(f"arena {arena.arena_id} is not registered with this agent")
-        runs = tuple((int(o), int(n)) for o, n in runs)
-        array = check_runs(runs, arena.size, "published")
+        if isinstance(runs, np.ndarray):
+            array = check_runs(runs, arena.size, "published")
+            runs = lease_runs = Runs(array.astype("<u8", copy=False).tobytes())
+        else:
+            runs = lease_runs = tuple((int(o), int(n)) for o, n in runs)
+            array = check_runs(runs, arena.size, "published")
         lease = self.leases.grant(
-            arena.arena_id, runs, lease_seconds or self.config.lease_seconds, namespace
+            arena.arena_id, lease_runs, lease_seconds or self.config.lease_seconds, namespace
         )
         handle = BlockHandle(
             backend=self.transport.name,
@@ -235,42 +243,6 @@ class Agent:
             if peer is not None:
                 self._drop_peer(peer)
             raise
-
-    async def copy_mapped(self, handle, fn, *, namespace, timeout=None) -> bool:
-        """Calls `fn(arena)` with the owner's whole arena behind `handle` mapped
-        here (a uint8 tensor), when the owner is a same-host agent and the
-        arena a memfd; False, calling nothing, otherwise (move the bytes with
-        `read` / `write`). For a caller whose own copy goes straight between
-        its memory and the runs (a gather or scatter with the owner's pages
-        as its rows): one copy where `read` would make a second. Checked like
-        a transfer first (namespace, lease, rkey, every run in bounds); `fn`
-        must touch the handle's runs only, and runs synchronously, so the
-        mapping cannot go while it copies."""
-        if not isinstance(handle, BlockHandle):
-            handle = BlockHandle.from_bytes(handle)
-        handle.check(namespace)
-        timeout = self.config.timeout if timeout is None else timeout
-        deadline = asyncio.get_running_loop().time() + timeout
-        peer = None
-        try:
-            peer, info = await self._peer_arena(handle, deadline)
-            if not (peer.same_host and info.shm):
-                return False
-            check_runs(handle.runs, info.size, "remote")
-            fn(mapping(peer, info).tensor())
-        except TimeoutError:
-            if peer is not None:
-                self._drop_peer(peer)
-            raise TransferTimeout(f"{handle.agent} did not answer within {timeout} s") from None
-        except (PeerError, ProtocolError, AuthError, asyncio.CancelledError):
-            if peer is not None:
-                self._drop_peer(peer)
-            raise
-        # A mapping outlives its owner; a dead owner cannot honour its lease.
-        if peer.conn.closed_by_peer():
-            self._drop_peer(peer)
-            raise PeerError(f"agent {peer.address} died during the copy")
-        return True
 
     async def _peer_arena(self, handle: BlockHandle, deadline: float) -> tuple[Peer, ArenaInfo]:
         """The handle's peer and arena, rkey and base checked. A known peer and

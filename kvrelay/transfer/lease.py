@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +24,7 @@ class RunLease:
 
     lease_id: int
     arena_id: int
-    runs: tuple[tuple[int, int], ...]
+    runs: Sequence[tuple[int, int]]  # a tuple, or a handle's `Runs`
     expiry: float
     # The namespace of the pages: a tenant-scoped peer may use only its own.
     namespace: bytes = b""
@@ -32,11 +33,14 @@ class RunLease:
 def covers(lease: RunLease, runs: np.ndarray) -> bool:
     """True when every (offset, length) row of `runs` lies inside the union of
     the lease's runs (adjacent lease runs join, as a reader coalesces them)."""
-    if not lease.runs:
+    if not len(lease.runs):
         return False
     # Vectorised: a loop over a 512-run lease cost the tcp owner 0.4 ms per pull.
-    flat = itertools.chain.from_iterable(lease.runs)
-    spans = np.fromiter(flat, dtype=np.uint64, count=2 * len(lease.runs)).reshape(-1, 2)
+    if hasattr(lease.runs, "array"):  # a published batch's runs, as the wire has them
+        spans = lease.runs.array()
+    else:
+        flat = itertools.chain.from_iterable(lease.runs)
+        spans = np.fromiter(flat, dtype=np.uint64, count=2 * len(lease.runs)).reshape(-1, 2)
     order = np.argsort(spans[:, 0], kind="stable")
     starts = spans[order, 0]
     reach = np.maximum.accumulate(starts + spans[order, 1])  # furthest end so far
@@ -69,9 +73,10 @@ class LeaseTable:
     def grant(self, arena_id: int, runs, seconds: float, namespace: bytes = b"") -> RunLease:
         if not seconds > 0:
             raise ValueError(f"a lease lasts a positive number of seconds, got {seconds!r}")
-        lease = RunLease(
-            self._new_id(), arena_id, tuple(runs), time.time() + seconds, bytes(namespace)
-        )
+        # A handle's `Runs` stays as it is: a tuple of a batch's runs is made
+        # only if something iterates them.
+        runs = runs if hasattr(runs, "array") else tuple(runs)
+        lease = RunLease(self._new_id(), arena_id, runs, time.time() + seconds, bytes(namespace))
         self._active[lease.lease_id] = lease
         return lease
 

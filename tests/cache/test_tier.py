@@ -70,14 +70,16 @@ async def test_writers_fill_through_handles_and_reader_pulls_sealed_pages(tmp_pa
             for _, rect in page_writers(SPEC, config, 0):
                 runs = rect.byte_runs(SPEC)
                 local.tensor.copy_(torch.frombuffer(bytearray(content(0)), dtype=torch.uint8))
-                handle = agent.publish(tier.arena.arena, tier.arena.runs(slots[0], runs), NS)
+                handle = agent.publish(tier.arena.arena, tier.arena.slot_runs([slots[0]], runs), NS)
                 await writer.write(handle, local, [o for o, _ in runs], namespace=NS)
                 tier.commit(KEYS[0], runs)
         assert tier.lookup(KEYS[:2]).slots == [0]  # page 1 reserved, never written
         assert tier.reserve(KEYS[:1], lease_s=30)[0] == [None]  # already sealed
         tier.release(lease.lease_id)
         hit = tier.lookup(KEYS[:3], lease_s=30)
-        handle = agent.publish(tier.arena.arena, tier.arena.runs(hit.slots[0], [(0, PAGE)]), NS)
+        handle = agent.publish(
+            tier.arena.arena, tier.arena.slot_runs([hit.slots[0]], [(0, PAGE)]), NS
+        )
         reader = await create_agent("loopback", token="t")
         dest = reader.allocate_arena(PAGE)
         await reader.read(handle, dest, [0], namespace=NS)

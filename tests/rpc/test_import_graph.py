@@ -9,14 +9,15 @@ import kvrelay
 ROOT = Path(kvrelay.__file__).parent
 # package -> the kvrelay packages it may import (DESIGN.md section 2's table;
 # `options` is the config-dataclass helper every process uses, `procfs`
-# the one reader of /proc and `ports` the one picker of free ports, all
-# importing nothing of kvrelay; `worker` is
+# the one reader of /proc, `ports` the one picker of free ports and `aio`
+# asyncio helpers of hot paths, all importing nothing of kvrelay; `worker` is
 # what the prefill and decode roles share).
 ALLOWED = {
     "layout": set(),
     "options": set(),
     "procfs": set(),
     "ports": set(),
+    "aio": set(),
     "rpc": {"layout"},
     "cuda_ext": {"layout", "_C"},
     "transfer": {"rpc", "layout", "_ucx"},
@@ -24,12 +25,12 @@ ALLOWED = {
     # tier's index and the workers' KV pools order pages with the same ones.
     "cache.eviction": set(),
     "model": {"cuda_ext", "layout", "cache.eviction"},
-    "cache": {"cache.eviction", "transfer", "rpc", "layout", "options", "procfs", "ports"},
+    "cache": {"cache.eviction", "transfer", "rpc", "layout", "options", "procfs", "ports", "aio"},
     "worker": {"model", "cache", "transfer", "rpc", "layout", "options"},
     "prefill": {"worker", "model", "cache", "transfer", "rpc", "layout", "options"},
     "decode": {"worker", "model", "cache", "transfer", "rpc", "layout", "options"},
     "control": {"rpc", "layout", "options"},
-    "adapters": {"cache", "transfer", "cuda_ext", "layout", "rpc", "ports"},
+    "adapters": {"cache", "transfer", "cuda_ext", "layout", "rpc", "ports", "aio"},
 }
 TOOLS = {"bench", "demo", "chaos", "cli"}  # commands and test tools on top: may import anything
 

@@ -128,25 +128,33 @@ class PoolPages:
     def _rows(self, positions: Sequence[int]) -> list[int]:
         return [self.start + p for p in positions]
 
-    async def _direct(self, client: CacheClient, handle, rows: list[int], gather: bool) -> bool:
+    def copy_slots(
+        self, arena: torch.Tensor, client: CacheClient, handle, positions, *, to_slots: bool
+    ) -> bool:
+        """Pages `positions` between the host pool and the handle's slots in
+        `arena` (a server's arena mapped here), in one compiled copy (a
+        `direct_lane.SlotCopier`); False where they cannot go straight."""
         if self.slot is None:
             return False
-        chunk, geometry = self.chunk, self.slot
-
-        def copy(arena: torch.Tensor) -> None:
-            pages = arena[: arena.numel() // geometry.slot_bytes * geometry.slot_bytes]
-            pages = pages.view(-1, geometry.slot_bytes)
-            slots = geometry.slots(handle, len(client.runs))
-            k, v = chunk.mover.token_layers()
-            op = gather_pages if gather else scatter_pages
-            op(k, v, pages, slots, chunk.token_slots(rows), **geometry.op_args)
-
-        if not await client.agent.copy_mapped(
-            handle, copy, namespace=client.namespace, timeout=client.config.timeout_s
-        ):
-            return False
-        chunk.direct.update(rows)
+        rows, geometry = self._rows(positions), self.slot
+        pages = arena[: arena.numel() // geometry.slot_bytes * geometry.slot_bytes]
+        pages = pages.view(-1, geometry.slot_bytes)
+        slots = geometry.slots(handle, len(client.runs))
+        k, v = self.chunk.mover.token_layers()
+        op = gather_pages if to_slots else scatter_pages
+        op(k, v, pages, slots, self.chunk.token_slots(rows), **geometry.op_args)
+        self.chunk.direct.update(rows)
         return True
+
+    async def _direct(self, client: CacheClient, handle, positions, gather: bool) -> bool:
+        if self.slot is None:
+            return False
+        return await client.agent.copy_mapped(
+            handle,
+            lambda arena: self.copy_slots(arena, client, handle, positions, to_slots=gather),
+            namespace=client.namespace,
+            timeout=client.config.timeout_s,
+        )
 
     def _staged(self) -> ArenaPages:
         """The chunk's staging rows from this view's start, as the agent moves them."""
@@ -155,13 +163,11 @@ class PoolPages:
         return ArenaPages(self.chunk.staging, [r * width - self.shift for r in rows])
 
     async def pull(self, client: CacheClient, handle: BlockHandle, positions) -> None:
-        rows = self._rows(positions)
-        if not await self._direct(client, handle, rows, gather=False):
+        if not await self._direct(client, handle, positions, gather=False):
             await self._staged().pull(client, handle, positions)
-            self.chunk.staged.update(rows)
+            self.chunk.staged.update(self._rows(positions))
 
     async def push(self, client: CacheClient, handle: BlockHandle, positions) -> None:
-        rows = self._rows(positions)
-        if not await self._direct(client, handle, rows, gather=True):
+        if not await self._direct(client, handle, positions, gather=True):
             self.chunk.gather_rows()
             await self._staged().push(client, handle, positions)

@@ -214,9 +214,19 @@ class KvrelayHiCacheStorage(V2Pools, HiCacheStorage):
         found = self._take_ahead(tier, names, host_indices)
         if found < len(keys):
             rest = host_indices[found * tier.mover.page_size :]
-            found += self._run(tier.read_pool(names[found:], rest), 0)
+            here = self._on_caller(tier.read_on_caller, names[found:], rest)
+            found += here if here is not None else self._run(tier.read_pool(names[found:], rest), 0)
         self._count_get(len(keys), found)
         return [i < found for i in range(len(keys))]
+
+    def _on_caller(self, call, names: list[bytes], host_indices):
+        """`call` (a `RankTier` call on SGLang's thread); None where the loop must make it."""
+        try:
+            return call(names, host_indices)
+        except Exception:  # never fails SGLang's request: the loop's call follows
+            log.exception("kvrelay call on SGLang's thread failed")
+            self.stats.errors += 1
+            return None
 
     def _take_ahead(self, tier: RankTier, names: list[bytes], host_indices) -> int:
         try:
@@ -235,7 +245,13 @@ class KvrelayHiCacheStorage(V2Pools, HiCacheStorage):
             ok = all(done.get(P.KV, [False])) if keys else True
             self._count_set(len(keys), ok)
             return [ok] * len(keys)
-        ok = self._run(tier.write_pool(self._keys(keys), host_indices), False) if keys else True
+        if not keys:
+            self._count_set(0, True)
+            return []
+        names = self._keys(keys)
+        ok = self._on_caller(tier.write_on_caller, names, host_indices)
+        if ok is None:
+            ok = self._run(tier.write_pool(names, host_indices), False)
         self._count_set(len(keys), ok)
         return [ok] * len(keys)
 

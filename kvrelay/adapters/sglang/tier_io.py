@@ -21,11 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
+from kvrelay import aio
 from kvrelay.adapters.sglang.config import AdapterConfig
 from kvrelay.adapters.sglang.pool_io import PoolMover
 from kvrelay.adapters.sglang.pool_pages import PoolChunk, PoolPages, SlotGeometry
 from kvrelay.adapters.sglang.read_ahead import ReadAhead
 from kvrelay.cache.client import CacheClient, CacheClientConfig
+from kvrelay.cache.direct_lane import DirectLane
 from kvrelay.layout import ModelKVSpec, Rectangle
 from kvrelay.transfer import create_agent
 
@@ -45,6 +47,7 @@ class AdapterStats:
     exists_calls: int = 0
     read_ahead_pages: int = 0  # of hit_pages, pulled by the lookup (batch_exists) before
     direct_pages: int = 0  # pages copied straight between the pool and a same-host server's slots
+    caller_calls: int = 0  # get / set calls made on SGLang's thread (`DirectLane`)
     errors: int = 0  # server calls answered as misses or failed writes
     timeouts: int = 0  # adapter calls cut at their time bound
 
@@ -86,6 +89,7 @@ class RankTier:
         # runs on SGLang's thread: a row is handed to a new lookup only
         # while no copy out of it runs.
         self._ahead_rows = threading.Lock()
+        self._lanes: dict[str, list[DirectLane]] | None = None
 
     async def start(self) -> RankTier:
         c = self.config
@@ -105,6 +109,13 @@ class RankTier:
         ]  # fmt: skip
         if self.mover.zero_copy:
             self._pool_arena = self.agent.register_tensor(self.mover.pool.kv_buffer)
+        elif all(slot is not None for slot in self._slots):
+            # Reads and writes on SGLang's threads (its prefetch and backup
+            # threads each a lane of their own, so neither waits on the other).
+            self._lanes = {
+                name: [DirectLane(client) for client, _ in self.clients]
+                for name in ("read", "write")
+            }
         staging_rows = c.staging_rows(self.rect_bytes)
         for name in ("read", "write"):
             arena = self.agent.allocate_arena(staging_rows * self.rect_bytes)
@@ -119,6 +130,8 @@ class RankTier:
     async def close(self) -> None:
         """Close every client, then the agent, even when one of them fails."""
         try:
+            for lane in [lane for lanes in (self._lanes or {}).values() for lane in lanes]:
+                lane.close()
             for client, _ in self.clients:
                 with contextlib.suppress(Exception):
                     await client.close()
@@ -150,7 +163,7 @@ class RankTier:
 
     async def _lookup(self, keys, arena, bases: list[int] | None) -> int:
         """Every client's prefix pulled into `arena` at `bases`, or a `PoolChunk`."""
-        found = await asyncio.gather(
+        found = await aio.gather(
             *(
                 client.lookup(keys, *self._local(arena, bases, i))
                 for i, (client, _) in enumerate(self.clients)
@@ -168,8 +181,8 @@ class RankTier:
     def take_ahead(self, keys: Sequence[bytes], host_indices: torch.Tensor) -> int:
         """Copy the longest prefix of `keys` that the read-ahead holds into the
         host pool, on the calling thread (no hop to the loop); return its length."""
-        if self.ahead is None or not keys:
-            return 0
+        if self.ahead is None or not keys or not len(self.ahead):
+            return 0  # nothing held: no lock, no tensor slicing (every cold get)
         page = self.mover.page_size
         with self._ahead_rows:  # no lookup takes these rows during the copy
             held = self.ahead.prefix(keys)
@@ -179,6 +192,46 @@ class RankTier:
                 self.stats.read_ahead_pages += ahead
                 self.stats.bytes_read += ahead * self.rect_bytes
         return ahead
+
+    # -- calls on SGLang's thread --------------------------------------------------------
+    def read_on_caller(self, keys: Sequence[bytes], host_indices: torch.Tensor) -> int | None:
+        """`read_pool` made on the calling thread by the rank's `DirectLane`s;
+        None where it must go by the loop (`read_pool` then makes it whole)."""
+        if self._lanes is None:
+            return None
+        chunk = self._lane_chunk(host_indices, "read")
+        found = len(keys)
+        for lane, slot, (_, shift) in zip(
+            self._lanes["read"], self._slots, self.clients, strict=True
+        ):
+            got = lane.read(keys, PoolPages(chunk, shift, slot))
+            if got is None:
+                return None
+            found = min(found, got)
+        self.stats.caller_calls += 1
+        self.stats.direct_pages += len([p for p in chunk.direct if p < found])
+        self.stats.bytes_read += found * self.rect_bytes
+        return found
+
+    def write_on_caller(self, keys: Sequence[bytes], host_indices: torch.Tensor) -> bool | None:
+        """`write_pool` made on the calling thread; None where it must go by the loop."""
+        if self._lanes is None or not self.rect.writer:
+            return None
+        chunk = self._lane_chunk(host_indices, "write")
+        for lane, slot, (_, shift) in zip(
+            self._lanes["write"], self._slots, self.clients, strict=True
+        ):
+            if lane.write(keys, PoolPages(chunk, shift, slot)) is None:
+                return None
+        self.stats.caller_calls += 1
+        self.stats.direct_pages += len(chunk.direct)
+        self.stats.bytes_written += len(keys) * self.rect_bytes
+        return True
+
+    def _lane_chunk(self, host_indices: torch.Tensor, name: str) -> PoolChunk:
+        """The call's pages as a `PoolChunk` (its staging rows unused: a lane copies straight)."""
+        arena, rows, _ = self._staging[name]
+        return PoolChunk(self.mover, host_indices, arena, rows)
 
     async def read_pool(self, keys: Sequence[bytes], host_indices: torch.Tensor) -> int:
         """Bring the longest cached prefix of `keys` into the host pool; return its length."""
@@ -271,7 +324,7 @@ class RankTier:
     async def _push(self, keys, arena, bases: list[int] | None = None) -> bool:
         """Write from `arena` at `bases` (or a `PoolChunk`); True when no call failed."""
         before = self._errors()
-        await asyncio.gather(
+        await aio.gather(
             *(
                 client.write(keys, *self._local(arena, bases, i))
                 for i, (client, _) in enumerate(self.clients)

@@ -1,0 +1,95 @@
+"""`DirectLane`: a cache client's reads and writes made on the caller's thread,
+against a real cache server process, and the calls it leaves to the loop."""
+
+import asyncio
+import dataclasses
+import time
+
+import pytest
+import torch
+
+from kvrelay.cache.direct_lane import DirectLane
+from kvrelay.cache.policy import WritePolicy
+from kvrelay.layout import ParallelConfig
+from tests.cache.server_process import PAGE
+from tests.cache.specs import SPEC
+from tests.cache.test_server import KEYS, PAGES, content, rank_client
+
+
+class RunsCopier:
+    """Local pages (a [pages, PAGE] uint8 tensor) to and from the handle's
+    runs in the mapped arena, run by run (the `SlotCopier` an engine's
+    compiled gather replaces)."""
+
+    def __init__(self, pages: torch.Tensor) -> None:
+        self.pages = pages
+
+    def copy_slots(self, arena, client, handle, positions, *, to_slots: bool) -> bool:
+        runs = handle.run_array.reshape(len(positions), len(client.runs), 2)
+        for position, page_runs in zip(positions, runs, strict=True):
+            for (offset, length), (in_page, _) in zip(page_runs, client.runs, strict=True):
+                remote = arena[int(offset) : int(offset) + int(length)]
+                local = self.pages[position, in_page : in_page + int(length)]
+                (remote if to_slots else local).copy_(local if to_slots else remote)
+        return True
+
+
+def _pages() -> torch.Tensor:
+    return torch.stack([torch.frombuffer(bytearray(content(i)), dtype=torch.uint8)
+                        for i in range(PAGES)])  # fmt: skip
+
+
+@pytest.mark.asyncio
+async def test_a_lane_moves_pages_on_the_callers_thread_once_the_agent_met_the_server(servers):
+    server = servers()
+    agent, client, local = await rank_client([server.address], ParallelConfig())
+    lane = DirectLane(client)
+    truth = _pages()
+    try:
+        # Not met yet: the call is the loop's, and the lane reserved nothing.
+        assert await asyncio.to_thread(lane.write, KEYS, RunsCopier(truth)) is None
+        assert (await client.server_stats())[server.address]["tier"]["reserved_pages"] == 0
+        for i in range(2):
+            local.buffer(i * PAGE, PAGE)[:] = content(i)
+        assert await client.write(KEYS[:2], local, [0, PAGE]) == 2  # meets the server's agent
+        # Pages already sealed are skipped; the rest go in from this thread.
+        assert await asyncio.to_thread(lane.write, KEYS, RunsCopier(truth)) == PAGES - 2
+        out = RunsCopier(torch.zeros_like(truth))
+        assert await asyncio.to_thread(lane.read, KEYS, out) == PAGES
+        assert torch.equal(out.pages, truth)
+        gap = [*KEYS[:3], SPEC.page_keys(list(range(1000, 1000 + SPEC.page_size)))[0]]
+        assert await asyncio.to_thread(lane.read, gap, RunsCopier(torch.zeros_like(truth))) == 3
+        assert lane.calls == 3
+        # Every lease went back: a flush drops every page (a pinned one stays).
+        assert (await client.admin_flush())[server.address]["dropped"] == PAGES
+        assert await asyncio.to_thread(lane.read, KEYS, out) == 0
+    finally:
+        lane.close()
+        await client.close()
+        await agent.close()
+
+
+@pytest.mark.asyncio
+async def test_a_server_gone_or_write_back_leaves_the_call_to_the_loop(servers):
+    server = servers()
+    agent, client, local = await rank_client([server.address], ParallelConfig())
+    lane = DirectLane(client)
+    truth = _pages()
+    try:
+        local.buffer(0, PAGE)[:] = content(0)
+        assert await client.write(KEYS[:1], local, [0]) == 1
+        assert await asyncio.to_thread(lane.read, KEYS[:1], RunsCopier(truth.clone())) == 1
+        back = dataclasses.replace(client.config, write_policy=WritePolicy.WRITE_BACK)
+        client.config = back
+        assert await asyncio.to_thread(lane.write, KEYS, RunsCopier(truth)) is None
+        server.stop()
+        start = time.monotonic()
+        assert await asyncio.to_thread(lane.read, KEYS, RunsCopier(truth.clone())) is None
+        # Off the lane for a while: the next call does not try the server again.
+        assert await asyncio.to_thread(lane.read, KEYS, RunsCopier(truth.clone())) is None
+        assert time.monotonic() - start < client.config.timeout_s
+        assert lane.calls == 1
+    finally:
+        lane.close()
+        await client.close()
+        await agent.close()
