@@ -8,8 +8,9 @@ whose arena the transfer agent has already mapped (`Agent.copy_mapped`
 met it), a `DirectLane` makes the call on the caller's thread instead:
 the same requests over blocking sockets of its own (`SyncChannel`), the
 page copied by a `SlotCopier` straight between the engine's memory and the
-server's slots in a mapping of the lane's own, the same checks as a
-transfer (namespace, lease, rkey, every run in bounds).
+server's slots in the agent's mapping of its arena (under the mapping's
+lock), the same checks as a transfer (namespace, lease, rkey, every run in
+bounds).
 
 A lane answers None where it cannot make the call (a server not met yet or
 on another host, one down, a chain longer than the server can pin at once,
@@ -44,7 +45,6 @@ from kvrelay.rpc.cache_ops import (
 )
 from kvrelay.rpc.sync_channel import SyncChannel
 from kvrelay.transfer import BlockHandle, TransferError
-from kvrelay.transfer.arena import RemoteMapping
 
 if TYPE_CHECKING:
     from kvrelay.cache.client import CacheClient
@@ -79,7 +79,6 @@ class DirectLane:
     def __init__(self, client: CacheClient) -> None:
         self.client = client
         self._channels: dict[str, SyncChannel] = {}
-        self._mapped: dict[tuple[bytes, int, str], RemoteMapping] = {}
         self._off_until: dict[str, float] = {}  # server -> monotonic time
         self._lock = threading.Lock()
         self.calls = 0  # calls made here, to the end
@@ -104,10 +103,7 @@ class DirectLane:
         with self._lock:
             for channel in self._channels.values():
                 channel.close()
-            for mapped in self._mapped.values():
-                mapped.close()
             self._channels.clear()
-            self._mapped.clear()
 
     # -- one call ------------------------------------------------------------------
     def _call(self, keys, copier, make) -> int | None:
@@ -175,7 +171,7 @@ class DirectLane:
     # -- servers and their arenas ----------------------------------------------------------
     def _on_lane(self, server: str) -> bool:
         """Whether `server`'s calls can be made here: it answers, and the agent
-        met its transfer agent as a same-host peer with a mappable arena."""
+        has mapped its transfer agent's arena (a same-host peer)."""
         if self._off_until.get(server, 0.0) > time.monotonic():
             return False
         channel = self._channels.get(server)
@@ -189,7 +185,7 @@ class DirectLane:
         except Unavailable:
             self._off_until[server] = time.monotonic() + OFF_LANE_S
             return False
-        return bool(self.client.agent.peer_is_shared(welcome.agent))
+        return bool(self.client.agent.peer_is_mapped(welcome.agent))
 
     def _request(self, server: str, request, reply):
         try:
@@ -203,15 +199,11 @@ class DirectLane:
         if raw is None:
             raise _OffLane  # a server that does not publish handles with its answers
         handle = c.pages_handle(raw, count)
-        info = c.agent.known_shared_arena(handle, c.namespace)
-        if info is None:
-            raise _OffLane
-        key = (handle.agent_id, info.arena_id, info.shm)
-        mapped = self._mapped.get(key)
+        mapped = c.agent.known_mapping(handle, c.namespace)
         if mapped is None:
-            try:
-                mapped = self._mapped[key] = RemoteMapping(info.shm, info.size)
-            except OSError as exc:
-                raise _OffLane from exc
-        if not copier.copy_slots(mapped.tensor(), c, handle, positions, to_slots=to_slots):
             raise _OffLane
+        with mapped.lock:
+            if not mapped.size:  # closed: the agent dropped the peer
+                raise _OffLane
+            if not copier.copy_slots(mapped.tensor(), c, handle, positions, to_slots=to_slots):
+                raise _OffLane

@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import mmap
 import os
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -201,6 +202,9 @@ class RemoteMapping:
             os.close(fd)
         self.size = size
         self._tensor: torch.Tensor | None = None
+        # Held by a copy on a thread other than the agent's loop, whose
+        # `close` (a dropped peer) then waits for it rather than unmap under it.
+        self.lock = threading.Lock()
 
     def tensor(self) -> torch.Tensor:
         """The mapping as one uint8 tensor (made once; not valid after `close`)."""
@@ -209,10 +213,11 @@ class RemoteMapping:
         return self._tensor
 
     def close(self) -> None:
-        self._tensor = None
-        if self.size:
-            unmap(self.address, self.size)
-            self.size = 0
+        with self.lock:
+            self._tensor = None
+            if self.size:
+                unmap(self.address, self.size)
+                self.size = 0
 
 
 def copy_runs_reference(

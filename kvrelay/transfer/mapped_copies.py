@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 
-from kvrelay.rpc.agent_ops import ArenaInfo
 from kvrelay.rpc.errors import AuthError, PeerError, ProtocolError
+from kvrelay.transfer.arena import RemoteMapping
 from kvrelay.transfer.errors import TransferTimeout
 from kvrelay.transfer.fastpath import mapping
 from kvrelay.transfer.handle import BlockHandle, check_runs
@@ -57,29 +57,30 @@ class MappedCopies:
             raise PeerError(f"agent {peer.address} died during the copy")
         return True
 
-    def peer_is_shared(self, address: str) -> bool | None:
-        """Whether the agent at `address` is a same-host peer whose arenas map
-        here; None where this agent has not met it yet. Never waits."""
+    def peer_is_mapped(self, address: str) -> bool | None:
+        """Whether this agent has mapped an arena of the agent at `address`
+        (a same-host peer); False for a peer on another host, None where
+        nothing is mapped yet. Never waits."""
         peer = self._peers.get(address)
-        if peer is None or not peer.arenas:
-            return None
-        return peer.same_host and any(info.shm for info in peer.arenas.values())
+        if peer is not None and not peer.same_host:
+            return False
+        return True if peer is not None and peer.mappings else None
 
-    def known_shared_arena(self, handle: BlockHandle, namespace: bytes) -> ArenaInfo | None:
-        """The handle's arena where this agent already knows it as a same-host
-        peer's memfd, checked like a transfer (namespace, lease, rkey, every
-        run in bounds); None where it has not met that peer and arena yet
-        (`copy_mapped` meets them) or the arena cannot be mapped. Never waits
-        and never connects: for a caller on another thread, which maps the
-        arena itself (`RemoteMapping`) so that no peer drop here unmaps it
-        under a copy there."""
+    def known_mapping(self, handle: BlockHandle, namespace: bytes) -> RemoteMapping | None:
+        """The handle's arena as this agent has mapped it (a same-host peer's
+        memfd, mapped by a transfer or `copy_mapped`), checked like a
+        transfer (namespace, lease, rkey, every run in bounds); None where
+        it has not. Never waits, connects or maps: for a caller on another
+        thread, which copies under the mapping's `lock` (a dropped peer's
+        `close` waits for it) and finds `size` 0 once it is closed."""
         handle.check(namespace)
         peer = self._peers.get(handle.agent)  # dict reads: safe beside the loop
         info = peer.arenas.get(handle.arena_id) if peer is not None else None
-        if info is None or peer.agent_id != handle.agent_id:
+        if info is None or peer.agent_id != handle.agent_id or not peer.same_host:
             return None
-        if not (peer.same_host and info.shm):
+        mapped = peer.mappings.get(info.arena_id)
+        if mapped is None:
             return None
         handle.check_key(info)
         check_runs(handle.runs, info.size, "remote")
-        return info
+        return mapped

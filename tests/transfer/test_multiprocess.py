@@ -3,6 +3,7 @@ of the fast path, writes, and a peer killed mid-transfer."""
 
 import hashlib
 import random
+import threading
 import time
 
 import pytest
@@ -206,10 +207,35 @@ async def test_copy_mapped_hands_a_same_host_peers_arena_to_the_caller(start_pee
         seen.append([_sha(arena[o : o + n]) for o, n in runs])
 
     async with await create_agent("tcp", token=TOKEN) as agent:
+        assert agent.peer_is_mapped(handle.agent) is None  # not met yet
+        assert agent.known_mapping(handle, NAMESPACE) is None
         assert await agent.copy_mapped(handle, take, namespace=NAMESPACE, timeout=30)
         assert seen == [[_sha(want[o : o + n]) for o, n in runs]]
         with pytest.raises(NamespaceMismatch):
             await agent.copy_mapped(handle, take, namespace=b"x" * 32, timeout=30)
+        # Met: another thread may copy through the agent's mapping, under its
+        # lock; dropping the peer waits for that copy before it unmaps.
+        assert agent.peer_is_mapped(handle.agent) is True
+        mapped = agent.known_mapping(handle, NAMESPACE)
+        assert _sha(mapped.tensor()[4096 : 4096 + 8192]) == _sha(want[4096 : 4096 + 8192])
+        with pytest.raises(NamespaceMismatch):
+            agent.known_mapping(handle, b"x" * 32)
+        held = threading.Event()
+
+        def copy_slowly() -> None:
+            with mapped.lock:
+                held.set()
+                time.sleep(0.3)
+
+        copier = threading.Thread(target=copy_slowly)
+        copier.start()
+        assert held.wait(5)
+        start = time.monotonic()
+        agent._drop_peer(agent._peers[handle.agent])
+        assert time.monotonic() - start >= 0.2 and mapped.size == 0
+        copier.join(5)
+        assert agent.peer_is_mapped(handle.agent) is None
     async with await create_agent("tcp", token=TOKEN, fast_path=False) as agent:
         assert not await agent.copy_mapped(handle, take, namespace=NAMESPACE, timeout=30)
+        assert agent.peer_is_mapped(handle.agent) is False
     assert len(seen) == 1
