@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -34,6 +35,10 @@ from kvrelay.adapters.sglang.storage_v2 import TierRoutes, V2Pools, tier_exists
 from kvrelay.adapters.sglang.tier_io import AdapterStats, RankTier
 
 log = logging.getLogger(__name__)
+
+# SGLang asks for the same pages twice (`batch_exists`, then `batch_get_v1`)
+# and writes pages it computed just before: a page's key is hashed once.
+_page_key = functools.lru_cache(maxsize=1 << 16)(kvrelay_key)
 
 # Grace beyond the call bound for the loop thread to hand back a cancelled call.
 CANCEL_GRACE_S = 1.0
@@ -172,7 +177,7 @@ class KvrelayHiCacheStorage(V2Pools, HiCacheStorage):
         return self.target
 
     def _keys(self, keys: list[str]) -> list[bytes]:
-        return [kvrelay_key(self.namespace, k) for k in keys]
+        return [_page_key(self.namespace, k) for k in keys]
 
     def _run(self, coro, fallback):
         """Run a tier call within the bound; a timeout or failure answers `fallback`."""
