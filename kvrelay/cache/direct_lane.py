@@ -114,9 +114,7 @@ class DirectLane:
         leases: list[tuple[str, int]] = []
         try:
             done = make(ring, keys, groups, copier, leases)
-        except (_OffLane, TransferError):
-            return None
-        except Unavailable:
+        except (_OffLane, TransferError, Unavailable):
             return None
         finally:
             for server, lease in leases:

@@ -145,19 +145,26 @@ class Connection:
 
     def closed_by_peer(self) -> bool:
         """True once the peer closed (or reset) the connection; never blocks."""
-        if self.sock.fileno() < 0:
-            return True
-        if not self._poll.poll(0):
-            return False  # nothing to read and no hang-up: open
-        try:
-            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError:
-            return True
+        return closed_by_peer(self.sock, self._poll)
 
     def close(self) -> None:
         self.sock.close()
+
+
+def closed_by_peer(sock: socket.socket, poll) -> bool:
+    """True once the peer closed (or reset) `sock`; never blocks (`poll`: a
+    `select.poll` with `sock` registered for POLLIN | POLLRDHUP, asked first,
+    since a socket with a timeout waits for data before any recv)."""
+    if sock.fileno() < 0:
+        return True
+    if not poll.poll(0):
+        return False  # nothing to read and no hang-up: open
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
 
 
 def listen_socket(host: str, port: int, backlog: int = 128) -> tuple[socket.socket, str]:

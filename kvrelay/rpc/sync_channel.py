@@ -23,7 +23,14 @@ from typing import TypeVar
 
 from kvrelay.rpc.channel import Unavailable
 from kvrelay.rpc.errors import MalformedMessage, PeerError, RemoteError, RpcError, RpcTimeout
-from kvrelay.rpc.framing import FRAME_HEADER, MAX_FRAME, decode, framed, split_address
+from kvrelay.rpc.framing import (
+    FRAME_HEADER,
+    MAX_FRAME,
+    closed_by_peer,
+    decode,
+    framed,
+    split_address,
+)
 from kvrelay.rpc.messages import WIRE_VERSION, Error, Hello, Message
 
 R = TypeVar("R", bound=Message)
@@ -43,6 +50,7 @@ class SyncChannel:
         self.check = check  # what is wrong with a welcome, None when it is fine
         self.lock = threading.Lock()
         self._sock: socket.socket | None = None
+        self._poll = None  # a poll of the socket, for its hang-up (`closed_by_peer`)
         self.welcome_reply: Message | None = None  # the server's welcome, once connected
         self._posted: collections.deque[type[Message]] = collections.deque()
 
@@ -96,7 +104,7 @@ class SyncChannel:
             self.lock.release()
 
     def _socket(self, deadline: float) -> socket.socket:
-        if self._sock is not None and _hung_up(self._sock):
+        if self._sock is not None and closed_by_peer(self._sock, self._poll):
             self.close()  # a restarted server: reconnect rather than fail
         if self._sock is None:
             host, port = split_address(self.address)
@@ -113,6 +121,8 @@ class SyncChannel:
                 sock.close()
                 raise Unavailable(f"{self.address}: {problem}")
             self._sock, self.welcome_reply = sock, welcome
+            self._poll = select.poll()
+            self._poll.register(sock, select.POLLIN | select.POLLRDHUP)
         return self._sock
 
     def connect(self) -> Message:
@@ -169,18 +179,3 @@ def _answer(sock: socket.socket, reply: type[R], deadline: float) -> R:
     if isinstance(message, Error):
         raise message.exception()
     return message
-
-
-def _hung_up(sock: socket.socket) -> bool:
-    """True once the peer closed the socket (never blocks: a socket with a
-    timeout waits for data before any recv, MSG_DONTWAIT or not)."""
-    poll = select.poll()
-    poll.register(sock, select.POLLIN | select.POLLRDHUP)
-    if not poll.poll(0):
-        return False  # nothing to read and no hang-up: open
-    try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except (BlockingIOError, InterruptedError):
-        return False
-    except OSError:
-        return True

@@ -176,12 +176,12 @@ class Agent(MappedCopies):
             raise UnknownArena(f"arena {arena.arena_id} is not registered with this agent")
         if isinstance(runs, np.ndarray):
             array = check_runs(runs, arena.size, "published")
-            runs = lease_runs = Runs(array.astype("<u8", copy=False).tobytes())
+            runs = Runs(array.astype("<u8", copy=False).tobytes())
         else:
-            runs = lease_runs = tuple((int(o), int(n)) for o, n in runs)
+            runs = tuple((int(o), int(n)) for o, n in runs)
             array = check_runs(runs, arena.size, "published")
         lease = self.leases.grant(
-            arena.arena_id, lease_runs, lease_seconds or self.config.lease_seconds, namespace
+            arena.arena_id, runs, lease_seconds or self.config.lease_seconds, namespace
         )
         handle = BlockHandle(
             backend=self.transport.name,
