@@ -26,7 +26,11 @@ unexport PYTHONDONTWRITEBYTECODE
 UV_VERSION ?= 0.13.9
 PIP_VERSION ?= 23.2.1
 PIP := $(PY) -m pip -q --disable-pip-version-check
-UV := UV_LINK_MODE=copy $(VENV)/bin/uv
+# uv's cache lives in build/ and the venvs hardlink its files: one copy of
+# each package on disk (with copies, the cache doubled the 2-3 GB of SGLang's
+# and the dev requirements, and a CI machine with little disk left ran out).
+UV_CACHE_DIR ?= $(CURDIR)/build/uv-cache
+UV := UV_LINK_MODE=hardlink UV_CACHE_DIR=$(UV_CACHE_DIR) $(VENV)/bin/uv
 UV_PIP := $(UV) pip install --quiet --python $(PY)
 EXT_SOURCES := $(wildcard kvrelay/cuda_ext/csrc/*) $(wildcard kvrelay/transfer/csrc/*) \
   $(wildcard kvrelay/cache/eviction/csrc/*)
@@ -99,17 +103,21 @@ $(VENV_SGLANG)/.peers-stamp: requirements-peers.txt $(VENV_SGLANG)/.stamp
 # runs there from the source tree (PYTHONPATH) with the modules the main venv
 # compiled: the same torch ABI. The registry's torchvision, torchaudio and
 # torchcodec that vLLM pulls in are CUDA builds that break transformers'
-# imports, so they are removed.
+# imports, so they are removed; so is triton (1 GB, xgrammar's dependency),
+# which vLLM's CPU build does without. The files it shares with the main venv
+# (torch's above all, about 1 GB) are then hardlinked where util-linux's
+# `hardlink` is found.
 VENV_VLLM ?= .venv-vllm
+VLLM_PIP := $(PYTHON) -m pip -q --disable-pip-version-check --no-cache-dir \
+  --python $(VENV_VLLM)/bin/python
 vllm-deps: $(VENV_VLLM)/.stamp
 
 $(VENV_VLLM)/.stamp: requirements-vllm.txt $(VENV)/.deps-stamp
 	rm -rf $(VENV_VLLM)
 	$(PYTHON) -m venv --without-pip $(VENV_VLLM)
-	$(PYTHON) -m pip -q --disable-pip-version-check --python $(VENV_VLLM)/bin/python \
-	  install --no-compile -r requirements-vllm.txt
-	$(PYTHON) -m pip -q --disable-pip-version-check --python $(VENV_VLLM)/bin/python \
-	  uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_PIP) install --no-compile -r requirements-vllm.txt
+	$(VLLM_PIP) uninstall -y torchvision torchaudio torchcodec triton
+	if command -v hardlink >/dev/null; then hardlink -t -q $(VENV)/lib $(VENV_VLLM)/lib; fi
 	touch $@
 
 # NIXL in vLLM's environment, for `kvrelay bench vllm`'s NixlConnector peer
