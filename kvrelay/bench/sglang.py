@@ -140,6 +140,13 @@ def _peer(rows: dict, name: str, **facts) -> dict:
     return out
 
 
+def _lane_counts(backend) -> dict:
+    """How kvrelay's calls went: on SGLang's thread, and of those reads off
+    the servers' slot boards (no lookup)."""
+    stats = backend.get_stats().kvrelay
+    return {"caller_calls": stats["caller_calls"], "board_reads": stats["board_reads"]}
+
+
 def _measure_size(h, args, page_size: int, master) -> dict:
     """`args.runs` runs of set then get of `args.pages` pages of `page_size`
     tokens through every store, each on a pool of its own holding the same pages;
@@ -264,7 +271,8 @@ def _measure_stores(h, args, master, stack: ExitStack, tmp: str) -> dict:
         base = seconds["HiCacheFile " + row.split()[-1]]  # the same op's baseline
         ratios = Summary.of([b / t for b, t in zip(base, times, strict=True)]).to_json()
         rows[row] = _rates(times, args.pages, page_bytes) | {"x_hicache_file": ratios}
-    transports = {t: _peer(rows, _kvrelay_row(t), transport=t) for t in args.transport}
+    transports = {t: _peer(rows, _kvrelay_row(t), transport=t, **_lane_counts(kvrelay[t][0]))
+                  for t in args.transport}  # fmt: skip
     # kvrelay's entry is its best transport (the slower of set and get decides).
     best = max(transports.values(), key=lambda e: min(e["set_gbps"], e["get_gbps"]))
     checked = {f"{_kvrelay_row(t).replace('-', '_')}_pages": kvrelay[t][1].checked

@@ -12,6 +12,13 @@ server's slots in the agent's mapping of its arena (under the mapping's
 lock), the same checks as a transfer (namespace, lease, rkey, every run in
 bounds).
 
+A read whose every page is on its servers' slot boards (`slot_board`, a
+server's shared-memory map of which slot holds which sealed page) asks no
+server at all: the lane finds the slots there, copies, checks that no slot
+changed meanwhile, and posts a `Touch` so that the read counts as a use.
+The board is used once an answered call has shown that the server's arena
+is mapped here and the namespace is the client's.
+
 A lane answers None where it cannot make the call (a server not met yet or
 on another host, one down, a chain longer than the server can pin at once,
 write-back): the caller makes it on the loop, which does all of those.
@@ -22,14 +29,19 @@ already sealed are skipped by the server. Leases it took are released
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 
 from kvrelay.cache.policy import WritePolicy
+from kvrelay.cache.slot_board import BoardError, BoardReader
+from kvrelay.cache.tenants import tenant_keys
 from kvrelay.layout import ring_prefix
 from kvrelay.rpc import Unavailable
 from kvrelay.rpc.cache_ops import (
@@ -42,9 +54,12 @@ from kvrelay.rpc.cache_ops import (
     ReleaseReply,
     Reserve,
     ReserveReply,
+    Touch,
+    TouchReply,
 )
 from kvrelay.rpc.sync_channel import SyncChannel
 from kvrelay.transfer import BlockHandle, TransferError
+from kvrelay.transfer.arena import RemoteMapping
 
 if TYPE_CHECKING:
     from kvrelay.cache.client import CacheClient
@@ -58,15 +73,33 @@ class SlotCopier(Protocol):
         self,
         arena: torch.Tensor,
         client: CacheClient,
-        handle: BlockHandle,
+        slots: np.ndarray,
         positions: Sequence[int],
         *,
         to_slots: bool,
     ) -> bool:
-        """Copy the call's pages `positions` into (or out of) the handle's
-        slots in `arena`, a server's whole arena mapped here; False where
-        these pages cannot go straight there."""
+        """Copy the call's pages `positions` into (or out of) `slots` (int64,
+        one per position; slot i is bytes [i, i + 1) x page_bytes) of `arena`,
+        a server's whole arena mapped here, the client's `runs` of each;
+        False where these pages cannot go straight there."""
         ...
+
+
+def handle_slots(handle: BlockHandle, client: CacheClient) -> np.ndarray:
+    """The slot of each page a server's handle names for `client` (int64):
+    its first run of each page, less that run's place in a slot."""
+    first = handle.run_array[:: len(client.runs), 0].astype(np.int64) - client.runs[0][0]
+    slots, rest = np.divmod(first, client.slot_bytes)
+    if rest.any() or (first < 0).any():
+        raise TransferError("a cache server's runs are not at its slots' places")
+    return slots
+
+
+@dataclass(eq=False, slots=True)
+class _Board:
+    welcome: CacheWelcome  # the server's welcome it came with (a reconnect drops it)
+    reader: BoardReader | None  # None: the server keeps none this lane can use
+    mapped: RemoteMapping | None  # the server's arena, as the agent mapped it
 
 
 class _OffLane(Exception):
@@ -80,8 +113,10 @@ class DirectLane:
         self.client = client
         self._channels: dict[str, SyncChannel] = {}
         self._off_until: dict[str, float] = {}  # server -> monotonic time
+        self._boards: dict[str, _Board] = {}
         self._lock = threading.Lock()
         self.calls = 0  # calls made here, to the end
+        self.board_reads = 0  # of which reads that asked no server
 
     def read(self, keys: Sequence[bytes], copier: SlotCopier) -> int | None:
         """Copy the longest cached prefix of `keys` out of the servers' slots;
@@ -104,6 +139,10 @@ class DirectLane:
             for channel in self._channels.values():
                 channel.close()
             self._channels.clear()
+            for board in self._boards.values():
+                if board.reader is not None:
+                    board.reader.close()
+            self._boards.clear()
 
     # -- one call ------------------------------------------------------------------
     def _call(self, keys, copier, make) -> int | None:
@@ -124,6 +163,8 @@ class DirectLane:
 
     def _read(self, ring, keys, groups, copier, leases) -> int:
         c = self.client
+        if self._board_read(keys, groups, copier):
+            return len(keys)
         answers = {}
         for server, positions in groups.items():
             lookup = Lookup([keys[p] for p in positions], c.config.lease_s, c.namespace, c.runs)
@@ -137,7 +178,8 @@ class DirectLane:
         for server, positions in groups.items():
             if taken[server]:
                 count = taken[server]
-                self._copy(answers[server].handle, count, positions[:count], copier, False)
+                self._copy(server, answers[server].handle, count, positions[:count], copier,
+                           False)  # fmt: skip
         c.stats.lookups += 1
         c.stats.lookup_pages += len(keys)
         c.stats.hit_pages += prefix
@@ -155,7 +197,7 @@ class DirectLane:
             leases.append((server, reply.lease))
             todo = [p for p, slot in zip(positions, reply.slots, strict=True) if slot is not None]
             if todo:
-                self._copy(reply.handle, len(todo), todo, copier, True)
+                self._copy(server, reply.handle, len(todo), todo, copier, True)
                 commit = Commit([keys[p] for p in todo], c._commit_runs, c.namespace, reply.lease)
                 self._request(server, commit, CommitReply)
                 leases.pop()  # released by the commit
@@ -192,7 +234,7 @@ class DirectLane:
             self._off_until[server] = time.monotonic() + OFF_LANE_S
             raise
 
-    def _copy(self, raw, count: int, positions, copier: SlotCopier, to_slots: bool) -> None:
+    def _copy(self, server, raw, count: int, positions, copier, to_slots: bool) -> None:
         c = self.client
         if raw is None:
             raise _OffLane  # a server that does not publish handles with its answers
@@ -200,8 +242,61 @@ class DirectLane:
         mapped = c.agent.known_mapping(handle, c.namespace)
         if mapped is None:
             raise _OffLane
+        self._slot_copy(mapped, handle_slots(handle, c), positions, copier, to_slots)
+        self._keep_board(server, mapped)
+
+    def _slot_copy(self, mapped: RemoteMapping, slots, positions, copier, to_slots) -> None:
+        c = self.client
         with mapped.lock:
             if not mapped.size:  # closed: the agent dropped the peer
                 raise _OffLane
-            if not copier.copy_slots(mapped.tensor(), c, handle, positions, to_slots=to_slots):
+            if not copier.copy_slots(mapped.tensor(), c, slots, positions, to_slots=to_slots):
                 raise _OffLane
+
+    # -- the slot boards ---------------------------------------------------------------
+    def _keep_board(self, server: str, mapped: RemoteMapping) -> None:
+        """After an answered call: the server's board, mapped here once."""
+        welcome = self._channels[server].welcome_reply
+        board = self._boards.get(server)
+        if board is not None and board.welcome is welcome and board.mapped is mapped:
+            return
+        if board is not None and board.reader is not None:
+            board.reader.close()
+        reader = None
+        with contextlib.suppress(OSError, BoardError):  # not mappable: every read asks
+            reader = BoardReader(welcome.board, welcome.board_bytes) if welcome.board else None
+        if reader is not None and reader.num_slots * self.client.slot_bytes > mapped.size:
+            reader.close()
+            reader = None
+        self._boards[server] = _Board(welcome, reader, mapped)
+
+    def _board_read(self, keys, groups, copier) -> bool:
+        """Every page of `keys` copied off the servers' boards, or False
+        (then nothing this did counts: the call asks the servers)."""
+        c, found = self.client, []
+        for server, positions in groups.items():
+            board = self._boards.get(server)
+            if (board is None or board.reader is None
+                    or board.welcome is not self._channels[server].welcome_reply):  # fmt: skip
+                return False
+            mine = [keys[p] for p in positions]
+            hit = board.reader.find(tenant_keys(c.namespace, mine))
+            if hit is None:
+                return False
+            found.append((server, mine, positions, board, hit))
+        for _, _, positions, board, (slots, gens) in found:
+            self._slot_copy(board.mapped, slots, positions, copier, False)
+            if not board.reader.unchanged(slots, gens):
+                return False  # a slot was given to another page meanwhile
+        for server, mine, _, _, _ in found:
+            try:
+                self._channels[server].post(Touch(mine, c.namespace), TouchReply)
+            except Unavailable:
+                self._off_until[server] = time.monotonic() + OFF_LANE_S
+                raise
+        self.board_reads += 1
+        c.stats.lookups += 1
+        c.stats.lookup_pages += len(keys)
+        c.stats.hit_pages += len(keys)
+        c.stats.bytes_in += len(keys) * c.rect.num_bytes(c.spec)
+        return True

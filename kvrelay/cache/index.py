@@ -124,6 +124,8 @@ class PageIndex:
         self._leases: dict[int, PinLease] = {}
         self._expiries: list[tuple[float, int]] = []
         self._lease_ids = itertools.count(1)
+        # A `SlotBoard` kept in step: sealed pages published, removed ones withdrawn.
+        self.board = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -167,6 +169,8 @@ class PageIndex:
         if sealed:  # unpinned: evictable at once
             entry.filled = [(0, self.page_bytes)]
             entry.sealed = True
+            if self.board is not None:
+                self.board.publish(key, slot)
         self.policy.admit(key, parent, sealed)
         return entry
 
@@ -201,6 +205,7 @@ class PageIndex:
         if entry.pins:
             raise CacheIndexError(f"page {key.hex()[:16]} is pinned {entry.pins} times")
         del self._entries[key]
+        self._gone(entry)
         self.policy.forget(key)
         return entry
 
@@ -228,6 +233,7 @@ class PageIndex:
                 if key is None:
                     break
                 victims.append(self._entries.pop(key))
+                self._gone(victims[-1])
             return victims
         for key in self.policy.evictable():
             if len(victims) >= count:
@@ -237,6 +243,7 @@ class PageIndex:
                 victims.append(entry)
         for entry in victims:
             del self._entries[entry.key]
+            self._gone(entry)
             self.policy.forget(entry.key)
         return victims
 
@@ -343,8 +350,14 @@ class PageIndex:
             raise CacheIndexError(f"page {key.hex()[:16]} is not indexed")
         return entry
 
+    def _gone(self, entry: PageEntry) -> None:
+        if self.board is not None and entry.sealed:
+            self.board.withdraw(entry.key, entry.slot)
+
     def _seal(self, entry: PageEntry) -> None:
         entry.sealed = True
+        if self.board is not None:
+            self.board.publish(entry.key, entry.slot)
         if not entry.pins:
             self.policy.make_evictable(entry.key)
 

@@ -29,6 +29,7 @@ from kvrelay.cache.identities import NamespaceBook
 from kvrelay.cache.l3 import open_store
 from kvrelay.cache.membership import NO_RING, ControlLink
 from kvrelay.cache.policy import WritePolicy
+from kvrelay.cache.slot_board import BOARD_SAFE, SlotBoard
 from kvrelay.cache.tenants import check_every_namespace, check_namespace, tenant_keys
 from kvrelay.cache.tier import CacheTier, TierConfig
 from kvrelay.options import option
@@ -57,6 +58,8 @@ from kvrelay.rpc.cache_ops import (
     Reserve,
     ReserveReply,
     RingReply,
+    Touch,
+    TouchReply,
 )
 from kvrelay.transfer import create_agent
 
@@ -91,6 +94,9 @@ class CacheServerConfig:
     advertise: str | None = option(
         None, help="HOST:PORT clients reach this server at (default: the listen address)"
     )
+    slot_board: bool = option(
+        True, help="publish which slot holds which sealed page to same-host clients (shared memory)"
+    )
     drain_grace_s: float = option(
         3.0,
         help="after leaving the ring, serve clients still on the old one this long",
@@ -112,6 +118,7 @@ class CacheServer:
         self.config = config
         self.agent = None
         self.tier: CacheTier | None = None
+        self.board: SlotBoard | None = None
         # lease id -> (namespace, tier keys in request order the lease covers).
         self._lease_keys: dict[int, tuple[bytes | None, list[bytes]]] = {}
         # tier lease id -> transfer leases of handles published under it.
@@ -130,11 +137,19 @@ class CacheServer:
         arena = PageArena(self.agent, ArenaConfig(c.page_bytes, capacity_bytes=c.arena_bytes))
         l3 = open_store(c.l3, capacity_bytes=c.l3_capacity_bytes) if c.l3 else None
         self.tier = CacheTier(arena, l3, TierConfig(l3_policy=c.l3_policy, eviction=c.eviction))
+        # Only where a same-host client can map the arena too (a memfd).
+        if c.slot_board and arena.arena.shm_path and BOARD_SAFE:
+            self.board = self.tier.index.board = SlotBoard(arena.num_slots)
+        welcome = CacheWelcome(
+            c.page_bytes, self.agent.address,
+            self.board.path if self.board else None, self.board.size if self.board else 0,
+        )  # fmt: skip
         self._server = rpc.Server(
             token=c.token,
             requests=CacheRequest,
             handler=self._handle,
-            welcome=lambda: CacheWelcome(c.page_bytes, self.agent.address),
+            welcome=lambda: welcome,
+            # A tenant's peer maps no arena (no memfd path), so no board either.
             scoped_welcome=lambda scope: CacheWelcome(c.page_bytes, self.agent.address),
             host=host,
             port=port,
@@ -180,6 +195,8 @@ class CacheServer:
             await self.control.deregister()
             await self.control.close()
         await self.agent.close()
+        if self.board is not None:
+            self.board.close()
 
     async def _handle(self, conn: rpc.Connection, request) -> rpc.Message:
         return self.handle(request, conn.scope)
@@ -191,7 +208,7 @@ class CacheServer:
         self._ops += 1
         if self._ops % 256 == 0:
             self._forget_dead_leases()
-        if isinstance(request, Lookup | Reserve | Commit | PublishHandle):
+        if isinstance(request, Lookup | Reserve | Commit | PublishHandle | Touch):
             check_namespace(scope, request.ns)
         if isinstance(request, Lookup | Reserve) and request.runs is not None:
             if request.ns is None:
@@ -212,6 +229,8 @@ class CacheServer:
             if request.release is not None:
                 self._release(request.release, scope)
             return CommitReply(sealed)
+        if isinstance(request, Touch):
+            return TouchReply(tier.touch(tenant_keys(request.ns, request.keys)))
         if isinstance(request, ReleaseLease):
             return ReleaseReply(self._release(request.lease, scope))
         if isinstance(request, CacheStats):

@@ -37,6 +37,7 @@ class TierStats:
     clean_evictions: int = 0  # evicted pages L3 already held (promoted): not written again
     promotions: int = 0
     no_room: int = 0  # reservations refused: every slot pinned or being written
+    board_reads: int = 0  # reads clients made off the slot board (lookups without a lease)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +106,16 @@ class CacheTier:
         if 0 < result.hits < len(keys):
             self._hint_parent(keys[result.hits], keys[result.hits - 1])
         return result
+
+    def touch(self, keys: Sequence[bytes]) -> int:
+        """A read a client made off the slot board, after the fact: the sealed
+        prefix it finds counts as a lookup's hits and as a use of each page."""
+        self.stats.lookups += 1
+        self.stats.board_reads += 1
+        self.stats.lookup_pages += len(keys)
+        hits = self.index.lookup(keys).hits
+        self.stats.hit_pages += hits
+        return hits
 
     def reserve(
         self, keys: Sequence[bytes], lease_s: float, namespace: bytes = b""

@@ -13,6 +13,8 @@
 - `Commit {keys, runs, ns, release?}` -> `CommitReply {sealed}` per key;
   `release` names the reservation lease to release once committed
 - `ReleaseLease {lease}` -> `ReleaseReply {released}`
+- `Touch {keys, ns}` -> `TouchReply {hits}`: pages a client read off the
+  server's slot board (`CacheWelcome.board`), counted as a lookup's use
 - `CacheStats` -> `CacheStatsReply`; `Flush {ns?}` -> `FlushReply {dropped,
   l3_dropped}`: the unpinned L2 pages and the L3 pages of one namespace, or all
 - `GetRing` -> `RingReply {version, servers}`: the ring of cache servers
@@ -46,6 +48,10 @@ Runs = Annotated[list[Run], msgspec.Meta(min_length=1)]
 class CacheWelcome(Message, tag="cache"):
     page_bytes: int
     agent: str  # the server's transfer agent
+    # Where a same-host client maps the slot board (kvrelay.cache.slot_board)
+    # and its size; None where the server keeps none.
+    board: str | None = None
+    board_bytes: int = 0
 
 
 class Lookup(Message, tag="lookup"):
@@ -111,6 +117,15 @@ class ReleaseReply(Message, tag="release_reply"):
     released: bool
 
 
+class Touch(Message, tag="touch"):
+    keys: Keys
+    ns: Key | None = None
+
+
+class TouchReply(Message, tag="touch_reply"):
+    hits: Count
+
+
 class CacheStats(Message, tag="stats"):
     pass
 
@@ -170,6 +185,6 @@ class NamespacesReply(Message, tag="namespaces_reply"):
 
 
 CacheRequest = Union[  # noqa: UP007 (msgspec takes a Union)
-    Lookup, Reserve, PublishHandle, Commit, ReleaseLease, CacheStats, Flush, GetRing,
+    Lookup, Reserve, PublishHandle, Commit, ReleaseLease, Touch, CacheStats, Flush, GetRing,
     Announce, ListNamespaces,
 ]  # fmt: skip

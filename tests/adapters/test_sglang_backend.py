@@ -194,6 +194,14 @@ def test_calls_of_several_chunks_stop_at_a_miss_and_are_exact(cache_servers, ope
     assert stats["caller_calls"] == before["caller_calls"] + direct and stats["errors"] == 0
     assert stats["direct_pages"] == before["direct_pages"] + (PAGES if direct else 0)
     assert writer[0].get_stats().kvrelay["caller_calls"] == wrote["caller_calls"] + direct
+    # The lanes' calls met the servers' slot boards: the next get asks no server.
+    pool.kv_buffer.fill_(7)
+    assert backend.batch_get_v1(keys, indices) == [True] * PAGES
+    for i in range(PAGES):
+        got = read_page(pool, int(indices[i * PAGE])).view(torch.int16)
+        assert torch.equal(got, expected[i].view(torch.int16)), (layout, i)
+    after = backend.get_stats().kvrelay
+    assert after["board_reads"] == stats["board_reads"] + direct == direct
 
 
 @pytest.mark.parametrize("cache_servers", [MLA_PAGE_BYTES], indirect=True)

@@ -17,21 +17,35 @@ from tests.cache.test_server import KEYS, PAGES, content, rank_client
 
 
 class RunsCopier:
-    """Local pages (a [pages, PAGE] uint8 tensor) to and from the handle's
-    runs in the mapped arena, run by run (the `SlotCopier` an engine's
-    compiled gather replaces)."""
+    """Local pages (a [pages, PAGE] uint8 tensor) to and from the client's
+    runs of the slots in the mapped arena, run by run (the `SlotCopier` an
+    engine's compiled gather replaces)."""
 
-    def __init__(self, pages: torch.Tensor) -> None:
+    def __init__(self, pages: torch.Tensor, during=None) -> None:
         self.pages = pages
+        self.during = during  # called once the copy is done, before it returns
 
-    def copy_slots(self, arena, client, handle, positions, *, to_slots: bool) -> bool:
-        runs = handle.run_array.reshape(len(positions), len(client.runs), 2)
-        for position, page_runs in zip(positions, runs, strict=True):
-            for (offset, length), (in_page, _) in zip(page_runs, client.runs, strict=True):
-                remote = arena[int(offset) : int(offset) + int(length)]
-                local = self.pages[position, in_page : in_page + int(length)]
+    def copy_slots(self, arena, client, slots, positions, *, to_slots: bool) -> bool:
+        for position, slot in zip(positions, slots, strict=True):
+            for in_page, length in client.runs:
+                offset = int(slot) * client.slot_bytes + in_page
+                remote = arena[offset : offset + length]
+                local = self.pages[position, in_page : in_page + length]
                 (remote if to_slots else local).copy_(local if to_slots else remote)
+        if self.during is not None:
+            self.during()
         return True
+
+
+async def _tier_stats_when(client, server, ready, timeout_s: float = 10.0) -> dict:
+    """The server's tier stats once `ready(stats)` (a posted Touch is served
+    on its own connection, in its own time)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        tier = (await client.server_stats())[server.address]["tier"]
+        if ready(tier) or time.monotonic() > deadline:
+            return tier
+        await asyncio.sleep(0.02)
 
 
 def _pages() -> torch.Tensor:
@@ -57,9 +71,12 @@ async def test_a_lane_moves_pages_on_the_callers_thread_once_the_agent_met_the_s
         out = RunsCopier(torch.zeros_like(truth))
         assert await asyncio.to_thread(lane.read, KEYS, out) == PAGES
         assert torch.equal(out.pages, truth)
+        assert lane.board_reads == 1  # off the server's slot board: no lookup
         gap = [*KEYS[:3], SPEC.page_keys(list(range(1000, 1000 + SPEC.page_size)))[0]]
         assert await asyncio.to_thread(lane.read, gap, RunsCopier(torch.zeros_like(truth))) == 3
-        assert lane.calls == 3
+        assert (lane.calls, lane.board_reads) == (3, 1)  # a miss on the board asks the server
+        tier = await _tier_stats_when(client, server, lambda t: t["board_reads"] == 1)
+        assert tier["hit_pages"] == PAGES + 3  # the board read's Touch counted its pages
         # Every lease went back: a flush drops every page (a pinned one stays).
         assert (await client.admin_flush())[server.address]["dropped"] == PAGES
         assert await asyncio.to_thread(lane.read, KEYS, out) == 0
@@ -89,6 +106,38 @@ async def test_a_server_gone_or_write_back_leaves_the_call_to_the_loop(servers):
         assert await asyncio.to_thread(lane.read, KEYS, RunsCopier(truth.clone())) is None
         assert time.monotonic() - start < client.config.timeout_s
         assert lane.calls == 1
+    finally:
+        lane.close()
+        await client.close()
+        await agent.close()
+
+
+@pytest.mark.asyncio
+async def test_a_board_read_whose_slots_change_under_it_asks_the_server(servers):
+    server = servers()
+    agent, client, local = await rank_client([server.address], ParallelConfig())
+    lane = DirectLane(client)
+    truth = _pages()
+    loop = asyncio.get_running_loop()
+    try:
+        local.buffer(0, PAGE)[:] = content(0)
+        assert await client.write(KEYS[:1], local, [0]) == 1  # meets the server's agent
+        assert await asyncio.to_thread(lane.write, KEYS, RunsCopier(truth)) == PAGES - 1
+
+        def flush() -> None:  # every slot withdrawn while the lane copies out of them
+            asyncio.run_coroutine_threadsafe(client.admin_flush(), loop).result(10)
+
+        out = RunsCopier(torch.zeros_like(truth), during=flush)
+        # The copy's generations moved: the read goes to the server, which has nothing.
+        assert await asyncio.to_thread(lane.read, KEYS, out) == 0
+        assert lane.board_reads == 0
+        tier = (await client.server_stats())[server.address]["tier"]
+        assert tier["board_reads"] == 0 and tier["lookups"] == 1
+        # Written again (new slots, new generations): read off the board, exact.
+        assert await asyncio.to_thread(lane.write, KEYS, RunsCopier(truth)) == PAGES
+        out = RunsCopier(torch.zeros_like(truth))
+        assert await asyncio.to_thread(lane.read, KEYS, out) == PAGES
+        assert torch.equal(out.pages, truth) and lane.board_reads == 1
     finally:
         lane.close()
         await client.close()

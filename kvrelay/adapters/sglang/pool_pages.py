@@ -22,10 +22,11 @@ import torch
 
 from kvrelay.adapters.sglang.pool_io import TOKEN_LAYOUTS, PoolMover
 from kvrelay.cache.client import CacheClient
+from kvrelay.cache.direct_lane import handle_slots
 from kvrelay.cache.page_movers import ArenaPages
 from kvrelay.cuda_ext import gather_pages, scatter_pages
 from kvrelay.layout import ModelKVSpec, Rectangle
-from kvrelay.transfer import Arena, BlockHandle, TransferError
+from kvrelay.transfer import Arena, BlockHandle
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +35,6 @@ class SlotGeometry:
     in the compiled ops' terms (`gather_pages` with whole slots as pages)."""
 
     slot_bytes: int
-    first_run: int  # byte offset in a slot of the rectangle's first run
     op_args: dict[str, int]  # the ops' page geometry: heads and layers of a slot, the part's
 
     @classmethod
@@ -60,15 +60,7 @@ class SlotGeometry:
             "pool_head_start": pool_head,
             "num_heads": part.num_heads,
         }
-        return cls(slot_bytes, part.byte_runs(spec)[0][0], op_args)
-
-    def slots(self, handle: BlockHandle, runs_per_page: int) -> torch.Tensor:
-        """The slot of each page the handle names (its first run per page)."""
-        starts = handle.run_array[::runs_per_page, 0].astype(np.int64) - self.first_run
-        slots, rest = np.divmod(starts, self.slot_bytes)
-        if rest.any() or (starts < 0).any():
-            raise TransferError("a cache server's runs are not at slot boundaries")
-        return torch.from_numpy(slots)
+        return cls(slot_bytes, op_args)
 
 
 class PoolChunk:
@@ -129,17 +121,17 @@ class PoolPages:
         return [self.start + p for p in positions]
 
     def copy_slots(
-        self, arena: torch.Tensor, client: CacheClient, handle, positions, *, to_slots: bool
+        self, arena: torch.Tensor, client: CacheClient, slots, positions, *, to_slots: bool
     ) -> bool:
-        """Pages `positions` between the host pool and the handle's slots in
-        `arena` (a server's arena mapped here), in one compiled copy (a
+        """Pages `positions` between the host pool and `slots` of `arena` (a
+        server's arena mapped here), in one compiled copy (a
         `direct_lane.SlotCopier`); False where they cannot go straight."""
         if self.slot is None:
             return False
         rows, geometry = self._rows(positions), self.slot
         pages = arena[: arena.numel() // geometry.slot_bytes * geometry.slot_bytes]
         pages = pages.view(-1, geometry.slot_bytes)
-        slots = geometry.slots(handle, len(client.runs))
+        slots = torch.from_numpy(np.asarray(slots, dtype=np.int64))
         k, v = self.chunk.mover.token_layers()
         op = gather_pages if to_slots else scatter_pages
         op(k, v, pages, slots, self.chunk.token_slots(rows), **geometry.op_args)
@@ -151,7 +143,9 @@ class PoolPages:
             return False
         return await client.agent.copy_mapped(
             handle,
-            lambda arena: self.copy_slots(arena, client, handle, positions, to_slots=gather),
+            lambda arena: self.copy_slots(
+                arena, client, handle_slots(handle, client), positions, to_slots=gather
+            ),
             namespace=client.namespace,
             timeout=client.config.timeout_s,
         )

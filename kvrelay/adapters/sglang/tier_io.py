@@ -48,6 +48,7 @@ class AdapterStats:
     read_ahead_pages: int = 0  # of hit_pages, pulled by the lookup (batch_exists) before
     direct_pages: int = 0  # pages copied straight between the pool and a same-host server's slots
     caller_calls: int = 0  # get / set calls made on SGLang's thread (`DirectLane`)
+    board_reads: int = 0  # of those, gets that asked no server (off their slot boards)
     errors: int = 0  # server calls answered as misses or failed writes
     timeouts: int = 0  # adapter calls cut at their time bound
 
@@ -200,15 +201,15 @@ class RankTier:
         if self._lanes is None:
             return None
         chunk = self._lane_chunk(host_indices, "read")
-        found = len(keys)
-        for lane, slot, (_, shift) in zip(
-            self._lanes["read"], self._slots, self.clients, strict=True
-        ):
+        found, lanes = len(keys), self._lanes["read"]
+        boarded = sum(lane.board_reads for lane in lanes)
+        for lane, slot, (_, shift) in zip(lanes, self._slots, self.clients, strict=True):
             got = lane.read(keys, PoolPages(chunk, shift, slot))
             if got is None:
                 return None
             found = min(found, got)
         self.stats.caller_calls += 1
+        self.stats.board_reads += sum(lane.board_reads for lane in lanes) - boarded == len(lanes)
         self.stats.direct_pages += len([p for p in chunk.direct if p < found])
         self.stats.bytes_read += found * self.rect_bytes
         return found

@@ -373,7 +373,16 @@ PyObject* set_bounds_error(PyObject*, PyObject* cls) {
   Py_RETURN_NONE;
 }
 
+// A full memory barrier: shared-memory readers and writers of the cache
+// server's slot board order their loads and stores with it (a no-op on x86's
+// total store order for loads, a real dmb on arm64).
+PyObject* fence(PyObject*, PyObject*) {
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
+    {"fence", fence, METH_NOARGS, "fence(): a sequentially consistent memory barrier"},
     {"plan_runs", plan_runs, METH_VARARGS,
      "plan_runs(remote_runs, local_offsets, remote_size, local_size) -> (rows, nbytes): "
      "bounds-checked, coalesced uint64 (remote, local, length) rows as a bytearray"},
