@@ -41,9 +41,9 @@ WAYS = 8
 _HEADER = 64
 
 try:
-    from kvrelay.transfer._runcopy import fence
+    from kvrelay.transfer._runcopy import board_find, fence
 except ImportError:  # no compiled module: only x86's total store order is safe without it
-    fence = None
+    board_find = fence = None
 # Where the board cannot order its loads and stores, no reader uses it.
 BOARD_SAFE = fence is not None or platform.machine() in ("x86_64", "AMD64")
 if fence is None:
@@ -76,6 +76,24 @@ def _views(buf, num_slots: int, buckets: int):
     keys = np.frombuffer(buf, np.uint8, KEY_BYTES * num_slots, keys_at).reshape(num_slots, -1)
     table = np.frombuffer(buf, np.int64, buckets * WAYS, table_at).reshape(buckets, WAYS)
     return gens, keys, table
+
+
+def find_reference(table, gens, keys64, digests: bytes, out: np.ndarray) -> bool:
+    """The reference of the compiled `_runcopy.board_find` (the same result
+    from the same board): for each 32-byte digest, the first way of its
+    bucket naming a slot whose generation is even and key the digest; its
+    (slot, generation) into `out` ((n, 2) uint64). True when all were found."""
+    want = np.frombuffer(digests, "<u8").reshape(-1, KEY_BYTES // 8)
+    named = table[(want[:, 0] & np.uint64(len(table) - 1)).astype(np.intp)]  # (n, WAYS)
+    inside = (named > 0) & (named <= len(gens))
+    slots = np.where(inside, named - 1, 0)
+    seen = gens[slots]
+    fence()  # generations before keys
+    match = inside & ((seen & np.uint64(1)) == 0) & (keys64[slots] == want[:, None, :]).all(axis=2)
+    way = match.argmax(axis=1)
+    rows = np.arange(len(want))
+    out[:, 0], out[:, 1] = slots[rows, way], seen[rows, way]
+    return bool(match[rows, way].all())
 
 
 def _bucket(key: bytes, mask: int) -> int:
@@ -136,7 +154,9 @@ class BoardReader:
         try:
             if os.fstat(fd).st_size < size:
                 raise BoardError(f"{path} is smaller than the board the server announced")
-            self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            # Populated: a read's first look at a part of the board faults no page in.
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._map = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
         header = np.frombuffer(self._map, np.uint64, 6)
@@ -147,24 +167,23 @@ class BoardReader:
             raise BoardError(f"{path}: the header does not match its size")
         self.num_slots, self.buckets = num_slots, buckets
         self.gens, self.keys, self.table = _views(self._map, num_slots, buckets)
+        self._keys64 = self.keys.view("<u8")  # (slots, 4): a key compared in 4 words
+        arrays = (self.table, self.gens, self.keys)
+        self._board = (*(a.ctypes.data for a in arrays), num_slots, buckets)
 
     def find(self, keys: list[bytes]) -> tuple[np.ndarray, np.ndarray] | None:
         """The slot and generation of every key, or None where one is not on
         the board. Generations are taken before the keys are compared (see
         the module's docstring); `unchanged` checks them after the copy."""
-        n = len(keys)
-        digests = np.frombuffer(b"".join(keys), np.uint8).reshape(n, KEY_BYTES)
-        buckets = digests[:, :8].copy().view("<u8").ravel() & np.uint64(self.buckets - 1)
-        slots = self.table[buckets.astype(np.int64)] - 1  # (n, WAYS); -1: empty
-        slots[(slots < 0) | (slots >= self.num_slots)] = 0  # checked against the key below
-        gens = self.gens[slots]
-        fence()  # generations before keys and bytes
-        match = (self.keys[slots] == digests[:, None, :]).all(axis=2) & (gens & 1 == 0)
-        if not match.any(axis=1).all():
+        out = np.empty((len(keys), 2), np.uint64)
+        digests = b"".join(keys)
+        if board_find is not None:  # the compiled walk: a few cache lines a key
+            found = board_find(*self._board, digests, out)
+        else:
+            found = find_reference(self.table, self.gens, self._keys64, digests, out)
+        if not found:
             return None
-        way = match.argmax(axis=1)
-        rows = np.arange(n)
-        return slots[rows, way], gens[rows, way]
+        return out[:, 0].astype(np.int64), out[:, 1]
 
     def unchanged(self, slots: np.ndarray, gens: np.ndarray) -> bool:
         """Whether no slot's generation moved since `find` (after the copy)."""
@@ -172,5 +191,5 @@ class BoardReader:
         return bool((self.gens[slots] == gens).all())
 
     def close(self) -> None:
-        self.gens = self.keys = self.table = None
+        self.gens = self.keys = self.table = self._keys64 = None
         self._map.close()

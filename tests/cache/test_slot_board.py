@@ -108,3 +108,49 @@ def test_the_index_keeps_the_board_in_step(board):
     index.remove(left)
     assert reader.find([left]) is None
     assert (board.gens[[5, 6]] % 2 == 1).all()  # both slots free for writers
+
+
+def test_the_compiled_find_answers_as_its_reference():
+    from kvrelay.cache import slot_board
+
+    if slot_board.board_find is None:
+        pytest.skip("kvrelay.transfer._runcopy is not built")
+    rng = np.random.default_rng(7)
+    board = SlotBoard(256)
+    reader = BoardReader(board.path, board.size)
+    crowded = [bytes(rng.integers(0, 256, 8, dtype=np.uint8)) for _ in range(4)]
+    keys = [_key(i, crowded[i % 4] if i % 3 == 0 else None) for i in range(600)]
+    held: dict[int, bytes] = {}  # slot -> key
+    outcomes = set()
+    try:
+        for step in range(300):
+            slot = int(rng.integers(0, 256))
+            if slot in held:
+                board.withdraw(held.pop(slot), slot)
+            else:
+                key = keys[int(rng.integers(0, len(keys)))]
+                if key not in held.values() and board.publish(key, slot):
+                    held[slot] = key
+            if step % 7 == 0:  # a stray entry: out of range, or naming another key's slot
+                at = (int(rng.integers(0, board.buckets)), int(rng.integers(0, WAYS)))
+                board.table[at] = int(rng.choice([-5, 257, 10_000, 3]))
+            asked = list(held.values())[-8:]  # readable, unless a stray entry hides one
+            if step % 2:
+                asked += [keys[int(i)] for i in rng.integers(0, len(keys), 8)]
+            digests = b"".join(asked)
+            got, want = np.zeros((len(asked), 2), np.uint64), np.zeros((len(asked), 2), np.uint64)
+            compiled = slot_board.board_find(
+                reader.table.ctypes.data, reader.gens.ctypes.data, reader.keys.ctypes.data,
+                reader.num_slots, reader.buckets, digests, got,
+            )  # fmt: skip
+            reference = slot_board.find_reference(
+                reader.table, reader.gens, reader._keys64, digests, want
+            )
+            assert compiled == reference, step
+            outcomes.add(compiled)
+            if compiled:
+                assert np.array_equal(got, want), step
+        assert outcomes == {True, False}
+    finally:
+        reader.close()
+        board.close()
