@@ -102,7 +102,7 @@ def handle_slots(handle: BlockHandle, client: CacheClient) -> np.ndarray:
 
 @dataclass(eq=False, slots=True)
 class _Board:
-    welcome: CacheWelcome  # the server's welcome it came with (a reconnect drops it)
+    welcome: CacheWelcome  # the server's welcome it came with (another: not that server)
     reader: BoardReader | None  # None: the server keeps none this lane can use
     mapped: RemoteMapping | None  # the server's arena, as the agent mapped it
 
@@ -114,15 +114,20 @@ class _OffLane(Exception):
 class DirectLane:
     """One client's calls on the caller's thread (one thread at a time)."""
 
-    def __init__(self, client: CacheClient) -> None:
+    def __init__(self, client: CacheClient, boards: dict | None = None) -> None:
+        """`boards`: shared by the lanes of one client (one lane's answered
+        call maps a server's board for all: a write lane's for the reads)."""
         self.client = client
         self._channels: dict[str, SyncChannel] = {}
         self._off_until: dict[str, float] = {}  # server -> monotonic time
-        self._boards: dict[str, _Board] = {}
+        self._boards: dict[str, _Board] = {} if boards is None else boards
         # server -> (monotonic time of the oldest, keys read off its board, unreported)
         self._touches: dict[str, tuple[float, list[bytes]]] = {}
-        self._reporter: threading.Thread | None = None  # started at the first board read
         self._closed = threading.Event()
+        # Here, not at the first read: a start waits for the thread (0.5 ms on a small VM).
+        self._reporter = threading.Thread(target=self._report_late, daemon=True,
+                                          name="kvrelay-board-touches")  # fmt: skip
+        self._reporter.start()
         self._lock = threading.Lock()
         self.calls = 0  # calls made here, to the end
         self.board_reads = 0  # of which reads that asked no server
@@ -145,17 +150,13 @@ class DirectLane:
 
     def close(self) -> None:
         self._closed.set()
-        if self._reporter is not None:
-            self._reporter.join(timeout=self.client.config.timeout_s)
+        self._reporter.join(timeout=self.client.config.timeout_s)
         with self._lock:
             self._report(list(self._touches))
             for channel in self._channels.values():
                 channel.close()
             self._channels.clear()
-            for board in self._boards.values():
-                if board.reader is not None:
-                    board.reader.close()
-            self._boards.clear()
+            self._boards.clear()  # maps unmapped when the last lane lets go
 
     # -- one call ------------------------------------------------------------------
     def _call(self, keys, copier, make) -> int | None:
@@ -272,10 +273,8 @@ class DirectLane:
         """After an answered call: the server's board, mapped here once."""
         welcome = self._channels[server].welcome_reply
         board = self._boards.get(server)
-        if board is not None and board.welcome is welcome and board.mapped is mapped:
+        if board is not None and board.welcome == welcome and board.mapped is mapped:
             return
-        if board is not None and board.reader is not None:
-            board.reader.close()
         reader = None
         with contextlib.suppress(OSError, BoardError):  # not mappable: every read asks
             reader = BoardReader(welcome.board, welcome.board_bytes) if welcome.board else None
@@ -283,12 +282,6 @@ class DirectLane:
             reader.close()
             reader = None
         self._boards[server] = _Board(welcome, reader, mapped)
-        if reader is not None and self._reporter is None:
-            # Started here, on a call that waits for a server anyway: a start
-            # waits for the new thread (0.5 ms on a small VM).
-            self._reporter = threading.Thread(target=self._report_late, daemon=True,
-                                              name="kvrelay-board-touches")  # fmt: skip
-            self._reporter.start()
 
     def _report(self, servers) -> None:
         """Post the board reads not yet reported to `servers` (best effort: a
@@ -317,7 +310,7 @@ class DirectLane:
         for server, positions in groups.items():
             board = self._boards.get(server)
             if (board is None or board.reader is None
-                    or board.welcome is not self._channels[server].welcome_reply):  # fmt: skip
+                    or board.welcome != self._channels[server].welcome_reply):  # fmt: skip
                 return False
             mine = [keys[p] for p in positions]
             hit = board.reader.find(tenant_keys(c.namespace, mine))

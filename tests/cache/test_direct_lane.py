@@ -142,3 +142,28 @@ async def test_a_board_read_whose_slots_change_under_it_asks_the_server(servers)
         lane.close()
         await client.close()
         await agent.close()
+
+
+@pytest.mark.asyncio
+async def test_lanes_of_one_client_share_the_boards_and_report_reads_when_idle(servers):
+    server = servers()
+    agent, client, local = await rank_client([server.address], ParallelConfig())
+    boards: dict = {}
+    writes, reads = DirectLane(client, boards), DirectLane(client, boards)
+    truth = _pages()
+    try:
+        local.buffer(0, PAGE)[:] = content(0)
+        assert await client.write(KEYS[:1], local, [0]) == 1  # meets the server's agent
+        assert await asyncio.to_thread(writes.write, KEYS, RunsCopier(truth)) == PAGES - 1
+        out = RunsCopier(torch.zeros_like(truth))
+        # The write lane's answered call mapped the board: the first read asks no server.
+        assert await asyncio.to_thread(reads.read, KEYS, out) == PAGES
+        assert torch.equal(out.pages, truth) and reads.board_reads == 1
+        # Nothing else is asked of the server: the reporter thread posts the read.
+        tier = await _tier_stats_when(client, server, lambda t: t["board_reads"] == 1)
+        assert tier["board_reads"] == 1 and tier["hit_pages"] == PAGES
+    finally:
+        writes.close()
+        reads.close()
+        await client.close()
+        await agent.close()

@@ -112,9 +112,11 @@ class RankTier:
             self._pool_arena = self.agent.register_tensor(self.mover.pool.kv_buffer)
         elif all(slot is not None for slot in self._slots):
             # Reads and writes on SGLang's threads (its prefetch and backup
-            # threads each a lane of their own, so neither waits on the other).
+            # threads each a lane of their own, so neither waits on the other);
+            # a client's two lanes share the servers' slot boards.
+            boards = [{} for _ in self.clients]
             self._lanes = {
-                name: [DirectLane(client) for client, _ in self.clients]
+                name: [DirectLane(c, b) for (c, _), b in zip(self.clients, boards, strict=True)]
                 for name in ("read", "write")
             }
         staging_rows = c.staging_rows(self.rect_bytes)
