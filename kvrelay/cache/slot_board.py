@@ -114,33 +114,45 @@ class SlotBoard:
         header[:] = [MAGIC, VERSION, num_slots, self.buckets, WAYS, KEY_BYTES]
         self.gens, self.keys, self.table = _views(self._map, num_slots, self.buckets)
         self.gens[:] = 1  # odd: nothing readable yet
+        # Element by element through memoryviews: a page's publish or withdraw
+        # is a few scalar stores, which numpy makes ten times dearer (every
+        # commit and eviction of the server pays them).
+        self._gens = memoryview(self.gens).cast("B").cast("Q")
+        self._table = memoryview(self.table).cast("B").cast("q")
+        self._keys = memoryview(self.keys).cast("B")
         self.size = size
         self.path = f"/proc/{os.getpid()}/fd/{self._fd}"
         self.full = 0  # pages left off for a full bucket
 
     def publish(self, key: bytes, slot: int) -> bool:
         """`key`'s sealed page is in `slot`; False where its bucket is full."""
-        row = self.table[_bucket(key, self.buckets - 1)]
-        free = np.flatnonzero(row == 0)
-        if not free.size or not self.gens[slot] & 1:
-            self.full += bool(not free.size)
+        if not self._gens[slot] & 1:
+            return False  # readable already
+        first = _bucket(key, self.buckets - 1) * WAYS
+        row = self._table[first : first + WAYS].tolist()
+        if 0 not in row:
+            self.full += 1
             return False
-        self.keys[slot] = np.frombuffer(key, np.uint8)
+        self._keys[slot * KEY_BYTES : (slot + 1) * KEY_BYTES] = key
         fence()  # the key before the generation that makes it readable
-        self.gens[slot] += 1
-        row[free[0]] = slot + 1
+        self._gens[slot] += 1
+        self._table[first + row.index(0)] = slot + 1
         return True
 
     def withdraw(self, key: bytes, slot: int) -> None:
         """`slot` no longer holds `key` sealed: readers of it from now on fail."""
-        if self.gens[slot] & 1:
+        if self._gens[slot] & 1:
             return  # never published (a reservation, a full bucket) or withdrawn
-        self.gens[slot] += 1
+        self._gens[slot] += 1
         fence()  # odd before the slot can be handed to a writer
-        row = self.table[_bucket(key, self.buckets - 1)]
-        row[row == slot + 1] = 0
+        first = _bucket(key, self.buckets - 1) * WAYS
+        row = self._table[first : first + WAYS].tolist()
+        if slot + 1 in row:
+            self._table[first + row.index(slot + 1)] = 0
 
     def close(self) -> None:
+        for view in (self._gens, self._table, self._keys):
+            view.release()
         self.gens = self.keys = self.table = None
         self._map.close()
         os.close(self._fd)
