@@ -293,13 +293,18 @@ class DirectLane:
 
     def _report_late(self) -> None:
         """The reporter thread's: reads of an engine gone quiet are reported
-        within about two TOUCH_DELAY_S too."""
+        within about two TOUCH_DELAY_S too; and a server whose board another
+        lane of the client mapped is connected here ahead of this lane's
+        first call to it (a connection is a round trip and a hello)."""
         while not self._closed.wait(TOUCH_DELAY_S):
-            if not self._touches or not self._lock.acquire(timeout=TOUCH_DELAY_S):
+            unmet = [s for s in list(self._boards) if s not in self._channels]
+            if not (self._touches or unmet) or not self._lock.acquire(timeout=TOUCH_DELAY_S):
                 continue
             try:
                 late = time.monotonic() - TOUCH_DELAY_S
                 self._report([s for s, (since, _) in self._touches.items() if since <= late])
+                for server in unmet:
+                    self._on_lane(server)
             finally:
                 self._lock.release()
 
