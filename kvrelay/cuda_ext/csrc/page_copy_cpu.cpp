@@ -3,6 +3,8 @@
 // layer is moved token by token (see copy_layer_rows in page_copy_cpu_rows.inc),
 // K rows then V rows, by the AVX2 build of the loops where the CPU has it.
 #include <algorithm>
+#include <atomic>
+#include <memory>
 #include <cstdlib>
 #include <cstring>
 #include <thread>
@@ -105,23 +107,35 @@ void copy_pages(const PageCopyParams& p) {
     copy_page_range<kGather>(p, 0, p.num_pages, stream);
     return;
   }
-  // Contiguous page ranges per thread; the caller's thread takes the first.
-  std::vector<std::thread> workers;
-  workers.reserve(threads - 1);
-  const int64_t per = p.num_pages / threads, extra = p.num_pages % threads;
-  int64_t begin = 0;
-  std::pair<int64_t, int64_t> mine{0, 0};
-  for (int64_t w = 0; w < threads; ++w) {
-    const int64_t end = begin + per + (w < extra ? 1 : 0);
-    if (w == 0) {
-      mine = {begin, end};
-    } else {
-      workers.emplace_back([&p, begin, end, stream] { copy_page_range<kGather>(p, begin, end, stream); });
+  // Pages go out in chunks through a shared counter, the caller's thread
+  // taking chunks too, and the caller waits only for chunks a worker took.
+  // A worker the OS has not run yet (the other core busy: a server, another
+  // thread) then takes none and is not waited for: joining it cost up to a
+  // scheduler tick (4 ms) on a 2-vCPU VM, for a copy of 1 ms. Workers are
+  // detached; the state they share outlives the call, and one that starts
+  // after the copy finds no chunk and touches nothing of the caller's.
+  struct Shared {
+    PageCopyParams params;
+    bool stream;
+    int64_t chunk, chunks;
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  shared->params = p;
+  shared->stream = stream;
+  shared->chunk = std::max<int64_t>(1, p.num_pages / (threads * 4));
+  shared->chunks = (p.num_pages + shared->chunk - 1) / shared->chunk;
+  auto work = [](Shared& s) {
+    for (int64_t c = s.next.fetch_add(1); c < s.chunks; c = s.next.fetch_add(1)) {
+      const int64_t begin = c * s.chunk;
+      copy_page_range<kGather>(s.params, begin, std::min(begin + s.chunk, s.params.num_pages),
+                               s.stream);
+      s.done.fetch_add(1, std::memory_order_release);
     }
-    begin = end;
-  }
-  copy_page_range<kGather>(p, mine.first, mine.second, stream);
-  for (auto& w : workers) w.join();
+  };
+  for (int64_t w = 1; w < threads; ++w) std::thread([shared, work] { work(*shared); }).detach();
+  work(*shared);
+  while (shared->done.load(std::memory_order_acquire) < shared->chunks) std::this_thread::yield();
 }
 
 }  // namespace
