@@ -2,6 +2,7 @@
 against a real cache server process, and the calls it leaves to the loop."""
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 
@@ -48,6 +49,29 @@ async def _tier_stats_when(client, server, ready, timeout_s: float = 10.0) -> di
         await asyncio.sleep(0.02)
 
 
+@contextlib.asynccontextmanager
+async def _lanes(servers, count: int = 1):
+    """A cache server process, a rank's client of it, and `count` lanes of
+    that client sharing their boards; everything closed after."""
+    server = servers()
+    agent, client, local = await rank_client([server.address], ParallelConfig())
+    boards: dict = {}
+    lanes = [DirectLane(client, boards) for _ in range(count)]
+    try:
+        yield server, client, local, lanes
+    finally:
+        for lane in lanes:
+            lane.close()
+        await client.close()
+        await agent.close()
+
+
+async def _meet(client, local) -> None:
+    """A first page written by the loop: the agent meets the server's."""
+    local.buffer(0, PAGE)[:] = content(0)
+    assert await client.write(KEYS[:1], local, [0]) == 1
+
+
 def _pages() -> torch.Tensor:
     return torch.stack([torch.frombuffer(bytearray(content(i)), dtype=torch.uint8)
                         for i in range(PAGES)])  # fmt: skip
@@ -55,11 +79,8 @@ def _pages() -> torch.Tensor:
 
 @pytest.mark.asyncio
 async def test_a_lane_moves_pages_on_the_callers_thread_once_the_agent_met_the_server(servers):
-    server = servers()
-    agent, client, local = await rank_client([server.address], ParallelConfig())
-    lane = DirectLane(client)
     truth = _pages()
-    try:
+    async with _lanes(servers) as (server, client, local, (lane,)):
         # Not met yet: the call is the loop's, and the lane reserved nothing.
         assert await asyncio.to_thread(lane.write, KEYS, RunsCopier(truth)) is None
         assert (await client.server_stats())[server.address]["tier"]["reserved_pages"] == 0
@@ -80,21 +101,13 @@ async def test_a_lane_moves_pages_on_the_callers_thread_once_the_agent_met_the_s
         # Every lease went back: a flush drops every page (a pinned one stays).
         assert (await client.admin_flush())[server.address]["dropped"] == PAGES
         assert await asyncio.to_thread(lane.read, KEYS, out) == 0
-    finally:
-        lane.close()
-        await client.close()
-        await agent.close()
 
 
 @pytest.mark.asyncio
 async def test_a_server_gone_or_write_back_leaves_the_call_to_the_loop(servers):
-    server = servers()
-    agent, client, local = await rank_client([server.address], ParallelConfig())
-    lane = DirectLane(client)
     truth = _pages()
-    try:
-        local.buffer(0, PAGE)[:] = content(0)
-        assert await client.write(KEYS[:1], local, [0]) == 1
+    async with _lanes(servers) as (server, client, local, (lane,)):
+        await _meet(client, local)
         assert await asyncio.to_thread(lane.read, KEYS[:1], RunsCopier(truth.clone())) == 1
         back = dataclasses.replace(client.config, write_policy=WritePolicy.WRITE_BACK)
         client.config = back
@@ -106,22 +119,14 @@ async def test_a_server_gone_or_write_back_leaves_the_call_to_the_loop(servers):
         assert await asyncio.to_thread(lane.read, KEYS, RunsCopier(truth.clone())) is None
         assert time.monotonic() - start < client.config.timeout_s
         assert lane.calls == 1
-    finally:
-        lane.close()
-        await client.close()
-        await agent.close()
 
 
 @pytest.mark.asyncio
 async def test_a_board_read_whose_slots_change_under_it_asks_the_server(servers):
-    server = servers()
-    agent, client, local = await rank_client([server.address], ParallelConfig())
-    lane = DirectLane(client)
     truth = _pages()
     loop = asyncio.get_running_loop()
-    try:
-        local.buffer(0, PAGE)[:] = content(0)
-        assert await client.write(KEYS[:1], local, [0]) == 1  # meets the server's agent
+    async with _lanes(servers) as (server, client, local, (lane,)):
+        await _meet(client, local)
         assert await asyncio.to_thread(lane.write, KEYS, RunsCopier(truth)) == PAGES - 1
 
         def flush() -> None:  # every slot withdrawn while the lane copies out of them
@@ -138,22 +143,13 @@ async def test_a_board_read_whose_slots_change_under_it_asks_the_server(servers)
         out = RunsCopier(torch.zeros_like(truth))
         assert await asyncio.to_thread(lane.read, KEYS, out) == PAGES
         assert torch.equal(out.pages, truth) and lane.board_reads == 1
-    finally:
-        lane.close()
-        await client.close()
-        await agent.close()
 
 
 @pytest.mark.asyncio
 async def test_lanes_of_one_client_share_the_boards_and_report_reads_when_idle(servers):
-    server = servers()
-    agent, client, local = await rank_client([server.address], ParallelConfig())
-    boards: dict = {}
-    writes, reads = DirectLane(client, boards), DirectLane(client, boards)
     truth = _pages()
-    try:
-        local.buffer(0, PAGE)[:] = content(0)
-        assert await client.write(KEYS[:1], local, [0]) == 1  # meets the server's agent
+    async with _lanes(servers, 2) as (server, client, local, (writes, reads)):
+        await _meet(client, local)
         assert await asyncio.to_thread(writes.write, KEYS, RunsCopier(truth)) == PAGES - 1
         out = RunsCopier(torch.zeros_like(truth))
         # The write lane's answered call mapped the board: the first read asks no server.
@@ -162,8 +158,3 @@ async def test_lanes_of_one_client_share_the_boards_and_report_reads_when_idle(s
         # Nothing else is asked of the server: the reporter thread posts the read.
         tier = await _tier_stats_when(client, server, lambda t: t["board_reads"] == 1)
         assert tier["board_reads"] == 1 and tier["hit_pages"] == PAGES
-    finally:
-        writes.close()
-        reads.close()
-        await client.close()
-        await agent.close()
