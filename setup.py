@@ -120,7 +120,7 @@ def run_copy_extension():
     """The same-host fast path's batch copier: plain CPython, no torch, no UCX."""
     return Extension(
         "kvrelay.transfer._runcopy",
-        [str(UCX_CSRC / "run_copy.cpp")],
+        [str(UCX_CSRC / "run_copy.cpp"), str(UCX_CSRC / "slot_board_ops.cpp")],
         extra_compile_args={"cxx": ["-O3", "-std=c++17", "-Wall"]},
     )
 

@@ -98,6 +98,13 @@ def _write(rank, truth, keys, mla) -> list[bool]:
     return backend.batch_set_v1(keys, indices)
 
 
+def _pool_holds(pool, indices, expected, why) -> None:
+    """Every page of the call, read out of the host pool, is `expected`'s."""
+    for i in range(PAGES):
+        got = read_page(pool, int(indices[i * PAGE])).view(torch.int16)
+        assert torch.equal(got, expected[i].view(torch.int16)), (why, i)
+
+
 def _read_and_check(rank, truth, keys, mla) -> None:
     backend, pool, heads, layers = rank
     assert backend.batch_exists(keys) == len(keys)
@@ -178,17 +185,13 @@ def test_calls_of_several_chunks_stop_at_a_miss_and_are_exact(cache_servers, ope
     assert _write(writer, truth[3:], keys[3:], False) == [True] * 2
     indices = _host_indices(pool, PAGES)
     assert backend.batch_get_v1(keys, indices) == [True] * PAGES
-    for i in range(PAGES):
-        got = read_page(pool, int(indices[i * PAGE])).view(torch.int16)
-        assert torch.equal(got, expected[i].view(torch.int16)), (layout, i)
+    _pool_holds(pool, indices, expected, layout)
     # Every server holding these pages is mapped now: page_first's next calls
     # run on the calling thread (`DirectLane`), page_head's never.
     before, wrote = backend.get_stats().kvrelay, writer[0].get_stats().kvrelay
     pool.kv_buffer.fill_(7)
     assert backend.batch_get_v1(keys, indices) == [True] * PAGES
-    for i in range(PAGES):
-        got = read_page(pool, int(indices[i * PAGE])).view(torch.int16)
-        assert torch.equal(got, expected[i].view(torch.int16)), (layout, i)
+    _pool_holds(pool, indices, expected, layout)
     assert _write(writer, truth, keys, False) == [True] * PAGES  # all sealed: nothing moves
     stats = backend.get_stats().kvrelay
     assert stats["caller_calls"] == before["caller_calls"] + direct and stats["errors"] == 0
@@ -197,9 +200,7 @@ def test_calls_of_several_chunks_stop_at_a_miss_and_are_exact(cache_servers, ope
     # The lanes' calls met the servers' slot boards: the next get asks no server.
     pool.kv_buffer.fill_(7)
     assert backend.batch_get_v1(keys, indices) == [True] * PAGES
-    for i in range(PAGES):
-        got = read_page(pool, int(indices[i * PAGE])).view(torch.int16)
-        assert torch.equal(got, expected[i].view(torch.int16)), (layout, i)
+    _pool_holds(pool, indices, expected, layout)
     after = backend.get_stats().kvrelay
     assert after["board_reads"] == stats["board_reads"] + direct
     assert after["caller_calls"] == stats["caller_calls"] + direct
@@ -338,9 +339,7 @@ def test_pages_a_lookup_pulled_are_read_on_the_callers_thread(cache_servers, ope
     finally:
         backend._loop.run = loop_run
     expected = _share(truth, False, reader[2], reader[3])
-    for i in range(PAGES):
-        got = read_page(reader[1], int(indices[i * PAGE]))
-        assert torch.equal(got.view(torch.int16), expected[i].view(torch.int16)), i
+    _pool_holds(reader[1], indices, expected, "read ahead")
     # A later lookup takes the rows over: the pages are read from the servers.
     ahead = backend.tier.ahead
     backend.batch_exists(env.sglang_keys(_tokens(4), PAGE) * (ahead.capacity // PAGES))
@@ -370,9 +369,7 @@ def test_without_the_fast_path_token_layouts_go_through_staging_rows(cache_serve
     backend, pool = ranks[1][0], ranks[1][1]
     indices = _host_indices(pool, PAGES)
     assert backend.batch_get_v1(keys, indices) == [True] * PAGES  # no lookup first
-    for i in range(PAGES):
-        got = read_page(pool, int(indices[i * PAGE]))
-        assert torch.equal(got.view(torch.int16), truth[i].view(torch.int16)), i
+    _pool_holds(pool, indices, truth, "staged")
     for rank in ranks:
         stats = rank[0].get_stats().kvrelay
         assert stats["direct_pages"] == 0 and stats["errors"] == 0
