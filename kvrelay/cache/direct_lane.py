@@ -15,7 +15,8 @@ bounds).
 A read whose every page is on its servers' slot boards (`slot_board`, a
 server's shared-memory map of which slot holds which sealed page) asks no
 server at all: the lane finds the slots there, copies, checks that no slot
-changed meanwhile, and posts a `Touch` so that the read counts as a use.
+changed meanwhile, and reports the read (`Touch`, with its next request to
+that server or within about a second) so that it counts as a use.
 The board is used once an answered call has shown that the server's arena
 is mapped here and the namespace is the client's.
 
@@ -104,7 +105,7 @@ def handle_slots(handle: BlockHandle, client: CacheClient) -> np.ndarray:
 class _Board:
     welcome: CacheWelcome  # the server's welcome it came with (another: not that server)
     reader: BoardReader | None  # None: the server keeps none this lane can use
-    mapped: RemoteMapping | None  # the server's arena, as the agent mapped it
+    mapped: RemoteMapping  # the server's arena, as the agent mapped it
 
 
 class _OffLane(Exception):
@@ -123,14 +124,14 @@ class DirectLane:
         self._boards: dict[str, _Board] = {} if boards is None else boards
         # server -> (monotonic time of the oldest, keys read off its board, unreported)
         self._touches: dict[str, tuple[float, list[bytes]]] = {}
+        self._lock = threading.Lock()
+        self.calls = 0  # calls made here, to the end
+        self.board_reads = 0  # of which reads that asked no server
         self._closed = threading.Event()
         # Here, not at the first read: a start waits for the thread (0.5 ms on a small VM).
         self._reporter = threading.Thread(target=self._report_late, daemon=True,
                                           name="kvrelay-board-touches")  # fmt: skip
         self._reporter.start()
-        self._lock = threading.Lock()
-        self.calls = 0  # calls made here, to the end
-        self.board_reads = 0  # of which reads that asked no server
 
     def read(self, keys: Sequence[bytes], copier: SlotCopier) -> int | None:
         """Copy the longest cached prefix of `keys` out of the servers' slots;
