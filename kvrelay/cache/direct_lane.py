@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from kvrelay.cache.policy import WritePolicy
-from kvrelay.cache.slot_board import BoardError, BoardReader
+from kvrelay.cache.slot_board import BOARD_SAFE, BoardError, BoardReader
 from kvrelay.cache.tenants import tenant_keys
 from kvrelay.layout import ring_prefix
 from kvrelay.rpc import Unavailable
@@ -278,7 +278,8 @@ class DirectLane:
             return
         reader = None
         with contextlib.suppress(OSError, BoardError):  # not mappable: every read asks
-            reader = BoardReader(welcome.board, welcome.board_bytes) if welcome.board else None
+            usable = welcome.board and BOARD_SAFE  # a reader must order its loads too
+            reader = BoardReader(welcome.board, welcome.board_bytes) if usable else None
         if reader is not None and reader.num_slots * self.client.slot_bytes > mapped.size:
             reader.close()
             reader = None
