@@ -87,6 +87,18 @@ class SyncChannel:
         except Unavailable:
             return False
 
+    def settle(self) -> None:
+        """Read the answers of the posted requests now (the server has then
+        handled them); a failure closes the socket, as in `call`."""
+        deadline = time.monotonic() + self.timeout_s
+        with contextlib.suppress(Unavailable), self._held(deadline):
+            if self._sock is None:
+                return
+            try:
+                self._drain_posted(self._sock, deadline)
+            except (RpcError, OSError):
+                self.close()
+
     def close(self) -> None:
         self._posted.clear()  # their replies went with the socket
         if self._sock is not None:

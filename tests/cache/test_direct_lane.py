@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from kvrelay.cache.direct_lane import DirectLane
+from kvrelay.cache.direct_lane import DirectLane, LaneShare
 from kvrelay.cache.policy import WritePolicy
 from kvrelay.layout import ParallelConfig
 from tests.cache.server_process import PAGE
@@ -52,11 +52,11 @@ async def _tier_stats_when(client, server, ready, timeout_s: float = 10.0) -> di
 @contextlib.asynccontextmanager
 async def _lanes(servers, count: int = 1):
     """A cache server process, a rank's client of it, and `count` lanes of
-    that client sharing their boards; everything closed after."""
+    that client sharing their boards and posted commits; everything closed after."""
     server = servers()
     agent, client, local = await rank_client([server.address], ParallelConfig())
-    boards: dict = {}
-    lanes = [DirectLane(client, boards) for _ in range(count)]
+    share = LaneShare()
+    lanes = [DirectLane(client, share) for _ in range(count)]
     try:
         yield server, client, local, lanes
     finally:
@@ -151,10 +151,13 @@ async def test_lanes_of_one_client_share_the_boards_and_report_reads_when_idle(s
     async with _lanes(servers, 2) as (server, client, local, (writes, reads)):
         await _meet(client, local)
         assert await asyncio.to_thread(writes.write, KEYS, RunsCopier(truth)) == PAGES - 1
+        # The write's commit was posted; the other lane's read takes its answer first.
+        assert set(writes.share.unsettled) == {server.address}
         out = RunsCopier(torch.zeros_like(truth))
         # The write lane's answered call mapped the board: the first read asks no server.
         assert await asyncio.to_thread(reads.read, KEYS, out) == PAGES
         assert torch.equal(out.pages, truth) and reads.board_reads == 1
+        assert not reads.share.unsettled
         # Nothing else is asked of the server: the reporter thread posts the read.
         tier = await _tier_stats_when(client, server, lambda t: t["board_reads"] == 1)
         assert tier["board_reads"] == 1 and tier["hit_pages"] == PAGES

@@ -103,8 +103,14 @@ DTYPES = {
 }
 
 
-def random_pool(gen, num_slots, heads, dim, dtype, layers):
-    """Per-layer [num_slots, heads, dim] tensors of random bits (any dtype, NaNs included)."""
+def random_pool(gen, num_slots, heads, dim, dtype, layers, layers_in_slot=False):
+    """Per-layer [num_slots, heads, dim] tensors of random bits (any dtype, NaNs
+    included); `layers_in_slot`: views of one [num_slots, layers, heads, dim]
+    buffer, a slot holding every layer's rows of its token (SGLang's page_first)."""
+    if layers_in_slot:
+        shape = (num_slots, layers, heads, dim * dtype.itemsize)
+        buffer = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).view(dtype)
+        return [buffer[:, layer] for layer in range(layers)]
     shape = (num_slots, heads, dim * dtype.itemsize)
     return [
         torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).view(dtype)

@@ -72,6 +72,7 @@ def make_case(
     v_dim=8,
     layers=3,
     rect="full",
+    layers_in_slot=False,
 ):
     gen = torch.Generator().manual_seed(seed)
     num_tokens = num_tokens or 3 * page_size - 5  # a partial last page
@@ -79,8 +80,10 @@ def make_case(
     num_slots = engine_pages * engine_page
     block_table = torch.randperm(engine_pages, generator=gen)
     slots = slot_mapping_from_block_table(block_table, engine_page, num_tokens, page_size)
-    k = random_pool(gen, num_slots, pool_heads, k_dim, dtype, layers)
-    v = random_pool(gen, num_slots, pool_heads, v_dim, dtype, layers) if v_dim else []
+    k = random_pool(gen, num_slots, pool_heads, k_dim, dtype, layers, layers_in_slot)
+    v = []
+    if v_dim:
+        v = random_pool(gen, num_slots, pool_heads, v_dim, dtype, layers, layers_in_slot)
     num_pages = slots.size(0)
     arena_pages = num_pages + 4
     page_ids = torch.randperm(arena_pages, generator=gen)[:num_pages]
@@ -161,6 +164,26 @@ def test_k_and_v_head_dims_may_differ_and_rows_of_odd_size(impl):
     check_scatter(impl, case)
 
 
+@pytest.mark.parametrize("impl", IMPL_NAMES)
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {},
+        {"rect": "partial"},
+        {"pool_heads": 1, "k_dim": 576, "v_dim": 0},  # MLA
+        {"k_dim": 24, "v_dim": 8},  # K and V rows of other sizes
+        {"engine_page": 1, "page_size": 64, "layers": 5},
+    ],
+    ids=["full", "partial", "mla", "k_not_v", "scattered_slots"],
+)
+def test_pools_holding_every_layer_in_a_slot(impl, shape):
+    """SGLang's page_first pools ([slot][layer][head] rows), which gather
+    moves token by token over every layer."""
+    case = make_case(17, torch.bfloat16, **{"engine_page": 16, **shape}, layers_in_slot=True)
+    check_gather(impl, case)
+    check_scatter(impl, case)
+
+
 @pytest.mark.parametrize("impl", ["cpp", "dispatch", CUDA])
 def test_more_layers_than_one_launch(impl):
     # kMaxLayersPerLaunch is 128: the compiled op splits the call in chunks.
@@ -217,8 +240,9 @@ def test_slot_mapping_from_block_table():
         slot_mapping_from_block_table(table[:2], 4, 10, 8)
 
 
+@pytest.mark.parametrize("layers_in_slot", [False, True])
 @pytest.mark.parametrize("k_dim", [128, 100])  # 100 bf16 = 200-byte rows: no streaming stores
-def test_large_call_takes_the_threaded_and_streaming_paths(k_dim):
+def test_large_call_takes_the_threaded_and_streaming_paths(k_dim, layers_in_slot):
     """Over 16 MiB the compiled op splits pages over threads and streams its stores."""
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -233,6 +257,7 @@ def test_large_call_takes_the_threaded_and_streaming_paths(k_dim):
             k_dim=k_dim,
             v_dim=128,
             layers=4,
+            layers_in_slot=layers_in_slot,
         )
         assert case.page_bytes() * case.slots.size(0) > 16 << 20
         check_gather("dispatch", case)

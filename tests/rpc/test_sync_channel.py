@@ -28,9 +28,20 @@ async def test_calls_and_posts_stay_paired_and_refusals_are_unavailable():
         with pytest.raises(rpc.Unavailable, match="refused"):
             await call(channel.call, Echo("fail"), Echoed)
         assert (await call(channel.call, Echo("d"), Echoed)).text == "d"  # still connected
+        # settle: the posted requests' answers read now, so the server handled them.
+        assert await call(channel.post, Echo("slow", sleep_s=0.2), Echoed)
+        assert await call(channel.post, Echo("fail"), Echoed)
+        start = time.monotonic()
+        await call(channel.settle)
+        assert time.monotonic() - start >= 0.15
+        start = time.monotonic()
+        await call(channel.settle)  # nothing posted: nothing to wait for
+        assert time.monotonic() - start < 0.1
+        assert (await call(channel.call, Echo("e"), Echoed)).text == "e"  # still paired
     finally:
         channel.close()
         await server.close()
+    await call(channel.settle)  # a closed channel: nothing to read
 
 
 @pytest.mark.asyncio

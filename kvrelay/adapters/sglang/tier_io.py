@@ -27,7 +27,7 @@ from kvrelay.adapters.sglang.pool_io import PoolMover
 from kvrelay.adapters.sglang.pool_pages import PoolChunk, PoolPages, SlotGeometry
 from kvrelay.adapters.sglang.read_ahead import ReadAhead
 from kvrelay.cache.client import CacheClient, CacheClientConfig
-from kvrelay.cache.direct_lane import DirectLane
+from kvrelay.cache.direct_lane import DirectLane, LaneShare
 from kvrelay.layout import ModelKVSpec, Rectangle
 from kvrelay.transfer import create_agent
 
@@ -91,6 +91,7 @@ class RankTier:
         # while no copy out of it runs.
         self._ahead_rows = threading.Lock()
         self._lanes: dict[str, list[DirectLane]] | None = None
+        self._shares: list[LaneShare] = []  # one per client, its lanes'
 
     async def start(self) -> RankTier:
         c = self.config
@@ -113,12 +114,14 @@ class RankTier:
         elif all(slot is not None for slot in self._slots):
             # Reads and writes on SGLang's threads (its prefetch and backup
             # threads each a lane of their own, so neither waits on the other);
-            # a client's two lanes share the servers' slot boards.
-            boards = [{} for _ in self.clients]
+            # a client's two lanes share the servers' slot boards and the
+            # commits the write lane posted.
+            self._shares = [LaneShare() for _ in self.clients]
             self._lanes = {
-                name: [DirectLane(c, b) for (c, _), b in zip(self.clients, boards, strict=True)]
+                name: [DirectLane(c, share)
+                       for (c, _), share in zip(self.clients, self._shares, strict=True)]
                 for name in ("read", "write")
-            }
+            }  # fmt: skip
         staging_rows = c.staging_rows(self.rect_bytes)
         for name in ("read", "write"):
             arena = self.agent.allocate_arena(staging_rows * self.rect_bytes)
@@ -145,10 +148,17 @@ class RankTier:
     def _errors(self) -> int:
         return sum(client.stats.errors for client, _ in self.clients)
 
+    def settle(self) -> None:
+        """The commits the write lanes posted, answered: what this rank wrote
+        is sealed before the loop reads or flushes (`LaneShare.settle`)."""
+        for share in self._shares:
+            share.settle()
+
     # -- lookups ----------------------------------------------------------------
     async def exists(self, keys: Sequence[bytes]) -> int:
         """Sealed prefix: a page counts once every rectangle of it is in. With a
         read-ahead arena the prefix's rectangles are pulled into it as well."""
+        self.settle()
         self.stats.exists_calls += 1
         before = self._errors()
         if self.ahead is None or len(keys) > self.ahead.capacity:
@@ -238,6 +248,7 @@ class RankTier:
 
     async def read_pool(self, keys: Sequence[bytes], host_indices: torch.Tensor) -> int:
         """Bring the longest cached prefix of `keys` into the host pool; return its length."""
+        self.settle()
         if self.mover.zero_copy:
             pages = self.mover.page_numbers(host_indices, len(keys))
             return await self._count_read(
@@ -266,6 +277,7 @@ class RankTier:
         self, keys: Sequence[bytes], consume: Callable[[torch.Tensor, int, int], None]
     ) -> int:
         """Read through the staging arena; `consume(rows, start, n)` takes each chunk's hits."""
+        self.settle()
         arena, rows, lock = self._staging["read"]
         total = 0
         async with lock:
@@ -341,6 +353,7 @@ class RankTier:
 
     async def clear(self) -> None:
         """Drop this model namespace's pages from every server (and from the read-ahead)."""
+        self.settle()  # a commit answered after the flush would seal its pages again
         if self.ahead is not None:
             with self._ahead_rows:
                 self.ahead.forget()

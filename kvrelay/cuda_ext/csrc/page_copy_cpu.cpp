@@ -1,7 +1,9 @@
 // CPU gather/scatter between an engine's paged KV pool and unified page
 // objects. Pages are split over `cpu_threads` threads; within a page each
 // layer is moved token by token (see copy_layer_rows in page_copy_cpu_rows.inc),
-// K rows then V rows, by the AVX2 build of the loops where the CPU has it.
+// K rows then V rows, or, gathering from a pool whose slot holds every layer
+// of its token, token by token over every layer (copy_page_tokens); by the
+// AVX2 build of the loops where the CPU has it.
 #include <algorithm>
 #include <atomic>
 #include <memory>
@@ -90,11 +92,30 @@ bool use_avx2_loops() {
 #endif
 }
 
+// Whether every layer's rows of a token lie within its slot (SGLang's
+// page_first pools): then gather moves pages token by token.
+bool layers_in_slot(const PageCopyParams& p) {
+  if (p.num_layers < 2) return false;
+  for (int64_t l = 1; l < p.num_layers; ++l) {
+    const int64_t k_gap = p.k_layers[l] - p.k_layers[l - 1];
+    if (k_gap <= 0 || k_gap >= p.k_slot_stride) return false;
+    if (p.v_row_bytes == 0) continue;
+    const int64_t v_gap = p.v_layers[l] - p.v_layers[l - 1];
+    if (v_gap <= 0 || v_gap >= p.v_slot_stride) return false;
+  }
+  return true;
+}
+
 template <bool kGather>
 void copy_page_range(const PageCopyParams& p, int64_t begin, int64_t end, bool stream) {
+  const bool tokens = kGather && layers_in_slot(p);
 #if defined(KVRELAY_HAVE_AVX2_LOOPS)
-  if (use_avx2_loops()) return avx2::copy_page_range<kGather>(p, begin, end, stream);
+  if (use_avx2_loops()) {
+    if (tokens) return avx2::copy_page_range_tokens<kGather>(p, begin, end, stream);
+    return avx2::copy_page_range<kGather>(p, begin, end, stream);
+  }
 #endif
+  if (tokens) return baseline::copy_page_range_tokens<kGather>(p, begin, end, stream);
   baseline::copy_page_range<kGather>(p, begin, end, stream);
 }
 
