@@ -21,10 +21,10 @@ The board is used once an answered call has shown that the server's arena
 is mapped here and the namespace is the client's.
 
 A write's commit is posted, not waited for (its server seals the pages
-while the caller goes on: 0.4-0.7 ms a call here); every read of the
-client's lanes, and of its loop where the caller asks (`LaneShare.settle`),
-first takes the answers of the commits posted to its servers, so a
-client reads what it wrote.
+while the caller goes on: 0.4-0.7 ms a call here); a read of the client's
+lanes that does not find every page on the boards, and a read of its loop
+where the caller asks (`LaneShare.settle`), first takes the answers of the
+commits posted to its servers, so a client reads what it wrote.
 
 A lane answers None where it cannot make the call (a server not met yet or
 on another host, one down, a chain longer than the server can pin at once,
@@ -128,14 +128,15 @@ class LaneShare:
         with self.lock:
             self.unsettled.setdefault(server, set()).add(channel)
 
-    def settle(self, servers=None) -> None:
+    def settle(self, servers=None) -> bool:
         """Take the answers of the commits posted to `servers` (all: None):
-        once answered, a server has sealed their pages."""
+        once answered, a server has sealed their pages. Whether any was posted."""
         with self.lock:
             chosen = list(self.unsettled) if servers is None else servers
             channels = {ch for s in chosen for ch in self.unsettled.pop(s, ())}
         for channel in channels:
             channel.settle()  # a failure closes the socket: the server has what it read
+        return bool(channels)
 
 
 class _OffLane(Exception):
@@ -209,8 +210,11 @@ class DirectLane:
 
     def _read(self, ring, keys, groups, copier, leases) -> int:
         c = self.client
-        self.share.settle(list(groups))  # what this client wrote is sealed
-        if self._board_read(keys, groups, copier):
+        # Every page on the boards is sealed, whatever commits are unanswered;
+        # a miss may be this client's own write whose commit is on its way.
+        if self._board_read(keys, groups, copier) or (
+            self.share.settle(list(groups)) and self._board_read(keys, groups, copier)
+        ):
             return len(keys)
         answers = {}
         for server, positions in groups.items():

@@ -12,6 +12,7 @@ import torch
 from kvrelay.cache.direct_lane import DirectLane, LaneShare
 from kvrelay.cache.policy import WritePolicy
 from kvrelay.layout import ParallelConfig
+from kvrelay.rpc.cache_ops import Commit
 from tests.cache.server_process import PAGE
 from tests.cache.specs import SPEC
 from tests.cache.test_server import KEYS, PAGES, content, rank_client
@@ -151,13 +152,41 @@ async def test_lanes_of_one_client_share_the_boards_and_report_reads_when_idle(s
     async with _lanes(servers, 2) as (server, client, local, (writes, reads)):
         await _meet(client, local)
         assert await asyncio.to_thread(writes.write, KEYS, RunsCopier(truth)) == PAGES - 1
-        # The write's commit was posted; the other lane's read takes its answer first.
+        # The write's commit was posted; the other lane's read finds the pages
+        # on the board (sealed), or takes the commit's answer and looks again.
         assert set(writes.share.unsettled) == {server.address}
         out = RunsCopier(torch.zeros_like(truth))
         # The write lane's answered call mapped the board: the first read asks no server.
         assert await asyncio.to_thread(reads.read, KEYS, out) == PAGES
         assert torch.equal(out.pages, truth) and reads.board_reads == 1
-        assert not reads.share.unsettled
         # Nothing else is asked of the server: the reporter thread posts the read.
         tier = await _tier_stats_when(client, server, lambda t: t["board_reads"] == 1)
         assert tier["board_reads"] == 1 and tier["hit_pages"] == PAGES
+
+
+@pytest.mark.asyncio
+async def test_a_read_missing_the_clients_own_write_takes_its_commits_answer_first(servers):
+    truth = _pages()
+    async with _lanes(servers, 2) as (server, client, local, (writes, reads)):
+        await _meet(client, local)
+        assert await asyncio.to_thread(writes._on_lane, server.address)
+        channel = writes._channels[server.address]
+        held, post, settle = [], channel.post, channel.settle
+
+        def post_later(request, reply) -> bool:  # a server slow to read the commit
+            if isinstance(request, Commit):
+                held.append((request, reply))
+                return True
+            return post(request, reply)
+
+        def settle_now() -> None:
+            while held:
+                channel.call(*held.pop())
+            settle()
+
+        channel.post, channel.settle = post_later, settle_now
+        assert await asyncio.to_thread(writes.write, KEYS, RunsCopier(truth)) == PAGES - 1
+        assert held  # not sealed yet: the board has only the first page
+        out = RunsCopier(torch.zeros_like(truth))
+        assert await asyncio.to_thread(reads.read, KEYS, out) == PAGES
+        assert torch.equal(out.pages, truth) and not held and reads.board_reads == 1
