@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from kvrelay.cache import direct_lane
 from kvrelay.cache.direct_lane import DirectLane, LaneShare
 from kvrelay.cache.policy import WritePolicy
 from kvrelay.layout import ParallelConfig
@@ -147,7 +148,10 @@ async def test_a_board_read_whose_slots_change_under_it_asks_the_server(servers)
 
 
 @pytest.mark.asyncio
-async def test_lanes_of_one_client_share_the_boards_and_report_reads_when_idle(servers):
+async def test_lanes_of_one_client_share_the_boards_and_report_reads_when_idle(
+    servers, monkeypatch
+):
+    monkeypatch.setattr(direct_lane, "POST_COMMIT_BYTES", 0)  # every commit posted
     truth = _pages()
     async with _lanes(servers, 2) as (server, client, local, (writes, reads)):
         await _meet(client, local)
@@ -165,7 +169,10 @@ async def test_lanes_of_one_client_share_the_boards_and_report_reads_when_idle(s
 
 
 @pytest.mark.asyncio
-async def test_a_read_missing_the_clients_own_write_takes_its_commits_answer_first(servers):
+async def test_a_read_missing_the_clients_own_write_takes_its_commits_answer_first(
+    servers, monkeypatch
+):
+    monkeypatch.setattr(direct_lane, "POST_COMMIT_BYTES", 0)  # every commit posted
     truth = _pages()
     async with _lanes(servers, 2) as (server, client, local, (writes, reads)):
         await _meet(client, local)
