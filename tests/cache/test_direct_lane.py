@@ -51,6 +51,12 @@ async def _tier_stats_when(client, server, ready, timeout_s: float = 10.0) -> di
         await asyncio.sleep(0.02)
 
 
+@pytest.fixture
+def every_commit_posted(monkeypatch):
+    """Lanes post every write's commit (not only 16 MiB and more)."""
+    monkeypatch.setattr(direct_lane, "POST_COMMIT_BYTES", 0)
+
+
 @contextlib.asynccontextmanager
 async def _lanes(servers, count: int = 1):
     """A cache server process, a rank's client of it, and `count` lanes of
@@ -149,9 +155,8 @@ async def test_a_board_read_whose_slots_change_under_it_asks_the_server(servers)
 
 @pytest.mark.asyncio
 async def test_lanes_of_one_client_share_the_boards_and_report_reads_when_idle(
-    servers, monkeypatch
+    servers, every_commit_posted
 ):
-    monkeypatch.setattr(direct_lane, "POST_COMMIT_BYTES", 0)  # every commit posted
     truth = _pages()
     async with _lanes(servers, 2) as (server, client, local, (writes, reads)):
         await _meet(client, local)
@@ -170,9 +175,8 @@ async def test_lanes_of_one_client_share_the_boards_and_report_reads_when_idle(
 
 @pytest.mark.asyncio
 async def test_a_read_missing_the_clients_own_write_takes_its_commits_answer_first(
-    servers, monkeypatch
+    servers, every_commit_posted
 ):
-    monkeypatch.setattr(direct_lane, "POST_COMMIT_BYTES", 0)  # every commit posted
     truth = _pages()
     async with _lanes(servers, 2) as (server, client, local, (writes, reads)):
         await _meet(client, local)

@@ -91,7 +91,6 @@ class RankTier:
         # while no copy out of it runs.
         self._ahead_rows = threading.Lock()
         self._lanes: dict[str, list[DirectLane]] | None = None
-        self._shares: list[LaneShare] = []  # one per client, its lanes'
 
     async def start(self) -> RankTier:
         c = self.config
@@ -116,10 +115,10 @@ class RankTier:
             # threads each a lane of their own, so neither waits on the other);
             # a client's two lanes share the servers' slot boards and the
             # commits the write lane posted.
-            self._shares = [LaneShare() for _ in self.clients]
+            shares = [LaneShare() for _ in self.clients]
             self._lanes = {
                 name: [DirectLane(c, share)
-                       for (c, _), share in zip(self.clients, self._shares, strict=True)]
+                       for (c, _), share in zip(self.clients, shares, strict=True)]
                 for name in ("read", "write")
             }  # fmt: skip
         staging_rows = c.staging_rows(self.rect_bytes)
@@ -151,8 +150,8 @@ class RankTier:
     def settle(self) -> None:
         """The commits the write lanes posted, answered: what this rank wrote
         is sealed before the loop reads or flushes (`LaneShare.settle`)."""
-        for share in self._shares:
-            share.settle()
+        for lane in (self._lanes or {}).get("write", ()):
+            lane.share.settle()
 
     # -- lookups ----------------------------------------------------------------
     async def exists(self, keys: Sequence[bytes]) -> int:

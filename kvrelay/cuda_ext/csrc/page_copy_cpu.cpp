@@ -106,9 +106,10 @@ bool layers_in_slot(const PageCopyParams& p) {
   return true;
 }
 
+// `tokens`: token by token over every layer (`layers_in_slot`, gather only).
 template <bool kGather>
-void copy_page_range(const PageCopyParams& p, int64_t begin, int64_t end, bool stream) {
-  const bool tokens = kGather && layers_in_slot(p);
+void copy_page_range(const PageCopyParams& p, int64_t begin, int64_t end, bool stream,
+                     bool tokens) {
 #if defined(KVRELAY_HAVE_AVX2_LOOPS)
   if (use_avx2_loops()) {
     if (tokens) return avx2::copy_page_range_tokens<kGather>(p, begin, end, stream);
@@ -123,9 +124,10 @@ template <bool kGather>
 void copy_pages(const PageCopyParams& p) {
   if (p.num_pages == 0 || p.num_layers == 0 || p.num_heads == 0) return;
   const bool stream = can_stream(p, kGather);
+  const bool tokens = kGather && layers_in_slot(p);
   const int64_t threads = std::max<int64_t>(1, std::min(p.cpu_threads, p.num_pages));
   if (threads == 1) {
-    copy_page_range<kGather>(p, 0, p.num_pages, stream);
+    copy_page_range<kGather>(p, 0, p.num_pages, stream, tokens);
     return;
   }
   // Pages go out in chunks through a shared counter, the caller's thread
@@ -137,20 +139,21 @@ void copy_pages(const PageCopyParams& p) {
   // after the copy finds no chunk and touches nothing of the caller's.
   struct Shared {
     PageCopyParams params;
-    bool stream;
+    bool stream, tokens;
     int64_t chunk, chunks;
     std::atomic<int64_t> next{0}, done{0};
   };
   auto shared = std::make_shared<Shared>();
   shared->params = p;
   shared->stream = stream;
+  shared->tokens = tokens;
   shared->chunk = std::max<int64_t>(1, p.num_pages / (threads * 4));
   shared->chunks = (p.num_pages + shared->chunk - 1) / shared->chunk;
   auto work = [](Shared& s) {
     for (int64_t c = s.next.fetch_add(1); c < s.chunks; c = s.next.fetch_add(1)) {
       const int64_t begin = c * s.chunk;
       copy_page_range<kGather>(s.params, begin, std::min(begin + s.chunk, s.params.num_pages),
-                               s.stream);
+                               s.stream, s.tokens);
       s.done.fetch_add(1, std::memory_order_release);
     }
   };
